@@ -1,0 +1,124 @@
+"""Token proposals for still-masked positions: one candidate token per row plus the confidences policies need.
+
+`propose` is a pure tensor function: logits in, a `Proposal` out; no model, no request objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax); top_k / top_p are then ignored
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest prefix of the sorted distribution with mass >= top_p; 1 = off
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Proposal:
+    """Candidate token per row and statistics of the processed distribution it came from (all [M])."""
+
+    tokens: Tensor  # long: proposed token x0
+    probs: Tensor  # float32: p(x0) under the processed distribution (greedy: softmax max)
+    entropy: Tensor  # float32: entropy of the processed distribution, in nats
+    margin: Tensor  # float32: p1 - p2 of the processed distribution
+    logprobs: Tensor  # float32: log p(x0), computed in log space (no underflow to -inf)
+
+
+def propose(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Proposal:
+    """Propose one token per row of `logits` [M, V].
+
+    Steps:
+      1. Cast to float32 (no copy when already float32).
+      2. Greedy (temperature 0): x0 = argmax(logits); statistics of softmax(logits). top-k/top-p cannot change
+         the argmax and are ignored, so confidences are those of the full softmax (as LLaDA, Fast-dLLM and LLaDA2 do;
+         Dream would renormalise over the top-p set first).
+      3. Otherwise divide by the temperature, then top-k (only the k largest logits survive, kept as a [M, k]
+         slice), then top-p over the survivors (sorted descending; smallest prefix with mass >= top_p).
+         Order top-k -> top-p as in SDAR and vLLM (Dream applies top-p first; results differ only at edges).
+      4. Sample x0 ~ processed distribution with `torch.multinomial(generator=generator)`: rows of one call are drawn
+         in order from that generator only, so a request's draws never depend on other requests.
+      5. Report p(x0), log p(x0), entropy and p1 - p2 of the processed distribution.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [M, V], got shape {tuple(logits.shape)}")
+    x = logits.float()
+    if x.shape[0] == 0:
+        return _empty(x)
+
+    ids: Tensor | None = None  # maps a column of `work` back to a vocabulary id (None = identity)
+    sorted_desc = False
+    if params.greedy:
+        work = x
+        choice = x.argmax(dim=-1)  # on logits, like the references' argmax
+    else:
+        work = x / params.temperature if params.temperature != 1 else x
+        if 0 < params.top_k < work.shape[1]:
+            work, ids = work.topk(params.top_k, dim=-1)  # sorted descending; the rest of the vocab is dropped
+            sorted_desc = True
+        if params.top_p < 1:
+            if not sorted_desc:
+                work, ids = work.sort(dim=-1, descending=True)
+                sorted_desc = True
+            work = _top_p_filter(work, params.top_p)
+        choice = None
+
+    probs, lse = _softmax_with_lse(work)
+    if choice is None:
+        choice = _multinomial(probs, generator)
+
+    col = choice.unsqueeze(1)
+    tokens = choice if ids is None else ids.gather(1, col).squeeze(1)
+    p_tok = probs.gather(1, col).squeeze(1)
+    logp_tok = work.gather(1, col).squeeze(1) - lse
+    entropy = torch.special.entr(probs).sum(dim=-1)  # entr(0) = 0, so filtered tokens contribute nothing
+    top2 = probs[:, :2] if sorted_desc else probs.topk(min(2, probs.shape[1]), dim=-1).values
+    margin = top2[:, 0] - top2[:, 1] if top2.shape[1] > 1 else top2[:, 0]
+    return Proposal(tokens=tokens, probs=p_tok, entropy=entropy, margin=margin, logprobs=logp_tok)
+
+
+def _softmax_with_lse(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Row softmax of x and its log-normaliser [M]; -inf entries get probability 0."""
+    lse = torch.logsumexp(x, dim=-1)
+    return (x - lse.unsqueeze(1)).exp_(), lse
+
+
+def _top_p_filter(sorted_logits: Tensor, top_p: float) -> Tensor:
+    """Set to -inf every token whose preceding mass (sorted descending) already reaches top_p; the top-1 always stays."""
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p
+    drop[:, 0] = False
+    return sorted_logits.masked_fill(drop, float("-inf"))
+
+
+def _multinomial(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One draw per row [M] long; moves the (small) probs to the generator's device if it lives elsewhere."""
+    src = probs
+    if generator is not None and generator.device != probs.device:
+        src = probs.to(generator.device)  # correct but copies; pass a generator on the logits' device to avoid it
+    return torch.multinomial(src, 1, generator=generator).squeeze(1).to(probs.device)
+
+
+def _empty(x: Tensor) -> Proposal:
+    f = x.new_empty(0)
+    return Proposal(tokens=torch.empty(0, dtype=torch.long, device=x.device), probs=f, entropy=f.clone(),
+                    margin=f.clone(), logprobs=f.clone())

@@ -1,0 +1,51 @@
+"""Append-only text for a stream of final tokens, with stop strings matched on the text."""
+from __future__ import annotations
+
+from unmask.tokenizer import Tokenizer
+
+
+class TextStream:
+    """Decodes a growing token list; holds back just enough text to never emit part of a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, include_stop: bool = False):
+        self.tok = tokenizer
+        self.stop = stop or []
+        self.include_stop = include_stop
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+        # decode from a recent window only: text before `prefix` tokens never changes again
+        self._prefix_ids = 0
+        self._prefix_text = ""
+
+    def _decode(self) -> str:
+        window = self.tok.decode(self.ids[self._prefix_ids:])
+        text = self._prefix_text + window
+        if len(self.ids) - self._prefix_ids > 64 and not window.endswith("\ufffd"):
+            self._prefix_text, self._prefix_ids = text, len(self.ids) - 8
+            self._prefix_text = text[: len(text) - len(self.tok.decode(self.ids[self._prefix_ids:]))]
+        return text
+
+    def push(self, ids: list[int]) -> str:
+        if self.stopped or not ids:
+            return ""
+        self.ids.extend(ids)
+        text = self._decode()
+        if text.endswith("\ufffd"):  # a multi-byte character is still incomplete
+            return ""
+        self.text = text
+        for s in self.stop:
+            i = text.find(s, max(0, self.emitted - len(s)))
+            if i >= 0:
+                cut = i + len(s) if self.include_stop else i
+                self.text, self.stopped = text[:cut], True
+        safe = len(self.text) if self.stopped else max(self.emitted, len(self.text) - self.hold)
+        delta, self.emitted = self.text[self.emitted:safe], safe
+        return delta
+
+    def flush(self) -> str:
+        """At the end of generation: release what was held back for stop matching."""
+        delta, self.emitted = self.text[self.emitted:], len(self.text)
+        return delta

@@ -1,0 +1,138 @@
+"""The step-level engine: accepts requests any time, one batched forward per step, per-request events."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from unmask.engine.detokenizer import TextStream
+from unmask.engine.outputs import StepOutput
+from unmask.engine.params import GenerationParams
+from unmask.engine.runner import ModelRunner
+from unmask.engine.scheduler import Scheduler
+from unmask.engine.sequence import ModelTraits, Sequence
+from unmask.errors import ContextLengthError, InvalidRequestError
+from unmask.models.loader import ModelSpec
+from unmask.models.transformer import DiffusionTransformer
+from unmask.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    forward_s: float = 0.0
+    step_s: float = 0.0
+    tokens_fed: int = 0
+    batch_size_sum: int = 0
+
+    @property
+    def overhead_share(self) -> float:
+        """Time outside the model's forward as a fraction of the forward's own time."""
+        return (self.step_s - self.forward_s) / self.forward_s if self.forward_s else 0.0
+
+
+class Engine:
+    def __init__(self, model: DiffusionTransformer, spec: ModelSpec, tokenizer: Tokenizer | None = None,
+                 max_num_seqs: int = 64, max_batch_tokens: int = 4096):
+        self.model, self.spec, self.tokenizer = model, spec, tokenizer
+        self.runner = ModelRunner(model)
+        self.scheduler = Scheduler(max_num_seqs, max_batch_tokens)
+        self.traits = ModelTraits(
+            attention=spec.family.attention, shift=spec.family.shift, mask_id=spec.mask_id,
+            block_size=spec.block_size, stop_ids=spec.stop_ids, ar_first_token=spec.family.ar_first_token,
+            max_context=spec.max_context,
+        )
+        self.streams: dict[str, TextStream] = {}
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: list[int], params: GenerationParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        params = params or GenerationParams()
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.spec.arch.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.traits.max_context:
+            raise ContextLengthError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} tokens, "
+                f"over this model's context of {self.traits.max_context}", "max_tokens")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer", "stop")
+        seq = Sequence(list(prompt_ids), params, self.traits)
+        if request_id is not None:
+            seq.request_id = request_id
+        if not (seq.bidirectional and seq.cache_mode == "none"):
+            seq.cache = self.model.new_cache(capacity=min(total, 4096))
+        if self.tokenizer is not None:
+            self.streams[seq.request_id] = TextStream(self.tokenizer, params.stop, params.include_stop_str)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        self.streams.pop(request_id, None)
+        return self._output(seq, [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        plans = self.scheduler.schedule()
+        if not plans:
+            return []
+        result = self.runner.execute(plans)
+        outputs = []
+        for plan, logits in zip(plans, result.logits):
+            seq = plan.seq
+            seq.after_forward(plan)
+            new = seq.apply(plan, logits)
+            delta = ""
+            stream = self.streams.get(seq.request_id)
+            if stream is not None:
+                delta = stream.push(new)
+                if stream.stopped and not seq.finish_reason:
+                    seq.finish("stop")
+                if seq.finish_reason:
+                    delta += stream.flush()
+                    self.streams.pop(seq.request_id, None)
+            if new or seq.finish_reason or seq.params.snapshots:
+                outputs.append(self._output(seq, new, delta))
+        self.scheduler.release_finished()
+        s = self.stats
+        s.steps += 1
+        s.forward_s += result.forward_s
+        s.step_s += time.perf_counter() - t0
+        s.tokens_fed += result.num_tokens
+        s.batch_size_sum += len(plans)
+        return outputs
+
+    def _output(self, seq: Sequence, new: list[int], delta: str) -> StepOutput:
+        lp = None
+        if seq.logprobs is not None and new:
+            start = seq.final_end - len(new) - seq.P
+            lp = seq.logprobs[start:start + len(new)].tolist()
+        return StepOutput(
+            request_id=seq.request_id, new_token_ids=new, text_delta=delta,
+            finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.P, num_generated=seq.num_generated, forwards=seq.stats.forwards,
+            snapshot=seq.snapshot() if seq.params.snapshots and not seq.finish_reason else None,
+            new_logprobs=lp,
+        )
+
+    def run_to_completion(self) -> None:
+        while self.has_unfinished():
+            self.step()

@@ -1,0 +1,53 @@
+"""Offline API: `LLM(model=DIR).generate(prompts, params)` drives the same step engine as the server."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from unmask.engine.engine import Engine
+from unmask.engine.outputs import RequestOutput
+from unmask.engine.params import GenerationParams
+from unmask.models.loader import load_model
+from unmask.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+def default_model_path() -> Path:
+    return Path(__file__).resolve().parent.parent / "assets" / "unmask-tiny"
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, dtype: str | None = None, device: str = "cpu",
+                 max_num_seqs: int = 64, max_batch_tokens: int = 4096, chat_template: str | None = None):
+        path = Path(model) if model is not None else default_model_path()
+        self.model, self.spec = load_model(path, dtype=dtype, device=device)
+        self.tokenizer = Tokenizer(self.spec.path, chat_template=chat_template)
+        self.engine = Engine(self.model, self.spec, self.tokenizer, max_num_seqs, max_batch_tokens)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, tools=tools))
+
+    def generate(self, prompts: Prompt | list[Prompt], params: GenerationParams | list[GenerationParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        plist = params if isinstance(params, list) else [params or GenerationParams()] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(plist)} parameter sets")
+        seqs = [self.engine.add_request(self.encode(p), sp) for p, sp in zip(batch, plist)]
+        texts = {s.request_id: "" for s in seqs}
+        logprobs: dict[str, list[float]] = {s.request_id: [] for s in seqs}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id in texts:
+                    texts[out.request_id] += out.text_delta
+                    if out.new_logprobs:
+                        logprobs[out.request_id].extend(out.new_logprobs)
+        return [RequestOutput(
+            request_id=s.request_id, prompt_ids=s.prompt_ids, token_ids=s.output_ids,
+            text=texts[s.request_id], finish_reason=s.finish_reason, forwards=s.stats.forwards,
+            logprobs=logprobs[s.request_id] if s.params.logprobs else None,
+        ) for s in seqs]

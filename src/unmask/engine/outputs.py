@@ -1,0 +1,33 @@
+"""Events the engine emits after each step, one per request that advanced."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]          # newly final tokens, append-only
+    text_delta: str                   # their text (stop strings already cut)
+    finished: bool
+    finish_reason: str | None         # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_generated: int
+    forwards: int                     # forwards this request took part in so far
+    snapshot: list[int] | None = None  # committed prefix + active block with masks (diffusing view)
+    new_logprobs: list[float] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    forwards: int
+    logprobs: list[float] | None = None
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.token_ids) / max(self.forwards, 1)

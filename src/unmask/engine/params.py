@@ -1,0 +1,65 @@
+"""Per-request generation parameters, validated once at the boundary."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from unmask.decoding import PolicyConfig, SamplingParams
+from unmask.errors import InvalidRequestError
+
+CacheMode = Literal["auto", "none", "prefix", "dual"]
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    policy: str = "threshold"
+    threshold: float = 0.9
+    steps: int | None = None            # denoising steps per block for schedule-based policies
+    tokens_per_step: int | None = None  # the `topk` policy's fixed k (1 = one token per forward)
+    factor: float = 1.0
+    entropy_bound: float = 0.35
+    block_size: int | None = None       # None: the model's default
+    cache: CacheMode = "auto"           # bidirectional families: none (exact) | prefix | dual
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str: bool = False
+    snapshots: bool = False             # emit the active block each step (the `diffusing` view)
+    logprobs: bool = False
+
+    def __post_init__(self):
+        def bad(msg: str, param: str):
+            raise InvalidRequestError(msg, param)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        if not 0.0 <= self.temperature <= 2.0:
+            bad(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < 0:
+            bad(f"top_k must be >= 0, got {self.top_k}", "top_k")
+        if self.block_size is not None and not 1 <= self.block_size <= 1024:
+            bad(f"block_size must be in [1, 1024], got {self.block_size}", "block_size")
+        if self.cache not in ("auto", "none", "prefix", "dual"):
+            bad(f"cache must be one of auto, none, prefix, dual; got {self.cache!r}", "cache")
+        if len(self.stop) > 4:
+            bad("at most 4 stop sequences are allowed", "stop")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop sequences must be non-empty strings", "stop")
+        try:
+            self.policy_config()
+        except ValueError as e:
+            bad(str(e), "policy")
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(name=self.policy, threshold=self.threshold, steps=self.steps, factor=self.factor,
+                            entropy_bound=self.entropy_bound, tokens_per_step=self.tokens_per_step)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)

@@ -1,0 +1,48 @@
+"""Admission and per-step planning: which requests run this step and what each one feeds."""
+from __future__ import annotations
+
+from collections import deque
+
+from unmask.engine.sequence import Sequence, Status, StepPlan
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int = 64, max_batch_tokens: int = 4096):
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for q in (self.running, self.waiting):
+            for s in q:
+                if s.request_id == request_id:
+                    q.remove(s)
+                    s.finish("abort")
+                    return s
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[StepPlan]:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        budget = self.max_batch_tokens
+        plans = []
+        for seq in self.running:
+            plan = seq.plan(max(budget, seq.B))
+            budget -= plan.segment.length
+            plans.append(plan)
+        return plans
+
+    def release_finished(self) -> list[Sequence]:
+        done = [s for s in self.running if s.status is Status.FINISHED]
+        if done:
+            self.running = [s for s in self.running if s.status is not Status.FINISHED]
+        return done

@@ -1,0 +1,205 @@
+"""One request's decoding state and the per-step plan it feeds to the model.
+
+State is counters, not phases: `cached` (tokens whose K/V are stored), the active block
+[block_start, block_end), `final_end` (end of the committed prefix with no mask before it).
+Prefill, denoising and committing a finished block are the same plan with different ranges:
+block-causal families feed [committed-but-uncached tokens ; active block] and write the first
+part's K/V in the same forward (no separate commit pass).
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from unmask.decoding import BlockState, decide
+from unmask.engine.params import GenerationParams
+from unmask.models.attention import KVCache, Segment
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    """What the engine needs from a family, without the model itself."""
+
+    attention: str          # "bidirectional" | "block_causal"
+    shift: bool
+    mask_id: int
+    block_size: int
+    stop_ids: tuple[int, ...]
+    ar_first_token: bool
+    max_context: int
+
+
+@dataclass
+class StepPlan:
+    seq: "Sequence"
+    token_ids: Tensor     # [n]
+    positions: Tensor     # [n]
+    segment: Segment
+    logit_rows: Tensor    # [m] rows of this plan whose hidden states are projected to logits
+    targets: Tensor       # [m] absolute canvas positions those logits predict
+
+
+@dataclass
+class Stats:
+    forwards: int = 0         # forwards this request took part in
+    denoise_steps: int = 0    # forwards that committed tokens
+    prefill_tokens: int = 0
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: GenerationParams
+    traits: ModelTraits
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stats: Stats = field(default_factory=Stats)
+    cache: KVCache | None = None
+
+    def __post_init__(self):
+        t, p = self.traits, self.params
+        self.P = len(self.prompt_ids)
+        self.B = p.block_size or t.block_size
+        self.end = self.P + p.max_tokens              # canvas never grows past this
+        self.bidirectional = t.attention == "bidirectional"
+        self.cache_mode = ("none" if p.cache == "auto" else p.cache) if self.bidirectional else "exact"
+        self.stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(t.stop_ids))
+        self.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else torch.seed() % 2**62)
+        self.policy = p.policy_config()
+        self.sampling = p.sampling()
+        if self.bidirectional:
+            self.block_start = self.P                 # LLaDA semi-AR: blocks count from the answer start
+            self.seq = torch.full((self.end,), t.mask_id, dtype=torch.long)
+        else:
+            self.block_start = (self.P // self.B) * self.B  # absolute alignment (SDAR, LLaDA2, Fast-dLLM v2)
+            self.seq = torch.full((self.end,), t.mask_id, dtype=torch.long)
+        self.seq[: self.P] = torch.tensor(self.prompt_ids, dtype=torch.long)
+        self.block_end = min(self.block_start + self.B, self.end)
+        self.cached = 0
+        self.final_end = self.P      # generated text is final up to here
+        self.stop_at: int | None = None
+        self.logprobs = torch.zeros(p.max_tokens) if p.logprobs else None
+        self.block = BlockState(initial_masked=self._masked_in_block())
+
+    # ------------------------------------------------------------------ planning
+    def _masked_in_block(self) -> int:
+        return int((self.seq[self.block_start:self.block_end] == self.traits.mask_id).sum())
+
+    def masked_positions(self) -> Tensor:
+        blk = self.seq[self.block_start:self.block_end]
+        return (blk == self.traits.mask_id).nonzero(as_tuple=True)[0] + self.block_start
+
+    def plan(self, token_budget: int) -> StepPlan:
+        if self.bidirectional:
+            return self._plan_bidirectional()
+        return self._plan_block_causal(token_budget)
+
+    def _plan_block_causal(self, budget: int) -> StepPlan:
+        B, pending = self.B, self.block_start - self.cached
+        if pending > budget:  # chunked prefill: whole blocks, write only
+            n = min(pending, max(B, budget // B * B))
+            return self._make_plan(self.cached, self.cached + n, write=n, targets=None)
+        return self._make_plan(self.cached, self.block_end, write=pending, targets=self.masked_positions())
+
+    def _plan_bidirectional(self) -> StepPlan:
+        s = int(self.traits.shift)
+        first_step = self.block.step == 0
+        targets = self.masked_positions()
+        if self.cache_mode == "none":
+            return self._make_plan(0, self.end, write=0, targets=targets)
+        if first_step:  # refresh: full canvas, store what later steps read
+            write = self.end if self.cache_mode == "dual" else self.block_start - s
+            return self._make_plan(0, self.end, write=write, targets=targets)
+        stop = self.block_end if self.cache_mode == "dual" else self.end
+        return self._make_plan(self.block_start - s, stop, write=0, targets=targets,
+                               suffix=self.end - stop)
+
+    def _make_plan(self, lo: int, hi: int, write: int, targets: Tensor | None, suffix: int = 0) -> StepPlan:
+        positions = torch.arange(lo, hi)
+        uses_cache = write > 0 or lo > 0 or suffix > 0
+        block_ids = None if self.bidirectional else positions // self.B
+        segment = Segment(start=lo, length=hi - lo, write=write, suffix=suffix,
+                          cache=self.cache if uses_cache else None, block_ids=block_ids)
+        if targets is None or targets.numel() == 0:
+            rows = targets = torch.empty(0, dtype=torch.long)
+        else:
+            rows = targets - lo - int(self.traits.shift)
+            ok = rows >= 0  # a shifted family cannot predict a segment's first token
+            rows, targets = rows[ok], targets[ok]
+        return StepPlan(self, self.seq[lo:hi], positions, segment, rows, targets)
+
+    # ------------------------------------------------------------------ applying results
+    def after_forward(self, plan: StepPlan) -> None:
+        self.stats.forwards += 1
+        seg = plan.segment
+        if not self.bidirectional and seg.write:
+            self.cached = seg.start + seg.write
+            self.stats.prefill_tokens += seg.write if seg.start < self.P else 0
+
+    def apply(self, plan: StepPlan, logits: Tensor) -> list[int]:
+        """Commit tokens chosen by the policy; returns newly final generated token ids."""
+        if plan.targets.numel() == 0:
+            return []
+        offsets = plan.targets - self.block_start
+        logits[:, self.traits.mask_id] = float("-inf")  # never propose the mask itself (dInfer does the same)
+        forced_first = self.traits.ar_first_token and self.block.step == 0 and int(offsets[0]) == 0
+        d = decide(self.policy, logits, offsets, self.block, self.sampling, self.generator)
+        commit = d.commit.clone()
+        if forced_first:
+            commit[0] = True
+        pos = plan.targets[commit]
+        self.seq[pos] = d.tokens[commit]
+        if self.logprobs is not None:
+            self.logprobs[pos - self.P] = d.probs[commit].clamp_min(1e-30).log()
+        self.stats.denoise_steps += 1
+        return self._advance()
+
+    def _advance(self) -> list[int]:
+        mask = self.traits.mask_id
+        old = self.final_end
+        tail = self.seq[old:self.block_end]
+        holes = (tail == mask).nonzero()
+        self.final_end = old + (int(holes[0]) if holes.numel() else tail.numel())
+        new = self.seq[old:self.final_end].tolist()
+        for i, t in enumerate(new):
+            if t in self.stops:
+                self.stop_at = old + i
+                self.final_end = self.stop_at
+                self.finish("stop")
+                return new[:i]
+        if self.final_end >= self.end:
+            self.finish("length")
+        elif self.final_end >= self.block_end:  # block complete: move on; its K/V are written next step
+            self.block_start, self.block_end = self.block_end, min(self.block_end + self.B, self.end)
+            self.block = BlockState(initial_masked=self._masked_in_block())
+        return new
+
+    def finish(self, reason: str) -> None:
+        self.status, self.finish_reason = Status.FINISHED, reason
+        self.cache = None
+
+    # ------------------------------------------------------------------ views
+    @property
+    def output_ids(self) -> list[int]:
+        return self.seq[self.P:self.final_end].tolist()
+
+    def snapshot(self) -> list[int]:
+        """The committed prefix plus the active block as it stands (masks included)."""
+        return self.seq[self.P:self.block_end].tolist()
+
+    @property
+    def num_generated(self) -> int:
+        return self.final_end - self.P

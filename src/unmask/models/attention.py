@@ -1,0 +1,151 @@
+"""Attention over a ragged batch of sequences, each with its own KV cache and mask rule.
+
+A step feeds one flat token sequence made of per-request *segments*. Each segment's keys are
+    cache[:start]  ++  this segment's own K/V  ++  cache[start+length : start+length+suffix]
+and its first `write` tokens are stored in the cache at [start, start+write). `suffix` > 0 is
+the dual cache of bidirectional families (cached K/V of the masked tail).
+
+Mask rule inside a segment: query q may see key k iff block_id[k] <= block_id[q]. All tokens in
+one block -> fully bidirectional; block_id = position // B -> block-causal; block_id = position
+-> causal. Cached keys are always visible (they belong to earlier blocks or, for the dual cache,
+to the same bidirectional canvas).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# enable_gqa arrived in torch 2.5; older builds get K/V heads repeated instead
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class KVCache:
+    """Per-request K/V for every layer, grown geometrically; positions are absolute."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, capacity: int = 256, v_head_dim: int | None = None):
+        self.num_layers = num_layers
+        self.shape = (num_kv_heads, head_dim)
+        self.v_head_dim = v_head_dim or head_dim
+        self.dtype, self.device = dtype, device
+        self.capacity = 0
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+        self.length = 0  # tokens whose K/V are valid, from position 0
+        self._grow(capacity)
+
+    def _grow(self, need: int) -> None:
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity, 64)
+        h, d = self.shape
+        new_k = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [torch.empty(h, cap, self.v_head_dim, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        for i in range(len(self.k)):
+            new_k[i][:, : self.length] = self.k[i][:, : self.length]
+            new_v[i][:, : self.length] = self.v[i][:, : self.length]
+        self.k, self.v, self.capacity = new_k, new_v, cap
+
+    def reserve(self, end: int) -> None:
+        self._grow(end)
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+@dataclass
+class Segment:
+    start: int                      # absolute position of the segment's first token
+    length: int                     # tokens fed this step
+    write: int = 0                  # leading tokens whose K/V are stored in the cache
+    suffix: int = 0                 # cached tokens after the segment that stay visible
+    cache: KVCache | None = None
+    block_ids: Tensor | None = None  # [length] long; None = all in one block (bidirectional)
+    mask: Tensor | None = None       # filled by prepare(): [length, keys] bool or None
+
+    @property
+    def num_keys(self) -> int:
+        return self.start + self.length + self.suffix
+
+    def prepare(self) -> None:
+        if self.cache is None and (self.start or self.suffix):
+            raise ValueError("a segment that reads cached positions needs a cache")
+        if self.cache is not None:
+            if self.write:
+                self.cache.reserve(self.start + self.write)
+            if self.start > self.cache.length and self.start > 0:
+                raise ValueError(f"segment starts at {self.start} but the cache holds {self.cache.length}")
+        if self.block_ids is None:
+            self.mask = None
+            return
+        b = self.block_ids
+        inner = b[None, :] <= b[:, None]
+        if bool(inner.all()):
+            self.mask = None
+            return
+        pre = torch.ones(self.length, self.start, dtype=torch.bool, device=b.device)
+        post = torch.ones(self.length, self.suffix, dtype=torch.bool, device=b.device)
+        self.mask = torch.cat([pre, inner, post], dim=1)
+
+
+@dataclass
+class AttentionBatch:
+    """Everything attention needs for one forward over a flat token sequence."""
+
+    segments: list[Segment]
+
+    def prepare(self) -> "AttentionBatch":
+        for s in self.segments:
+            s.prepare()
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None) -> Tensor:
+    """q [H, Lq, D], k/v [Hkv, Lk, D] -> [H, Lq, Dv]; grouped-query heads share K/V."""
+    hq, hk = q.shape[0], k.shape[0]
+    if hq != hk and not _SDPA_HAS_GQA:
+        k = k.repeat_interleave(hq // hk, dim=0)
+        v = v.repeat_interleave(hq // hk, dim=0)
+    kwargs = {"enable_gqa": True} if hq != hk and _SDPA_HAS_GQA else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **kwargs)
+
+
+def ragged_attention(q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch, layer: int,
+                     scale: float | None = None) -> Tensor:
+    """q [N, H, D], k/v [N, Hkv, D] (flat over segments) -> [N, H, Dv]."""
+    outs = []
+    offset = 0
+    for seg in batch.segments:
+        sl = slice(offset, offset + seg.length)
+        offset += seg.length
+        qs = q[sl].transpose(0, 1)
+        ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)
+        cache = seg.cache
+        if cache is not None:
+            if seg.start or seg.suffix:
+                after = slice(seg.start + seg.length, seg.num_keys)
+                ks = torch.cat([cache.k[layer][:, : seg.start], ks, cache.k[layer][:, after]], dim=1)
+                vs = torch.cat([cache.v[layer][:, : seg.start], vs, cache.v[layer][:, after]], dim=1)
+            if seg.write:
+                w = slice(seg.start, seg.start + seg.write)
+                cache.k[layer][:, w] = k[sl][: seg.write].transpose(0, 1)
+                cache.v[layer][:, w] = v[sl][: seg.write].transpose(0, 1)
+        outs.append(sdpa(qs, ks, vs, seg.mask, scale).transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def commit_cache_lengths(batch: AttentionBatch) -> None:
+    """After a forward: the cache now holds everything up to each segment's last written token."""
+    for seg in batch.segments:
+        if seg.cache is not None and seg.write:
+            seg.cache.length = seg.start + seg.write

@@ -1,0 +1,170 @@
+"""Layers shared by every family: norms, rotary embeddings, gated MLPs, mixture of experts."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from unmask.errors import UnsupportedModelError
+
+
+class RMSNorm(nn.Module):
+    """Normalise in float32, cast back, then scale (LLaDA/Qwen convention: weight, not 1 + weight)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swiglu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise UnsupportedModelError(f"unsupported activation {name!r}; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); parameter names are set by the family through `names`."""
+
+    def __init__(self, dim: int, hidden: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ---------------------------------------------------------------- rotary embeddings
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tuple[Tensor, float]:
+    """Inverse frequencies for half-split RoPE and the cos/sin magnitude (YaRN's attention factor)."""
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return inv.float(), 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return (inv / factor).float(), 1.0
+    if kind == "llama3":  # Llama 3.1 frequency-dependent interpolation
+        old = scaling["original_max_position_embeddings"]
+        lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(medium, smoothed, scaled).float(), 1.0
+    if kind == "yarn":  # arXiv 2309.00071: blend interpolated and extrapolated bands
+        old = scaling.get("original_max_position_embeddings", 4096)
+        beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+
+        def corr(rot: float) -> float:
+            return rotary_dim * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(corr(beta_fast)), 0)
+        high = min(math.ceil(corr(beta_slow)), rotary_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        mixed = (inv / factor) * (1 - extrapolate) + inv * extrapolate
+        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0)
+        return mixed.float(), float(mscale)
+    raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, yarn")
+
+
+class Rotary(nn.Module):
+    """Half-split ("rotate_half") RoPE on the first `rotary_dim` channels, computed in float32."""
+
+    def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None, scaling: dict | None = None):
+        super().__init__()
+        self.rotary_dim = rotary_dim or head_dim
+        # a plain attribute, not a buffer: stays float32 on the CPU through .to(dtype) and meta init
+        self.inv_freq, self.mscale = rope_inv_freq(self.rotary_dim, theta, scaling)
+
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.mscale, emb.sin() * self.mscale
+
+    def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [..., L, H, D]; cos/sin [..., L, rotary_dim]."""
+        r = self.rotary_dim
+        xr = x[..., :r].float()
+        half = r // 2
+        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+        out = xr * cos[..., None, :] + rotated * sin[..., None, :]
+        out = out.to(x.dtype)
+        return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+class GroupLimitedMoE(nn.Module):
+    """Sigmoid-scored, group-limited top-k MoE with a shared expert (LLaDA2 / DeepSeek-V3 style).
+
+    Expert choice uses scores + expert_bias; combine weights use the unbiased scores,
+    renormalised and multiplied by routed_scaling_factor (inclusionAI LLaDA2.0 modelling file).
+    """
+
+    def __init__(self, dim: int, expert_hidden: int, num_experts: int, top_k: int, n_group: int,
+                 topk_group: int, num_shared: int, scaling: float, norm_topk: bool, act: str = "silu"):
+        super().__init__()
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.gate.register_buffer("expert_bias", torch.zeros(num_experts))
+        self.experts = nn.ModuleList(GatedMLP(dim, expert_hidden, act) for _ in range(num_experts))
+        self.shared_experts = GatedMLP(dim, expert_hidden * num_shared, act) if num_shared else None
+        self.num_experts, self.top_k = num_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.scaling, self.norm_topk = scaling, norm_topk
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))  # [N, E]
+        biased = scores + self.gate.expert_bias.float()
+        n = x.shape[0]
+        if self.n_group > 1:
+            grouped = biased.view(n, self.n_group, -1)
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = group_score.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+            biased = biased.masked_fill(~group_mask.repeat_interleave(self.num_experts // self.n_group, 1), float("-inf"))
+        idx = biased.topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.norm_topk:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.scaling
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        idx, w = self.route(x)
+        out = torch.zeros_like(x, dtype=torch.float32)
+        # loop over experts that received tokens: the cheap way on CPU and at small batch
+        for e in idx.unique().tolist():
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](x[rows]).float() * w[rows, slot, None])
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)

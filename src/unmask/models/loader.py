@@ -1,0 +1,160 @@
+"""Load a local Hugging Face-format model directory. Never touches the network."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from unmask.errors import ModelLoadError, UnsupportedModelError
+from unmask.models.registry import Family, family_for
+from unmask.models.transformer import ArchConfig, DiffusionTransformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelSpec:
+    """What the engine needs to know about a loaded model besides its weights."""
+
+    path: Path
+    family: Family
+    arch: ArchConfig
+    config: dict
+    generation_config: dict
+    mask_id: int
+    block_size: int
+    stop_ids: tuple[int, ...]
+    eos_id: int | None
+    name: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def max_context(self) -> int:
+        return self.arch.max_position
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        # CPUs without bf16 matmul units run float32 fastest, and it keeps greedy outputs stable
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+
+
+def model_directory(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        hint = " (unmask never downloads: pass a local directory)" if "/" in str(path) and not p.exists() else ""
+        raise ModelLoadError(f"model directory {str(path)!r} not found{hint}")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"{p} has no config.json")
+    return p
+
+
+def weight_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        missing = [s for s in shards if not (root / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"{root}: shard(s) listed in model.safetensors.index.json are missing: {', '.join(missing)}")
+        return [root / s for s in shards]
+    single = root / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(f"{root} has no model.safetensors or model.safetensors.index.json")
+
+
+def read_state(files: list[Path]) -> dict[str, torch.Tensor]:
+    state = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:  # memory-mapped
+                for k in fh.keys():
+                    state[k] = fh.get_tensor(k)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"cannot read weights {f.name}: {e}") from None
+    return state
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    root = model_directory(path)
+    config = _read_json(root / "config.json")
+    family = family_for(config)
+    try:
+        arch = family.parse_config(config)
+    except KeyError as e:
+        raise ModelLoadError(f"{root / 'config.json'} lacks required key {e.args[0]!r} for family {family.name}") from None
+    gen_path = root / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    stops: list[int] = []
+    for src in (gen.get("eos_token_id"), config.get("eos_token_id"), family.extra_stop_ids):
+        for t in (src if isinstance(src, (list, tuple)) else [src]):
+            if isinstance(t, int) and t not in stops and t < arch.vocab_size:
+                stops.append(t)
+    eos = gen.get("eos_token_id", config.get("eos_token_id"))
+    eos = eos[0] if isinstance(eos, list) else eos
+    return ModelSpec(
+        path=root, family=family, arch=arch, config=config, generation_config=gen,
+        mask_id=family.mask_id(config), block_size=family.block_size(config), stop_ids=tuple(stops),
+        eos_id=eos if isinstance(eos, int) else (stops[0] if stops else None),
+        name=config.get("_name_or_path") or root.name,
+    )
+
+
+def load_weights(model: DiffusionTransformer, spec: ModelSpec, state: dict[str, torch.Tensor]) -> None:
+    canon = spec.family.to_canonical(state, spec.arch)
+    expected = {k: v for k, v in model.state_dict().items()}
+    if spec.arch.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+        canon.pop("lm_head.weight", None)
+    for k in expected:  # a router without learned bias (moe_router_enable_expert_bias: false)
+        if k.endswith("expert_bias") and k not in canon:
+            canon[k] = torch.zeros_like(expected[k], device="cpu")
+    missing = sorted(set(expected) - set(canon))
+    unexpected = sorted(set(canon) - set(expected))
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ModelLoadError(f"{spec.path}: missing weights {', '.join(missing[:3])}{more}")
+    if unexpected:
+        more = f" (+{len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+        raise ModelLoadError(f"{spec.path}: unexpected weights {', '.join(unexpected[:3])}{more}")
+    for k, t in expected.items():
+        if tuple(canon[k].shape) != tuple(t.shape):
+            raise ModelLoadError(f"{spec.path}: weight {k} has shape {tuple(canon[k].shape)}, "
+                                 f"config implies {tuple(t.shape)}")
+    model.load_state_dict(canon, strict=False, assign=True)
+    if spec.arch.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
+               device: str = "cpu") -> tuple[DiffusionTransformer, ModelSpec]:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' requested but CUDA is not available")
+    spec = load_spec(path)
+    dt = resolve_dtype(dtype, device)
+    with torch.device("meta"):
+        model = DiffusionTransformer(spec.arch)
+    state = read_state(weight_files(spec.path))
+    load_weights(model, spec, state)
+    model = model.to(device=device, dtype=dt)
+    for block in model.model.layers:
+        bias = getattr(getattr(block.mlp, "gate", None), "expert_bias", None)
+        if bias is not None and bias.is_meta:
+            raise ModelLoadError(f"{spec.path}: MoE expert_bias missing from checkpoint")
+    model.eval().requires_grad_(False)
+    return model, spec

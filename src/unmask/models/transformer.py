@@ -1,0 +1,153 @@
+"""The decoder every family is built from, under one canonical parameter layout (Qwen names).
+
+Families differ in configuration (norms, biases, qk-norm, partial RoPE, MoE) and in how their
+checkpoints name parameters; each family module maps its names onto this layout.
+Two entry points: `forward` over a ragged batch with KV caches (inference) and `forward_dense`
+over a padded [B, L] batch with an explicit boolean mask (training).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from unmask.models.attention import AttentionBatch, KVCache, ragged_attention
+from unmask.models.layers import GatedMLP, GroupLimitedMoE, RMSNorm, Rotary
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    expert_hidden: int
+    n_group: int = 1
+    topk_group: int = 1
+    num_shared: int = 0
+    routed_scaling: float = 1.0
+    norm_topk: bool = True
+    first_k_dense: int = 0
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position: int
+    rms_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    partial_rotary: float = 1.0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    act: str = "silu"
+    moe: MoEConfig | None = None
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer: int):
+        super().__init__()
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer, self.h, self.kv, self.d = layer, h, kv, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x: Tensor, rope: Rotary, cos: Tensor, sin: Tensor, ctx) -> Tensor:
+        lead = x.shape[:-1]  # [N] ragged or [B, L] dense
+        q = self.q_proj(x).view(*lead, self.h, self.d)
+        k = self.k_proj(x).view(*lead, self.kv, self.d)
+        v = self.v_proj(x).view(*lead, self.kv, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        if isinstance(ctx, AttentionBatch):
+            out = ragged_attention(q, k, v, ctx, self.layer)
+        else:  # dense training path: ctx is a [B, 1, L, L] bool mask or None (bidirectional)
+            hq, hk = q.transpose(1, 2), k.transpose(1, 2)
+            hv = v.transpose(1, 2)
+            if self.h != self.kv:
+                hk = hk.repeat_interleave(self.h // self.kv, dim=1)
+                hv = hv.repeat_interleave(self.h // self.kv, dim=1)
+            out = F.scaled_dot_product_attention(hq, hk, hv, attn_mask=ctx).transpose(1, 2)
+        return self.o_proj(out.reshape(*lead, self.h * self.d))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        m = cfg.moe
+        if m is not None and layer >= m.first_k_dense:
+            self.mlp = GroupLimitedMoE(cfg.hidden_size, m.expert_hidden, m.num_experts, m.top_k, m.n_group,
+                                       m.topk_group, m.num_shared, m.routed_scaling, m.norm_topk, cfg.act)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.act)
+
+    def forward(self, x: Tensor, rope: Rotary, cos: Tensor, sin: Tensor, ctx) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+
+class DiffusionTransformer(nn.Module):
+    """Token ids + absolute positions -> hidden states; `logits` projects selected rows only."""
+
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        rotary_dim = int(cfg.head_dim * cfg.partial_rotary)
+        self.rope = Rotary(cfg.head_dim, cfg.rope_theta, rotary_dim, cfg.rope_scaling)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _run(self, ids: Tensor, positions: Tensor, ctx) -> Tensor:
+        x = self.model.embed_tokens(ids)
+        cos, sin = self.rope.cos_sin(positions)
+        for layer in self.model.layers:
+            x = layer(x, self.rope, cos, sin, ctx)
+        return self.model.norm(x)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, batch: AttentionBatch) -> Tensor:
+        """Ragged inference: input_ids/positions [N] flat over the batch's segments -> hidden [N, D]."""
+        return self._run(input_ids, positions, batch)
+
+    def forward_dense(self, input_ids: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
+        """Training: [B, L] ids/positions, mask [B|1, 1, L, L] bool (True = may attend) -> hidden [B, L, D]."""
+        return self._run(input_ids, positions, mask)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        c = self.cfg
+        p = self.lm_head.weight
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, p.dtype, p.device, capacity)
