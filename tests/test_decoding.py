@@ -197,7 +197,7 @@ def test_top_rows_breaks_ties_by_position():
     assert rows(top_rows(torch.tensor([0.5, 0.7, 0.7, 0.7]), 2)) == [1, 2]
 
 
-# ---------------------------------------------------------------------------------------------------- policies via decide
+# ------------------------------------------------------------------------------------------------ policies via decide
 
 
 def run(cfg, logits, state=None, sampling=GREEDY, generator=None, positions=None) -> Decision:
@@ -263,7 +263,8 @@ def test_dream_confidence_kinds():
     assert rows(POLICIES["entropy"](PolicyConfig(name="entropy", steps=4), p, state, None)) == [6, 8]
     # Dream would schedule 0 tokens at step 0 of 32 with 32 masks: clamped to one
     p32 = prop(probs=[0.5] * 31 + [0.9])
-    assert rows(POLICIES["maskgit_plus"](PolicyConfig(name="maskgit_plus", steps=32), p32, BlockState(32), None)) == [31]
+    cfg32 = PolicyConfig(name="maskgit_plus", steps=32)
+    assert rows(POLICIES["maskgit_plus"](cfg32, p32, BlockState(32), None)) == [31]
     # last step -> all
     assert POLICIES["entropy"](PolicyConfig(name="entropy", steps=4), p, BlockState(10, step=3), None).all()
 

@@ -102,7 +102,7 @@ def _softmax_with_lse(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _top_p_filter(sorted_logits: Tensor, top_p: float) -> Tensor:
-    """Set to -inf every token whose preceding mass (sorted descending) already reaches top_p; the top-1 always stays."""
+    """-inf for every token whose preceding mass (sorted descending) already reaches top_p; the top-1 always stays."""
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     drop = mass_before >= top_p

@@ -50,7 +50,7 @@ def dream_reveal_prob(step: int, steps: int, eps: float = 1e-3) -> float:
 
 
 def dream_count(num_masked: int, step: int, steps: int, eps: float = 1e-3) -> int:
-    """Dream's count for step `step` (0-based) of `steps`: int(num_masked * (1 - s/t)); the last step (or later) takes all.
+    """Dream's count for 0-based `step` of `steps`: int(num_masked * (1 - s/t)); the last step (or later) takes all.
 
     May be 0 on early steps with few masks; the policies clamp it to at least one.
     Source: DreamLM/Dream generation_utils `_sample`.

@@ -24,7 +24,7 @@ class ModelRunner:
         self.model = model
         self.device = model.lm_head.weight.device
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: policies edit the returned logits in place
     def execute(self, plans: list[StepPlan]) -> RunnerOutput:
         dev = self.device
         ids = torch.cat([p.token_ids for p in plans]).to(dev, non_blocking=True)

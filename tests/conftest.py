@@ -1,0 +1,17 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    """Tiny random checkpoints, one per public family, in each family's real on-disk format."""
+    from tiny_checkpoints import FAMILIES
+
+    root = tmp_path_factory.mktemp("families")
+    return {name: make(root / name) for name, make in FAMILIES.items()}

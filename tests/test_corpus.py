@@ -1,0 +1,297 @@
+"""Data side of unmask-tiny: corpus, tokenizer, chat template, instruction records.
+
+Runs on a small fake stdlib tree (plus two real stdlib modules) so it is fast and does not
+need the python3-doc package.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sysconfig
+import warnings
+from pathlib import Path
+
+import pytest
+
+from unmask.train.corpus import (CorpusFile, build_corpus, collect_files, heldout_score,
+                                 is_heldout, read_documents, split_files)
+from unmask.train.instructions import (build_instructions, first_user_prompt, format_fim,
+                                       read_jsonl, write_jsonl)
+from unmask.train.tokenizer import (BOS_ID, EOS_ID, IM_END_ID, MASK_ID, PAD_ID, SPECIAL_TOKENS,
+                                    render_chat, save_hf_tokenizer, train_tokenizer)
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+DOC_RST = """\
+:mod:`fakemod` --- A fake module
+================================
+
+.. module:: fakemod
+
+.. function:: frobnicate(x, *, strict=False)
+
+   Return *x* frobnicated, see :func:`~fakemod.other` and ``strict``.
+
+   More detail here.
+
+.. class:: Widget(name)
+
+   A thing with a :term:`name <glossary-name>`.
+
+   .. method:: spin(times=1)
+
+      Spin the widget *times* times.
+"""
+
+MOD_PY = '''\
+"""Tiny helper module used by the corpus tests."""
+
+
+def add(a, b):
+    """Return the sum of a and b."""
+    total = a + b
+    return total
+
+
+class Box:
+    """A box holding one value."""
+
+    def get(self):
+        """Return the stored value."""
+        value = self.value
+        return value
+'''
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("data")
+    lib, docs = root / "lib", root / "docs"
+    (lib / "pkg").mkdir(parents=True)
+    (lib / "pkg" / "__init__.py").write_text('"""A package."""\n')
+    (lib / "pkg" / "mod.py").write_text(MOD_PY)
+    shutil.copy(STDLIB / "textwrap.py", lib / "textwrap.py")
+    shutil.copytree(STDLIB / "json", lib / "json", ignore=shutil.ignore_patterns("__pycache__"))
+    # Everything below must be skipped.
+    for skipped in ("test/test_x.py", "pkg/tests/test_y.py", "idlelib/shell.py",
+                    "site-packages/foo.py"):
+        (lib / skipped).parent.mkdir(parents=True, exist_ok=True)
+        (lib / skipped).write_text("x = 1\n")
+    (lib / "big.py").write_text("x = 1\n" * 40_000)
+    (lib / "latin1.py").write_bytes("s = 'caf\xe9'\n".encode("latin-1"))
+    (lib / "empty.py").write_text("")
+    (lib / "cp_fake.py").write_text('""" Python Character Mapping Codec generated from gencodec.py"""\n')
+    (docs / "library").mkdir(parents=True)
+    (docs / "library" / "fakemod.rst.txt").write_text(DOC_RST)
+    (docs / "index.rst.txt").write_text("Welcome\n=======\n\nHello docs.\n")
+    return lib, docs
+
+
+@pytest.fixture(scope="module")
+def files(roots: tuple[Path, Path]) -> list[CorpusFile]:
+    lib, docs = roots
+    return collect_files(stdlib_dir=lib, docs_dir=docs)
+
+
+# ---------------------------------------------------------------- corpus
+
+def test_collect_skips_and_sorts(files: list[CorpusFile]) -> None:
+    keys = [f.key for f in files]
+    assert keys == sorted(keys)
+    assert "stdlib/pkg/mod.py" in keys and "stdlib/json/decoder.py" in keys
+    assert "docs/library/fakemod.rst" in keys and "docs/index.rst" in keys
+    for bad in ("test/", "tests/", "idlelib/", "site-packages/", "big.py", "latin1.py",
+                "empty.py", "cp_fake.py"):
+        assert not any(bad in k for k in keys), bad
+
+
+def test_missing_docs_warns_and_continues(roots: tuple[Path, Path]) -> None:
+    lib, _ = roots
+    with pytest.warns(UserWarning, match="docs not found"):
+        got = collect_files(stdlib_dir=lib, docs_dir=lib / "no-such-dir")
+    assert got and all(f.source == "stdlib" for f in got)
+
+
+def test_build_is_deterministic(roots: tuple[Path, Path], tmp_path: Path) -> None:
+    lib, docs = roots
+    outs = []
+    for name in ("a", "b"):
+        stats = build_corpus(tmp_path / name, stdlib_dir=lib, docs_dir=docs, heldout_fraction=0.3)
+        outs.append({p.name: p.read_bytes() for p in sorted((tmp_path / name).iterdir())})
+    assert set(outs[0]) == {"train.jsonl", "heldout.jsonl", "manifest.json"}
+    assert outs[0] == outs[1]
+    for name, digest in stats.outputs.items():
+        assert hashlib.sha256(outs[0][name]).hexdigest() == digest
+    manifest = json.loads(outs[0]["manifest.json"])
+    assert manifest["train"]["files"] + manifest["heldout"]["files"] == len(manifest["files"])
+    docs_back = list(read_documents(tmp_path / "a" / "train.jsonl"))
+    assert docs_back and all(d.text for d in docs_back)
+
+
+def test_split_is_by_file_and_stable(files: list[CorpusFile]) -> None:
+    train, held = split_files(files, heldout_fraction=0.3)
+    assert sorted(train + held, key=lambda f: f.key) == files  # whole documents, none lost
+    assert not {f.key for f in train} & {f.key for f in held}
+    # A file's side depends only on its path: same answer inside any subset.
+    sub_train, sub_held = split_files(files[::2], heldout_fraction=0.3)
+    assert {f.key for f in sub_held} == {f.key for f in held} & {f.key for f in files[::2]}
+    assert all(is_heldout(f, 0.3) for f in held)
+    # Hash is uniform enough: ~3% of many paths.
+    keys = [f"stdlib/m{i}.py" for i in range(4000)]
+    frac = sum(heldout_score(k) < 0.03 for k in keys) / len(keys)
+    assert 0.02 < frac < 0.04
+    assert heldout_score("stdlib/json/decoder.py") == heldout_score("stdlib/json/decoder.py")
+
+
+# ---------------------------------------------------------------- tokenizer
+
+@pytest.fixture(scope="module")
+def tok(files: list[CorpusFile]):
+    return train_tokenizer([f.text for f in files], vocab_size=600)
+
+
+def test_special_ids_fixed(tok) -> None:
+    assert SPECIAL_TOKENS == [
+        "<|pad|>", "<|bos|>", "<|eos|>", "<|mask|>", "<|im_start|>", "<|im_end|>",
+        "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<tool_call>", "</tool_call>",
+        "<tool_response>", "</tool_response>", "<|endoftext|>", "<|reserved_0|>",
+        "<|reserved_1|>"]
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i
+        assert tok.encode(t).ids == [i]
+    assert (PAD_ID, BOS_ID, EOS_ID, MASK_ID, IM_END_ID) == (0, 1, 2, 3, 5)
+    assert tok.get_vocab_size() <= 600
+
+
+def test_roundtrip_preserves_whitespace(tok) -> None:
+    code = "def f(x):\n\tif x  ==  1:\n        return 'café ☃'  # 🙂\n\n\n   \n"
+    ids = tok.encode(code).ids
+    assert tok.decode(ids, skip_special_tokens=False) == code
+    assert all(i >= len(SPECIAL_TOKENS) for i in ids)
+
+
+# ---------------------------------------------------------------- chat template
+
+TWO_TURNS = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+             {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
+TWO_TURNS_TEXT = ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+                  "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": '{"temp": 21}'},
+    {"role": "assistant", "content": "21 degrees."},
+]
+TOOL_CHAT_TEXT = (
+    "<|im_start|>system\nYou can call the following tools. Each line is the JSON signature of "
+    "one tool:\n" + json.dumps(WEATHER["function"]) + "\nTo call a tool, answer with "
+    '<tool_call>{"name": <tool name>, "arguments": {<arguments as JSON>}}</tool_call>, one '
+    "block per call.<|im_end|>\n"
+    "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+    '<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    "</tool_call><|im_end|>\n"
+    '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>\n'
+    "<|im_start|>assistant\n21 degrees.<|im_end|>\n")
+
+
+def test_chat_template_exact() -> None:
+    assert render_chat(TWO_TURNS) == TWO_TURNS_TEXT
+    assert render_chat(TWO_TURNS[:1], add_generation_prompt=True) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert render_chat(TOOL_CHAT, tools=[WEATHER]) == TOOL_CHAT_TEXT
+
+
+def test_hf_directory_loads(tok, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    save_hf_tokenizer(tok, tmp_path)
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).token_to_id("<|mask|>") == 3
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id, hf.mask_token_id) == (0, 1, 2, 3)
+    assert hf.convert_tokens_to_ids("<|im_end|>") == IM_END_ID
+    assert hf.apply_chat_template(TWO_TURNS, tokenize=False) == TWO_TURNS_TEXT
+    assert hf.apply_chat_template(TOOL_CHAT, tools=[WEATHER], tokenize=False) == TOOL_CHAT_TEXT
+    assert hf.apply_chat_template(TWO_TURNS[:1], tokenize=False, add_generation_prompt=True) \
+        == render_chat(TWO_TURNS[:1], add_generation_prompt=True)
+    code = "x  =\t[1,  2]\n\n"
+    assert hf.decode(hf(code)["input_ids"]) == code
+    ids = hf.apply_chat_template(TWO_TURNS, tokenize=True, return_dict=True)["input_ids"]
+    assert ids[0] == 4 and ids.count(IM_END_ID) == 4
+
+
+# ---------------------------------------------------------------- instructions
+
+@pytest.fixture(scope="module")
+def records(files: list[CorpusFile]) -> list[dict]:
+    return build_instructions(files, seed=7, heldout=False)
+
+
+def test_instructions_deterministic(files: list[CorpusFile], records: list[dict]) -> None:
+    assert build_instructions(files, seed=7, heldout=False) == records
+    assert build_instructions(files, seed=8, heldout=False) != records
+
+
+def test_instruction_records_well_formed(records: list[dict], tmp_path: Path) -> None:
+    kinds = {r["kind"] for r in records}
+    assert kinds == {"implement", "explain", "fim", "tool_call", "json"}
+    for r in records:
+        if r["kind"] == "fim":
+            continue
+        msgs = r["messages"]
+        assert msgs[-1]["role"] == "assistant"
+        for m in msgs:
+            assert m["role"] in {"system", "user", "assistant", "tool"}
+            assert m["content"].strip() or m.get("tool_calls")
+        if r["kind"] == "tool_call":
+            names = {t["function"]["name"] for t in r["tools"]}
+            for m in msgs:
+                for call in m.get("tool_calls", []):
+                    assert call["function"]["name"] in names
+                    assert isinstance(call["function"]["arguments"], dict)
+            assert "You can call the following tools" in render_chat(msgs, tools=r["tools"])
+        if r["kind"] == "json":
+            assert isinstance(json.loads(msgs[-1]["content"]), dict)
+    explain = {r["messages"][0]["content"]: r["messages"][1]["content"]
+               for r in records if r["kind"] == "explain"}
+    assert any("`fakemod.frobnicate`" in q for q in explain)
+    assert any("`pkg.mod.add`" in q for q in explain)
+    path = tmp_path / "sft.jsonl"
+    assert write_jsonl(records, path) == len(records)
+    assert list(read_jsonl(path)) == records
+
+
+def test_fim_reassembles(files: list[CorpusFile], records: list[dict]) -> None:
+    by_key = {f.key: f.text for f in files}
+    fims = [r for r in records if r["kind"] == "fim"]
+    assert {r["span"] for r in fims} == {"line", "block"}
+    for r in fims:
+        fim = r["fim"]
+        assert fim["middle"].strip()
+        assert fim["prefix"] + fim["middle"] + fim["suffix"] in by_key[r["path"]]
+        assert format_fim(r).startswith("<|fim_prefix|>")
+    small = [r for r in fims if r["path"] == "stdlib/pkg/mod.py"]
+    assert small and all(r["fim"]["prefix"] + r["fim"]["middle"] + r["fim"]["suffix"] == MOD_PY
+                         for r in small)
+    blocks = [r for r in fims if r["span"] == "block"]
+    assert all(r["fim"]["middle"].endswith("\n") and "\n" in r["fim"]["middle"][:-1]
+               for r in blocks)
+
+
+def test_heldout_files_give_heldout_records(files: list[CorpusFile]) -> None:
+    train, held = split_files(files, heldout_fraction=0.3)
+    assert train and held
+    rt = build_instructions(train, seed=1, heldout=False)
+    rh = build_instructions(held, seed=1, heldout=True)
+    train_keys, held_keys = {f.key for f in train}, {f.key for f in held}
+    assert all(r["path"] in train_keys for r in rt if "path" in r)
+    assert all(r["path"] in held_keys for r in rh if "path" in r)
+    prompts = lambda rs: {first_user_prompt(r) for r in rs if "messages" in r}  # noqa: E731
+    assert prompts(rt) and prompts(rh) and not prompts(rt) & prompts(rh)
