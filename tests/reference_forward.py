@@ -278,8 +278,14 @@ def reference_logits(model_dir: Path, input_ids: Tensor, attention: str) -> Tens
     `attention`: "bidirectional", "causal" or "block_causal:B" (query i sees key j iff
     j // B <= i // B, positions counted from 0). Positions are 0..L-1. No logit shift is applied
     (Dream / Fast-dLLM v2 callers must shift: prediction for token i is row i-1)."""
+    return logits_from_weights(load_config(model_dir), load_weights(model_dir), input_ids, attention)
+
+
+@torch.no_grad()
+def logits_from_weights(cfg: dict[str, Any], weights: Weights, input_ids: Tensor, attention: str) -> Tensor:
+    """`reference_logits` on an already loaded (config.json dict, float32 state dict) pair."""
     assert input_ids.dim() == 2 and input_ids.shape[0] == 1, "batch of one"
-    cfg, w = load_config(model_dir), load_weights(model_dir)
+    w = {k: v.float() for k, v in weights.items()}
     ids = input_ids[0].long().cpu()
     allowed = attention_allowed(len(ids), attention)
     family = family_of(cfg)

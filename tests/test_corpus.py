@@ -9,7 +9,6 @@ import hashlib
 import json
 import shutil
 import sysconfig
-import warnings
 from pathlib import Path
 
 import pytest

@@ -84,6 +84,7 @@ class Decision:
     probs: Tensor  # float32: p(token) under the distribution the policy judged (for logprobs)
 
 
+NEEDS_ENTROPY = frozenset({"entropy", "entropy_bounded"})
 Rule = Callable[[PolicyConfig, Proposal, BlockState, torch.Generator | None], Tensor]
 
 
@@ -112,7 +113,7 @@ def decide(cfg: PolicyConfig, logits: Tensor, positions: Tensor, state: BlockSta
     if cfg.name == "credit":
         state.credit = update_credit(state.credit, logits, positions, cfg.credit_decay, cfg.credit_gamma)
         logits = fuse_credit(logits, positions, state.credit, cfg.credit_weight)
-    proposal = propose(logits, sampling, generator)
+    proposal = propose(logits, sampling, generator, need_entropy=cfg.name in NEEDS_ENTROPY)
     commit = POLICIES[cfg.name](cfg, proposal, state, generator)
     state.step += 1
     return Decision(commit=commit, tokens=proposal.tokens, probs=proposal.probs)

@@ -43,7 +43,8 @@ class Proposal:
     logprobs: Tensor  # float32: log p(x0), computed in log space (no underflow to -inf)
 
 
-def propose(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Proposal:
+def propose(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+            need_entropy: bool = True) -> Proposal:
     """Propose one token per row of `logits` [M, V].
 
     Steps:
@@ -57,12 +58,22 @@ def propose(logits: Tensor, params: SamplingParams, generator: torch.Generator |
       4. Sample x0 ~ processed distribution with `torch.multinomial(generator=generator)`: rows of one call are drawn
          in order from that generator only, so a request's draws never depend on other requests.
       5. Report p(x0), log p(x0), entropy and p1 - p2 of the processed distribution.
+    Greedy without `need_entropy` never materialises the softmax: max, top-2 and logsumexp suffice
+    (the per-step cost that matters with 150K-token vocabularies); entropy is then NaN.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [M, V], got shape {tuple(logits.shape)}")
     x = logits.float()
     if x.shape[0] == 0:
         return _empty(x)
+
+    if params.greedy and not need_entropy:
+        top2, top2_ids = x.topk(min(2, x.shape[1]), dim=-1)
+        lse = torch.logsumexp(x, dim=-1)
+        p2 = (top2 - lse.unsqueeze(1)).exp()
+        margin = p2[:, 0] - p2[:, 1] if p2.shape[1] > 1 else p2[:, 0]
+        return Proposal(tokens=top2_ids[:, 0], probs=p2[:, 0], entropy=torch.full_like(lse, float("nan")),
+                        margin=margin, logprobs=top2[:, 0] - lse)
 
     ids: Tensor | None = None  # maps a column of `work` back to a vocabulary id (None = identity)
     sorted_desc = False

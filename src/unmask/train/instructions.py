@@ -73,7 +73,12 @@ def first_paragraph(doc: str) -> str | None:
     if not paras or ">>>" in paras[0]:
         return None
     text = " ".join(line.strip() for line in paras[0].splitlines())
-    return text if 15 <= len(text) <= 800 else None
+    return text if _usable(text) else None
+
+
+def _usable(text: str) -> bool:
+    # A paragraph ending in ":" introduces a list or example that we cut off.
+    return 15 <= len(text) <= 800 and not text.endswith(":")
 
 
 # ---------------------------------------------------------------- stdlib code: implement/explain
@@ -217,7 +222,7 @@ def clean_rst(text: str) -> str:
     text = re.sub(r":[\w:.-]+:`([^`<]*?)\s*(?:<[^>]*>)?`", role, text)
     text = re.sub(r"``(.+?)``", r"`\1`", text)
     text = re.sub(r"`([^`<]+?)\s*<[^>]+>`__?", r"\1", text)  # hyperlinks
-    text = re.sub(r"\\(.)", r"\1", text)
+    text = re.sub(r"\\(.)", r"\1", text).replace("|nbsp|", " ")
     return re.sub(r"\s+", " ", text).strip()
 
 
@@ -258,7 +263,7 @@ def _doc_records(f: CorpusFile, rng: random.Random) -> list[Record]:
         if not para or para[0].startswith(".."):
             continue
         answer = clean_rst(" ".join(para))
-        if 15 <= len(answer) <= 800 and _is_public(full):
+        if _usable(answer) and _is_public(full):
             q = rng.choice(_EXPLAIN_PROMPTS).format(name=full)
             out.append({"kind": "explain", "path": f.key, "messages": [_user(q), _assistant(answer)]})
     return out

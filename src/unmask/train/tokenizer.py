@@ -169,11 +169,18 @@ def _jinja_env():
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_Generation, jinja2.ext.loopcontrols])
-    # Jinja's own tojson HTML-escapes "<" and "&"; transformers swaps in plain json.dumps.
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
-        sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                                    separators=separators, sort_keys=sort_keys)
+    env.filters["tojson"] = _tojson
     return env
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes "<" and "&"; transformers swaps in plain json.dumps.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+_TEMPLATE = None  # compiled on first use
 
 
 def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -185,5 +192,3 @@ def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
     return _TEMPLATE.render(messages=messages, tools=tools,
                             add_generation_prompt=add_generation_prompt)
 
-
-_TEMPLATE = None  # compiled lazily: jinja is only needed by callers that render chats

@@ -1,0 +1,169 @@
+"""The model a training run updates: a fresh unmask model, or any family's checkpoint, plus LoRA.
+
+Weights are always held in the canonical (Qwen) layout of `DiffusionTransformer`; the family
+only matters when reading and writing checkpoint names.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from unmask.models.loader import load_spec, load_weights, read_state, weight_files
+from unmask.models.registry import Family, family_for
+from unmask.models.transformer import ArchConfig, DiffusionTransformer
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Size of a fresh unmask model; the default is the ~7.5M-parameter unmask-tiny."""
+
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
+    head_dim: int = 32
+    intermediate: int = 768
+    max_position: int = 2048
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    block_size: int = 8  # default inference block size written to config.json
+
+
+def new_unmask_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                      intermediate: int, max_pos: int, block_size: int, mask_id: int, eos_ids: list[int],
+                      bos_id: int | None = None, pad_id: int | None = None, rope_theta: float = 10000.0,
+                      tie_embeddings: bool = False, train_block_sizes: list[int] | None = None) -> dict:
+    """config.json of an `UnmaskForDiffusionLM` (Qwen3 keys + mask_token_id + block_size)."""
+    cfg = {
+        "architectures": ["UnmaskForDiffusionLM"],
+        "model_type": "unmask",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": max_pos,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": tie_embeddings,
+        "mask_token_id": mask_id,
+        "block_size": block_size,
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else list(eos_ids),
+        "bos_token_id": bos_id,
+        "pad_token_id": pad_id,
+        "torch_dtype": "float32",
+        "use_cache": False,
+    }
+    if train_block_sizes:
+        cfg["train_block_sizes"] = list(train_block_sizes)
+    return cfg
+
+
+def shape_config(shape: ModelShape, vocab_size: int, mask_id: int, eos_ids: list[int], bos_id: int | None,
+                 pad_id: int | None, train_block_sizes: list[int] | None) -> dict:
+    return new_unmask_config(vocab_size, shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.head_dim,
+                             shape.intermediate, shape.max_position, shape.block_size, mask_id, eos_ids,
+                             bos_id, pad_id, shape.rope_theta, shape.tie_embeddings, train_block_sizes)
+
+
+def init_weights(model: DiffusionTransformer, seed: int, std: float = 0.02) -> None:
+    """N(0, std) matrices and embeddings, unit norms; the projections that write into the
+    residual stream get std / sqrt(2 * layers) so its variance does not grow with depth (GPT-2)."""
+    g = torch.Generator().manual_seed(seed)
+    resid_std = std / math.sqrt(2 * model.cfg.num_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # named_parameters: a tied weight appears once
+            if p.dim() == 1:
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
+            else:
+                s = resid_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=g) * s)
+
+
+@dataclass
+class TrainableModel:
+    model: DiffusionTransformer
+    family: Family
+    arch: ArchConfig
+    config: dict                 # config.json to export
+    generation_config: dict
+    mask_id: int
+    eos_id: int
+    block_size: int              # the family's configured inference block size
+    stop_ids: tuple[int, ...] = ()
+    source: Path | None = None   # checkpoint directory it came from (files to carry on export)
+    lora: dict = field(default_factory=dict)  # LoRA settings when adapters are injected
+
+
+def fresh_model(config: dict, generation_config: dict, seed: int) -> TrainableModel:
+    family = family_for(config)
+    arch = family.parse_config(config)
+    model = DiffusionTransformer(arch)
+    init_weights(model, seed)
+    eos = config["eos_token_id"]
+    stops = generation_config.get("eos_token_id", eos)
+    return TrainableModel(model, family, arch, config, generation_config, family.mask_id(config),
+                          eos[0] if isinstance(eos, list) else eos, family.block_size(config),
+                          tuple(stops if isinstance(stops, list) else [stops]))
+
+
+def load_trainable(model_dir: str | Path) -> TrainableModel:
+    """A checkpoint of any supported family, in float32 with gradients (load_model freezes)."""
+    spec = load_spec(model_dir)
+    model = DiffusionTransformer(spec.arch)
+    load_weights(model, spec, read_state(weight_files(spec.path)))
+    model = model.float().requires_grad_(True)
+    if spec.eos_id is None:
+        raise ValueError(f"{spec.path}: no eos_token_id in config.json or generation_config.json")
+    return TrainableModel(model, spec.family, spec.arch, dict(spec.config), dict(spec.generation_config),
+                          spec.mask_id, spec.eos_id, spec.block_size, spec.stop_ids, source=spec.path)
+
+
+def apply_lora(tm: TrainableModel, rank: int, alpha: float | None = None, dropout: float = 0.0) -> None:
+    """Inject LoRA adapters (peft, arXiv 2106.09685) into attention and MLP linears; only they train."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    alpha = float(alpha if alpha is not None else 2 * rank)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(LORA_TARGETS))
+    inject_adapter_in_model(cfg, tm.model)
+    for name, p in tm.model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    tm.lora = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": list(LORA_TARGETS)}
+
+
+def canonical_state(model: nn.Module, arch: ArchConfig) -> dict[str, torch.Tensor]:
+    """Full weights in canonical names, LoRA deltas merged in (W + B A * alpha / r)."""
+    from peft.tuners.lora import LoraLayer
+
+    state = {}
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if "lora_" in k:
+                continue
+            state[k.replace(".base_layer.", ".")] = v.detach()
+        for name, mod in model.named_modules():
+            if isinstance(mod, LoraLayer):
+                key = f"{name}.weight"
+                state[key] = state[key] + mod.get_delta_weight("default").to(state[key].dtype)
+    if arch.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    return {k: v for k, v in state.items() if not k.startswith("rope.")}
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a training checkpoint stores of the model: the parameters being trained."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def count_params(model: nn.Module, trainable: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)

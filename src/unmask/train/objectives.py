@@ -1,0 +1,135 @@
+"""Masked-diffusion training objectives: the plain MDM loss and its block-diffusion form.
+
+Plain (LLaDA, arXiv 2502.09992; MDLM, arXiv 2406.07524): draw t ~ U(0, 1), mask every
+loss-eligible token independently with probability p = (1 - eps) t + eps, and score the masked
+positions with cross-entropy weighted by 1/p over one fully bidirectional pass.
+
+Block diffusion (BD3-LM, arXiv 2503.09573; SDAR; Fast-dLLM v2): the model reads [x_t ; x_0]
+(2L tokens, both halves at positions 0..L-1) under `block_diffusion_mask`, so one pass scores
+every block of x_t as if the blocks before it had been generated already, which is exactly what
+block-by-block inference with a KV cache of committed blocks sees.
+
+Both return the *sum* of weighted CE; the caller divides by the number of loss-eligible tokens
+of the whole global batch so that gradient accumulation and data parallelism give the same
+number as one big batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from unmask.models.transformer import DiffusionTransformer
+
+EPS = 1e-3
+
+
+@dataclass(frozen=True)
+class Objective:
+    mask_id: int
+    # None: one bidirectional pass over x_t (LLaDA, Dream). Otherwise block diffusion over
+    # [x_t ; x_0] with a block size drawn per batch from this set, so that inference works at
+    # any of them (the block size is a per-request setting in the engine).
+    block_sizes: tuple[int, ...] | None = None
+    shift: bool = False         # logits at i predict token i+1 (Dream, Fast-dLLM v2)
+    eps: float = EPS
+    t_per_block: bool = True    # one t per block (BD3-LM, Fast-dLLM v2) instead of per sequence (SDAR)
+    stratified_t: bool = True   # low-discrepancy t over the batch (MDLM): same mean, less variance
+
+    def __post_init__(self):
+        if self.block_sizes is not None and (not self.block_sizes or min(self.block_sizes) < 1):
+            raise ValueError(f"block_sizes must be positive, got {self.block_sizes}")
+
+
+@dataclass
+class Noise:
+    """One batch's corruption: which tokens are masked and with what probability."""
+
+    block_size: int | None
+    masked: Tensor  # [B, L] bool
+    p: Tensor       # [B, L] float32, masking probability of each position
+
+    def rows(self, sl: slice) -> "Noise":
+        return Noise(self.block_size, self.masked[sl], self.p[sl])
+
+
+def block_diffusion_mask(length: int, block_size: int) -> Tensor:
+    """[2L, 2L] bool (True = may attend) over [x_t ; x_0].
+
+    noisy q -> noisy k of its own block, and clean k of strictly earlier blocks;
+    clean q -> clean k of its own and earlier blocks (block-causal); clean q never sees noise.
+    """
+    return _bd_mask(length, block_size).clone()
+
+
+@lru_cache(maxsize=32)
+def _bd_mask(length: int, block_size: int) -> Tensor:
+    blk = torch.arange(length) // block_size
+    bq, bk = blk[:, None], blk[None, :]
+    noisy_noisy = bq == bk
+    noisy_clean = bk < bq
+    clean_clean = bk <= bq
+    top = torch.cat([noisy_noisy, noisy_clean], dim=1)
+    bottom = torch.cat([torch.zeros_like(clean_clean), clean_clean], dim=1)
+    return torch.cat([top, bottom], dim=0)
+
+
+def loss_eligible(loss_mask: Tensor, shift: bool) -> Tensor:
+    """Positions that may be noised and scored; with shifted logits position 0 has no predictor."""
+    if not shift:
+        return loss_mask
+    out = loss_mask.clone()
+    out[:, 0] = False
+    return out
+
+
+def draw_noise(obj: Objective, loss_mask: Tensor, gen: torch.Generator) -> Noise:
+    """Sample a block size, t and the mask for a [B, L] batch; positions with loss_mask False
+    (SFT prompts) are never noised. All randomness comes from `gen`, on the CPU, so every
+    data-parallel rank draws the same global noise and takes its own rows."""
+    B, L = loss_mask.shape
+    bs = None
+    if obj.block_sizes is not None:
+        bs = obj.block_sizes[int(torch.randint(len(obj.block_sizes), (1,), generator=gen))]
+    per_row = -(-L // bs) if (bs is not None and obj.t_per_block) else 1
+    n = B * per_row
+    if obj.stratified_t:  # t_i = (u + i/n) mod 1, then shuffled so strata do not follow row order
+        t = (torch.rand(1, generator=gen) + torch.arange(n) / n) % 1.0
+        t = t[torch.randperm(n, generator=gen)]
+    else:
+        t = torch.rand(n, generator=gen)
+    t = t.view(B, per_row)
+    if per_row > 1:
+        t = t.repeat_interleave(bs, dim=1)[:, :L]
+    p = ((1 - obj.eps) * t + obj.eps).expand(B, L).contiguous()
+    u = torch.rand(B, L, generator=gen)
+    eligible = loss_eligible(loss_mask.cpu(), obj.shift)
+    return Noise(bs, (u < p) & eligible, p)
+
+
+def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, obj: Objective) -> Tensor:
+    """Sum over masked positions of CE(x0) / p. Only masked rows go through the LM head."""
+    B, L = x0.shape
+    dev = x0.device
+    masked, p = noise.masked.to(dev), noise.p.to(dev)
+    xt = torch.where(masked, torch.full_like(x0, obj.mask_id), x0)
+    pos = torch.arange(L, device=dev).expand(B, L)
+    if noise.block_size is None:
+        hidden = model.forward_dense(xt, pos, None)  # [B, L, D], bidirectional
+    else:
+        attn = _bd_mask(L, noise.block_size).to(dev)[None, None]
+        hidden = model.forward_dense(torch.cat([xt, x0], 1), torch.cat([pos, pos], 1), attn)  # [B, 2L, D]
+    b, j = masked.nonzero(as_tuple=True)
+    src = j
+    if obj.shift:  # token j is read from row j-1; a block's first token from the clean row j-1,
+        src = j - 1  # as in Fast-dLLM v2 inference where it comes from the previous block's commit pass
+        if noise.block_size is not None:
+            src = torch.where(j % noise.block_size == 0, L + j - 1, src)
+    if b.numel() == 0:  # keep every parameter in the graph (DDP) with a zero-weight row
+        return model.logits(hidden[:1, 0]).sum() * 0.0
+    logits = model.logits(hidden[b, src])  # [N, V] float32
+    ce = F.cross_entropy(logits, x0[b, j], reduction="none")
+    return (ce / p[b, j]).sum()

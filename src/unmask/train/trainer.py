@@ -1,0 +1,438 @@
+"""Training loop shared by pre-training (`train`) and supervised fine-tuning (`finetune`).
+
+One code path for 1..N processes: every rank draws the same global batch and the same noise
+(all randomness is a function of seed and step), takes its own rows, and the loss is normalised
+by the loss-eligible tokens of the *global* batch, so `torchrun --nproc_per_node 2` with B/2 rows
+each computes what one process computes with B rows. DDP averages gradients across ranks, so
+each rank's loss is scaled by the world size.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from unmask.models.transformer import DiffusionTransformer
+from unmask.train.checkpoint import (CheckpointError, ensure_writable, export_model, load_checkpoint,
+                                     rng_state, save_adapter, save_checkpoint, set_rng_state)
+from unmask.train.data import BatchIterator, DataError, TokenRows, eval_batches
+from unmask.train.model_init import (ModelShape, TrainableModel, apply_lora, count_params, trainable_state)
+from unmask.train.objectives import Noise, Objective, diffusion_loss_sum, draw_noise, loss_eligible
+
+DEFAULT_BLOCK_SIZES = (4, 8, 16, 32)
+# settings a resumed run must share with the checkpoint for its batches and noise to line up
+_RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "model")
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/unmask"
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1          # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    total_steps: int = 2000
+    batch_size: int = 16               # rows per optimizer step, over all processes
+    grad_accum: int = 1                # micro-batches per optimizer step (per process)
+    seq_len: int = 256
+    block_sizes: tuple[int, ...] | None = None  # None: (4, 8, 16, 32) pre-training; the model's own when fine-tuning
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    eval_every: int = 200              # 0: never
+    eval_batches: int = 8
+    save_every: int = 200              # 0: only at the end
+    log_every: int = 10
+    seed: int = 0
+    bf16: bool = True                  # bf16 autocast (weights and optimizer stay float32)
+    device: str = "auto"               # "cpu", "cuda", "auto"
+    lora_rank: int = 0                 # >0: train LoRA adapters only (fine-tuning)
+    lora_alpha: float | None = None    # default 2 * rank
+    lora_merge: bool = True            # export merged full weights (the adapter is saved either way)
+    resume: bool = False               # continue from out_dir/checkpoint.pt if it exists
+    export_dtype: str = "float32"
+    on_error: Literal["skip", "raise"] = "raise"  # malformed SFT lines
+    progress: Literal["auto", "rich", "plain", "none"] = "auto"
+    model: ModelShape = field(default_factory=ModelShape)  # fresh pre-training model only
+
+    def __post_init__(self):
+        if isinstance(self.model, dict):
+            self.model = ModelShape(**self.model)
+        if self.block_sizes is not None:
+            self.block_sizes = tuple(int(b) for b in self.block_sizes)
+        for name in ("lr", "total_steps", "batch_size", "grad_accum", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ValueError("warmup_steps must be >= 0")
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    model_dir: Path | None             # exported Hugging Face-format directory
+    steps: int
+    losses: list[float]                # training loss of every step, from step 1
+    eval_losses: list[tuple[int, float]]
+    tokens_per_s: float                # data tokens (not the doubled input) per second of training
+
+
+# ------------------------------------------------------------------ processes and progress
+
+@dataclass
+class _Dist:
+    rank: int
+    world: int
+    device: torch.device
+    owns_group: bool
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, values: list[float]) -> list[float]:
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (e.g. writes a cache) and the others then reuse its work."""
+        if not self.main:
+            self.barrier()
+        yield
+        if self.main:
+            self.barrier()
+
+
+def _init_dist(device: str) -> _Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    owns = False
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        owns = True
+    rank = dist.get_rank() if world > 1 else 0
+    dev = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if device == "cuda" else device)
+    return _Dist(rank, world, dev, owns)
+
+
+class _Reporter:
+    """A live rich progress bar on a terminal, plain log lines otherwise; silent off rank 0."""
+
+    def __init__(self, cfg: TrainConfig, enabled: bool, start: int):
+        self.every, self.total, self.start = cfg.log_every, cfg.total_steps, start
+        mode = cfg.progress if enabled else "none"
+        if mode == "auto":
+            mode = "rich" if sys.stdout.isatty() else "plain"
+        self.mode, self.bar = mode, None
+        if mode == "rich":
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                                TextColumn("eta"), TimeRemainingColumn())
+            self.task = self.bar.add_task("train", total=self.total, completed=start, loss=float("nan"), tps=0.0)
+            self.bar.start()
+
+    def log(self, msg: str) -> None:
+        if self.mode == "rich":
+            self.bar.console.print(msg)
+        elif self.mode == "plain":
+            print(msg, flush=True)
+
+    def step(self, step: int, loss: float, lr: float, tps: float, eta_s: float) -> None:
+        if self.mode == "rich":
+            self.bar.update(self.task, completed=step, loss=loss, tps=tps)
+        elif self.mode == "plain" and (step % self.every == 0 or step == self.total):
+            eta = time.strftime("%H:%M:%S", time.gmtime(max(0.0, eta_s)))
+            print(f"step {step}/{self.total} loss {loss:.4f} lr {lr:.2e} {tps:,.0f} tok/s eta {eta}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+# ------------------------------------------------------------------ the loop
+
+class _LossModule(nn.Module):
+    """The model plus the objective, so DDP wraps one forward that returns the loss."""
+
+    def __init__(self, model: DiffusionTransformer, obj: Objective):
+        super().__init__()
+        self.model, self.obj = model, obj
+
+    def forward(self, x0: Tensor, masked: Tensor, p: Tensor, block_size: int) -> Tensor:
+        return diffusion_loss_sum(self.model, x0, Noise(block_size or None, masked, p), self.obj)
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Linear warmup, then cosine decay to min_lr_ratio at total_steps."""
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        done = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done))
+    return f
+
+
+def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]  # norms, biases
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+
+
+def _noise_gen(seed: int, step: int, salt: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 31 + salt)
+
+
+def _check_resume(saved: dict, cfg: TrainConfig) -> None:
+    now = asdict(cfg)
+    diff = [k for k in _RESUME_KEYS if _norm(saved.get(k)) != _norm(now.get(k))]
+    if diff:
+        raise CheckpointError(f"cannot resume: {', '.join(f'{k} was {saved.get(k)!r}, now {now.get(k)!r}' for k in diff)}")
+
+
+def _norm(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, eval_rows: TokenRows | None,
+        tokenizer_dir: Path | None, ctx: _Dist, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+    out = Path(cfg.out_dir)
+    B, A, W = cfg.batch_size, cfg.grad_accum, ctx.world
+    if B % (A * W):
+        raise ValueError(f"batch_size {B} must be divisible by grad_accum {A} x processes {W}")
+    if rows.seq_len != cfg.seq_len:
+        raise DataError(f"data rows have length {rows.seq_len}, seq_len is {cfg.seq_len}")
+    model = tm.model.to(ctx.device)
+    model.train()
+    opt = _optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    batches = BatchIterator(len(rows), B, cfg.seed)
+    step, losses, evals, train_time = 0, [], [], 0.0
+
+    saved = load_checkpoint(out) if cfg.resume else None
+    if saved is not None:
+        _check_resume(saved["config"], cfg)
+        missing = set(trainable_state(model)) - set(saved["model"])
+        if missing:
+            raise CheckpointError(f"checkpoint lacks trained weights {sorted(missing)[:3]}")
+        model.load_state_dict(saved["model"], strict=False)
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        batches.load_state_dict(saved["data"])
+        set_rng_state(saved["rng"])
+        step, losses, evals, train_time = saved["step"], saved["losses"], saved["evals"], saved["train_time"]
+
+    loss_module: nn.Module = _LossModule(model, obj)
+    if W > 1:
+        loss_module = nn.parallel.DistributedDataParallel(loss_module)
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    rep = _Reporter(cfg, ctx.main, step)
+    rep.log(f"{tm.family.name} model, {count_params(model) / 1e6:.2f}M parameters "
+            f"({count_params(model, trainable=True) / 1e6:.2f}M trained), {len(rows):,} rows x {cfg.seq_len}, "
+            f"{'block diffusion ' + str(obj.block_sizes) if obj.block_sizes else 'bidirectional masked diffusion'}, "
+            f"{W} process(es) on {ctx.device}" + (f", resumed at step {step}" if saved else ""))
+
+    def checkpoint() -> None:
+        if ctx.main:
+            save_checkpoint(out, {
+                "format": 1, "step": step, "model": trainable_state(model), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "data": batches.state_dict(), "rng": rng_state(),
+                "config": asdict(cfg), "model_config": tm.config, "losses": losses, "evals": evals,
+                "train_time": train_time})
+        ctx.barrier()
+
+    def evaluate() -> float:
+        model.eval()
+        tot = [0.0, 0.0]
+        with torch.no_grad(), autocast:
+            for i, idx in enumerate(eval_batches(len(eval_rows), B, cfg.eval_batches)):
+                x0, lm = eval_rows.batch(idx)
+                noise = draw_noise(obj, lm, _noise_gen(cfg.seed, i, salt=7))  # same noise at every eval
+                mine = slice(ctx.rank * B // W, (ctx.rank + 1) * B // W)
+                tot[0] += float(diffusion_loss_sum(model, x0[mine].to(ctx.device), noise.rows(mine), obj))
+                tot[1] += float(loss_eligible(lm, obj.shift).sum()) / W
+        model.train()
+        s, n = ctx.sum(tot)
+        return s / max(n, 1.0)
+
+    try:
+        while step < cfg.total_steps:
+            t0 = time.perf_counter()
+            x0, lm = rows.batch(next(batches))
+            noise = draw_noise(obj, lm, _noise_gen(cfg.seed, step))
+            n_eligible = max(1, int(loss_eligible(lm, obj.shift).sum()))
+            loss_sum = 0.0
+            for m in range(A):
+                lo = m * (B // A) + ctx.rank * (B // (A * W))
+                mine = slice(lo, lo + B // (A * W))
+                sync = contextlib.nullcontext() if (W == 1 or m == A - 1) else loss_module.no_sync()
+                with sync:
+                    with autocast:
+                        part = loss_module(x0[mine].to(ctx.device), noise.masked[mine], noise.p[mine], noise.block_size or 0)
+                    (part * (W / n_eligible)).backward()
+                loss_sum += float(part.detach())
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            loss = ctx.sum([loss_sum])[0] / n_eligible
+            losses.append(loss)
+            train_time += time.perf_counter() - t0
+            tps = B * cfg.seq_len * (step - (saved["step"] if saved else 0)) / max(train_time - (saved["train_time"] if saved else 0), 1e-9)
+            rep.step(step, loss, sched.get_last_lr()[0], tps, (cfg.total_steps - step) * B * cfg.seq_len / max(tps, 1e-9))
+            metrics = {"loss": loss, "lr": sched.get_last_lr()[0], "tokens_per_s": tps, "block_size": noise.block_size}
+            if eval_rows is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.total_steps):
+                metrics["eval_loss"] = evaluate()
+                evals.append((step, metrics["eval_loss"]))
+                rep.log(f"step {step}: eval loss {metrics['eval_loss']:.4f}")
+            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps:
+                checkpoint()
+            if on_step is not None:
+                on_step(step, metrics)
+        model_dir = None
+        if ctx.main:
+            model_dir = _export(cfg, tm, out, tokenizer_dir, rep)
+        ctx.barrier()
+    finally:
+        rep.close()
+    tokens = B * cfg.seq_len * len(losses)
+    return TrainResult(out, model_dir if ctx.main else out / "model", step, losses, evals,
+                       tokens / train_time if train_time else 0.0)
+
+
+def _export(cfg: TrainConfig, tm: TrainableModel, out: Path, tokenizer_dir: Path | None, rep: _Reporter) -> Path | None:
+    model_dir = None
+    tm.model.eval()
+    if tm.lora:
+        save_adapter(tm, out / "adapter")
+        rep.log(f"LoRA adapter saved to {out / 'adapter'}")
+    if not tm.lora or cfg.lora_merge:
+        model_dir = export_model(tm, out / "model", tokenizer_dir, cfg.export_dtype)
+        rep.log(f"model exported to {model_dir} ({tm.family.name} format)")
+    tm.model.train()
+    return model_dir
+
+
+# ------------------------------------------------------------------ entry points
+
+def _prepare(cfg: TrainConfig) -> _Dist:
+    ctx = _init_dist(cfg.device)
+    if ctx.main:
+        ensure_writable(Path(cfg.out_dir))  # fail before tokenizing or building anything
+    ctx.barrier()
+    return ctx
+
+
+def _finish(ctx: _Dist) -> None:
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init_from: str | Path | None = None,
+          on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+    """Pre-train a fresh unmask model (shape `cfg.model`) on a corpus, or continue `init_from`.
+
+    data: a corpus directory with train.jsonl (+ heldout.jsonl for eval), documents
+    {"source", "path", "text"}; or the same with train.npy/heldout.npy token streams; or one
+    .jsonl / .npy file. Documents are separated by <|endoftext|> (EOS if the tokenizer lacks it)
+    and packed into rows of cfg.seq_len tokens.
+    """
+    ctx = _prepare(cfg)
+    try:
+        from unmask.tokenizer import Tokenizer
+        from unmask.train.data import load_pretraining
+        from unmask.train.model_init import fresh_model, load_trainable, shape_config
+
+        tok = Tokenizer(tokenizer_dir)
+        ids = _special_ids(tok)
+        sep = ids["endoftext"] if ids["endoftext"] is not None else ids["eos"]
+        with ctx.main_first():
+            rows, eval_rows = load_pretraining(Path(data), tok, cfg.seq_len, sep, Path(cfg.out_dir) / "tokens",
+                                               log=print if ctx.main else (lambda _: None))
+        sizes = cfg.block_sizes or DEFAULT_BLOCK_SIZES
+        if init_from is not None:
+            tm = load_trainable(init_from)
+        else:
+            if ids["mask"] is None:
+                raise DataError(f"tokenizer {tokenizer_dir} has no mask token (<|mask|>)")
+            stops = [i for i in (ids["eos"], ids["im_end"], ids["endoftext"]) if i is not None]
+            vocab = -(-len(tok.hf) // 64) * 64
+            config = shape_config(cfg.model, vocab, ids["mask"], [ids["eos"]], ids["bos"], ids["pad"], list(sizes))
+            gen = {"eos_token_id": stops, "bos_token_id": ids["bos"], "pad_token_id": ids["pad"]}
+            tm = fresh_model(config, gen, cfg.seed)
+        _check_vocab(tm, rows)
+        obj = _objective(tm, sizes)
+        return run(cfg, _maybe_lora(tm, cfg), obj, rows, eval_rows, Path(tokenizer_dir), ctx, on_step)
+    finally:
+        _finish(ctx)
+
+
+def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *, eval_path: str | Path | None = None,
+             on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+    """Supervised fine-tuning of any supported checkpoint on chat / FIM JSONL (see `unmask.train.sft`).
+
+    Loss on assistant turns (and FIM middles) plus the EOS padding after them; prompts are never
+    noised. The export in out_dir/model keeps the family's own format and tokenizer files.
+    """
+    ctx = _prepare(cfg)
+    try:
+        from unmask.tokenizer import Tokenizer
+        from unmask.train.model_init import load_trainable
+        from unmask.train.sft import SFTEncoder, load_sft
+
+        tm = load_trainable(model_dir)
+        tok = Tokenizer(model_dir)
+        enc = SFTEncoder(tok, tm.eos_id, tm.stop_ids)
+        rows, _ = load_sft(jsonl_path, enc, cfg.seq_len, cfg.on_error)
+        eval_rows = load_sft(eval_path, enc, cfg.seq_len, cfg.on_error)[0] if eval_path else None
+        _check_vocab(tm, rows)
+        sizes = cfg.block_sizes or tuple(tm.config.get("train_block_sizes") or [tm.block_size])
+        return run(cfg, _maybe_lora(tm, cfg), _objective(tm, sizes), rows, eval_rows, None, ctx, on_step)
+    finally:
+        _finish(ctx)
+
+
+def _special_ids(tok) -> dict[str, int | None]:
+    hf = tok.hf
+    return {"eos": hf.eos_token_id, "bos": hf.bos_token_id, "pad": hf.pad_token_id,
+            "mask": hf.mask_token_id if hf.mask_token_id is not None else tok.token_id("<|mask|>"),
+            "im_end": tok.token_id("<|im_end|>"), "endoftext": tok.token_id("<|endoftext|>")}
+
+
+def _objective(tm: TrainableModel, sizes: tuple[int, ...]) -> Objective:
+    if tm.mask_id >= tm.arch.vocab_size:
+        raise DataError(f"mask token id {tm.mask_id} is outside the vocabulary ({tm.arch.vocab_size})")
+    block = None if tm.family.attention == "bidirectional" else tuple(sizes)
+    return Objective(mask_id=tm.mask_id, block_sizes=block, shift=tm.family.shift)
+
+
+def _check_vocab(tm: TrainableModel, rows: TokenRows) -> None:
+    top = int(rows.ids.max())
+    if top >= tm.arch.vocab_size:
+        raise DataError(f"token id {top} in the data is outside the model's vocabulary ({tm.arch.vocab_size})")
+
+
+def _maybe_lora(tm: TrainableModel, cfg: TrainConfig) -> TrainableModel:
+    if cfg.lora_rank > 0:
+        apply_lora(tm, cfg.lora_rank, cfg.lora_alpha)
+    return tm
