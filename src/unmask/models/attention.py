@@ -67,7 +67,7 @@ class Segment:
     suffix: int = 0                 # cached tokens after the segment that stay visible
     cache: KVCache | None = None
     block_ids: Tensor | None = None  # [length] long; None = all in one block (bidirectional)
-    mask: Tensor | None = None       # filled by prepare(): [length, keys] bool or None
+    inner: Tensor | None = None      # filled by prepare(): [length, length] bool, None = no masking
 
     @property
     def num_keys(self) -> int:
@@ -77,21 +77,22 @@ class Segment:
         if self.cache is None and (self.start or self.suffix):
             raise ValueError("a segment that reads cached positions needs a cache")
         if self.cache is not None:
-            if self.write:
-                self.cache.reserve(self.start + self.write)
+            self.cache.reserve(self.start + self.length)
             if self.start > self.cache.length and self.start > 0:
                 raise ValueError(f"segment starts at {self.start} but the cache holds {self.cache.length}")
-        if self.block_ids is None:
-            self.mask = None
-            return
-        b = self.block_ids
-        inner = b[None, :] <= b[:, None]
-        if bool(inner.all()):
-            self.mask = None
-            return
-        pre = torch.ones(self.length, self.start, dtype=torch.bool, device=b.device)
-        post = torch.ones(self.length, self.suffix, dtype=torch.bool, device=b.device)
-        self.mask = torch.cat([pre, inner, post], dim=1)
+        self.inner = None
+        if self.block_ids is not None:
+            b = self.block_ids
+            inner = b[None, :] <= b[:, None]
+            self.inner = None if bool(inner.all()) else inner
+
+    def mask_rows(self, lo: int, hi: int) -> Tensor | None:
+        """Mask rows [lo, hi) over all keys (cached prefix and suffix are always visible)."""
+        if self.inner is None:
+            return None
+        n, dev = hi - lo, self.inner.device
+        return torch.cat([torch.ones(n, self.start, dtype=torch.bool, device=dev), self.inner[lo:hi],
+                          torch.ones(n, self.suffix, dtype=torch.bool, device=dev)], dim=1)
 
 
 @dataclass
@@ -120,6 +121,20 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | No
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **kwargs)
 
 
+# SDPA's CPU flash kernel materialises a boolean mask as a float [Lq, Lk] tensor: cap it at 128 MB by
+# splitting queries, so a long prompt's chunked prefill stays linear in context length.
+MAX_MASK_ELEMENTS = 1 << 25
+
+
+def _attend_chunked(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor:
+    lq, lk = q.shape[1], k.shape[1]
+    if seg.inner is None or lq * lk <= MAX_MASK_ELEMENTS:
+        return sdpa(q, k, v, seg.mask_rows(0, lq), scale)
+    step = max(1, MAX_MASK_ELEMENTS // lk)
+    return torch.cat([sdpa(q[:, i:i + step], k, v, seg.mask_rows(i, min(i + step, lq)), scale)
+                      for i in range(0, lq, step)], dim=1)
+
+
 def ragged_attention(q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch, layer: int,
                      scale: float | None = None) -> Tensor:
     """q [N, H, D], k/v [N, Hkv, D] (flat over segments) -> [N, H, Dv]."""
@@ -132,15 +147,14 @@ def ragged_attention(q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch, lay
         ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)
         cache = seg.cache
         if cache is not None:
-            if seg.start or seg.suffix:
-                after = slice(seg.start + seg.length, seg.num_keys)
-                ks = torch.cat([cache.k[layer][:, : seg.start], ks, cache.k[layer][:, after]], dim=1)
-                vs = torch.cat([cache.v[layer][:, : seg.start], vs, cache.v[layer][:, after]], dim=1)
-            if seg.write:
-                w = slice(seg.start, seg.start + seg.write)
-                cache.k[layer][:, w] = k[sl][: seg.write].transpose(0, 1)
-                cache.v[layer][:, w] = v[sl][: seg.write].transpose(0, 1)
-        outs.append(sdpa(qs, ks, vs, seg.mask, scale).transpose(0, 1))
+            # write this segment's K/V in place and attend to the cache view: no per-layer concat.
+            # Positions past `write` are scratch that the next step overwrites; for the dual cache
+            # they replace the active block's stale K/V, as Fast-dLLM's replace_position does.
+            span = slice(seg.start, seg.start + seg.length)
+            cache.k[layer][:, span] = ks
+            cache.v[layer][:, span] = vs
+            ks, vs = cache.k[layer][:, : seg.num_keys], cache.v[layer][:, : seg.num_keys]
+        outs.append(_attend_chunked(qs, ks, vs, seg, scale).transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 

@@ -83,6 +83,7 @@ class TrainResult:
     losses: list[float]                # training loss of every step, from step 1
     eval_losses: list[tuple[int, float]]
     tokens_per_s: float                # data tokens (not the doubled input) per second of training
+    model: nn.Module | None = None     # the trained model (canonical layout, LoRA layers if any)
 
 
 # ------------------------------------------------------------------ processes and progress
@@ -317,7 +318,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         rep.close()
     tokens = B * cfg.seq_len * len(losses)
     return TrainResult(out, model_dir if ctx.main else out / "model", step, losses, evals,
-                       tokens / train_time if train_time else 0.0)
+                       tokens / train_time if train_time else 0.0, model)
 
 
 def _export(cfg: TrainConfig, tm: TrainableModel, out: Path, tokenizer_dir: Path | None, rep: _Reporter) -> Path | None:

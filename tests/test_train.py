@@ -1,0 +1,379 @@
+"""Trainer tests on a tiny model (vocab 64, hidden 32, 2 layers, seq 32) and a char tokenizer."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from unmask.models.loader import load_model
+from unmask.models.registry import family_for
+from unmask.models.transformer import DiffusionTransformer
+from unmask.train.checkpoint import CheckpointError
+from unmask.train.data import BatchIterator, DataError, pack_documents
+from unmask.train.model_init import ModelShape, init_weights
+from unmask.train.objectives import Noise, Objective, block_diffusion_mask, diffusion_loss_sum, draw_noise
+from unmask.train.sft import SFTEncoder, load_sft, read_jsonl
+from unmask.train.trainer import TrainConfig, finetune, train
+
+TINY = ModelShape(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=64, max_position=128, block_size=4)
+TEXT = "the cat sat on the mat. the dog ate the bone. "
+CHARS = "abcdefghijklmnopqrstuvwxyz \n.,:;!?'\"()=_-+*#{}"  # ids 16..61; 62, 63 stay free
+
+
+# ------------------------------------------------------------------ fixtures
+
+def write_char_tokenizer(out: Path) -> Path:
+    """Char-level tokenizer with unmask's 16 special tokens at ids 0..15 and its ChatML template."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from unmask.train.tokenizer import SPECIAL_TOKENS, hf_tokenizer_config
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for c in CHARS:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|reserved_0|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(hf_tokenizer_config(128)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokdir(tmp_path_factory) -> Path:
+    return write_char_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    docs = [{"source": "t", "path": f"d{i}", "text": TEXT * 3} for i in range(8)]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in docs))
+    (d / "heldout.jsonl").write_text(json.dumps(docs[0]) + "\n")
+    return d
+
+
+def tiny_cfg(out: Path, **kw) -> TrainConfig:
+    base = dict(out_dir=str(out), lr=1e-2, warmup_steps=2, total_steps=6, batch_size=4, seq_len=32,
+                block_sizes=(4, 8, 16, 32), eval_every=0, save_every=0, bf16=False, device="cpu",
+                progress="none", model=TINY)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def tiny_model(seed: int = 0) -> DiffusionTransformer:
+    cfg = {"architectures": ["UnmaskForDiffusionLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64}
+    m = DiffusionTransformer(family_for(cfg).parse_config(cfg))
+    init_weights(m, seed, std=0.2)  # large weights: logits far from uniform, so mistakes show
+    return m
+
+
+def logits_all(model, ids: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        return model.logits(model.forward_dense(ids, pos, None))
+
+
+# ------------------------------------------------------------------ objective
+
+@pytest.mark.parametrize("L,bs", [(8, 4), (12, 5), (32, 8), (6, 1), (7, 16)])
+def test_block_mask_matches_brute_force(L, bs):
+    got = block_diffusion_mask(L, bs)
+    want = torch.zeros(2 * L, 2 * L, dtype=torch.bool)
+    for q in range(2 * L):
+        for k in range(2 * L):
+            q_noisy, k_noisy = q < L, k < L
+            bq, bk = (q % L) // bs, (k % L) // bs
+            if q_noisy and k_noisy:
+                want[q, k] = bq == bk
+            elif q_noisy:
+                want[q, k] = bk < bq
+            elif not k_noisy:
+                want[q, k] = bk <= bq
+    assert torch.equal(got, want)
+
+
+class _Uniform(torch.nn.Module):
+    """Stub model: all-zero logits over V tokens, so every masked CE is log V."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(vocab, 1))
+
+    def forward_dense(self, ids, pos, mask):
+        return torch.zeros(*ids.shape, 1)
+
+    def logits(self, h):
+        return (h @ self.w.T).float()
+
+
+def test_loss_hand_computation():
+    obj = Objective(mask_id=3, block_sizes=(4,))
+    x0 = torch.tensor([[0, 1, 2, 4, 0, 1, 2, 4]])
+    masked = torch.zeros(1, 8, dtype=torch.bool)
+    masked[0, 1] = masked[0, 6] = True
+    p = torch.tensor([[0.5] * 4 + [0.25] * 4])
+    loss = diffusion_loss_sum(_Uniform(5), x0, Noise(4, masked, p), obj)
+    assert loss.item() == pytest.approx(math.log(5) * (1 / 0.5 + 1 / 0.25))  # two masked tokens, CE log 5 each
+
+    # real model: block diffusion over [x_t ; x_0] == scoring each noisy block after the clean
+    # blocks before it (what inference does), CE computed by hand from log-softmax
+    model = tiny_model()
+    x0 = torch.randint(16, 60, (2, 8), generator=torch.Generator().manual_seed(1))
+    masked = torch.rand(2, 8, generator=torch.Generator().manual_seed(2)) < 0.5
+    masked[0, 0] = masked[1, 5] = True
+    p = torch.rand(2, 8, generator=torch.Generator().manual_seed(3)) * 0.9 + 0.1
+    got = diffusion_loss_sum(model, x0, Noise(4, masked, p), obj)
+    want = 0.0
+    for b in range(2):
+        for j in masked[b].nonzero().flatten().tolist():
+            blk = j // 4
+            xt_blk = torch.where(masked[b, blk * 4:blk * 4 + 4], 3, x0[b, blk * 4:blk * 4 + 4])
+            seq = torch.cat([x0[b, :blk * 4], xt_blk])[None]
+            n = seq.shape[1]
+            causal = (torch.arange(n)[:, None] // 4 >= torch.arange(n)[None, :] // 4)[None, None]
+            with torch.no_grad():
+                lg = model.logits(model.forward_dense(seq, torch.arange(n)[None], causal))
+            want += -F.log_softmax(lg[0, blk * 4 + j % 4], -1)[x0[b, j]].item() / p[b, j].item()
+    assert got.item() == pytest.approx(want, rel=1e-5)
+
+    # plain (bidirectional) form: one pass over x_t
+    plain = Objective(mask_id=3)
+    got = diffusion_loss_sum(model, x0, Noise(None, masked, p), plain)
+    lg = logits_all(model, torch.where(masked, 3, x0))
+    want = sum(-F.log_softmax(lg[b, j], -1)[x0[b, j]].item() / p[b, j].item() for b, j in masked.nonzero().tolist())
+    assert got.item() == pytest.approx(want, rel=1e-5)
+
+
+def test_noise_respects_loss_mask_and_blocks():
+    lm = torch.ones(64, 32, dtype=torch.bool)
+    lm[:, :10] = False  # an SFT prompt
+    obj = Objective(mask_id=3, block_sizes=(4, 8, 16, 32))
+    seen = set()
+    for s in range(50):
+        n = draw_noise(obj, lm, torch.Generator().manual_seed(s))
+        seen.add(n.block_size)
+        assert not (n.masked & ~lm).any()
+        blocks = n.p.view(64, -1, n.block_size)  # one t per block
+        assert torch.equal(blocks, blocks[..., :1].expand_as(blocks))
+        assert n.p.min() >= 1e-3 and n.p.max() <= 1.0
+    assert seen == {4, 8, 16, 32}
+
+
+# ------------------------------------------------------------------ data
+
+def test_packing_and_iterator_resume():
+    rows = pack_documents([[5, 6, 7], [8, 9]], seq_len=3, sep_id=13)
+    assert rows.ids.tolist() == [[5, 6, 7], [13, 8, 9]]  # the trailing separator is dropped
+    a = BatchIterator(10, 4, seed=3)
+    first = [next(a).tolist() for _ in range(7)]  # crosses epochs
+    assert sorted(sum(first[:5], [])[:10]) == list(range(10))
+    b = BatchIterator(10, 4, seed=3)
+    for _ in range(4):
+        next(b)
+    c = BatchIterator(10, 4, seed=3)
+    c.load_state_dict(b.state_dict())
+    assert [next(c).tolist() for _ in range(3)] == first[4:]
+
+
+# ------------------------------------------------------------------ training
+
+def test_training_reduces_loss_and_exports(tmp_path, tokdir, corpus):
+    cfg = tiny_cfg(tmp_path / "run", total_steps=40, warmup_steps=4, batch_size=8, eval_every=20, eval_batches=1,
+                   bf16=True, progress="plain")
+    res = train(cfg, corpus, tokdir)
+    first, last = sum(res.losses[:5]) / 5, sum(res.losses[-5:]) / 5
+    assert last < first - 0.5, res.losses
+    assert [s for s, _ in res.eval_losses] == [20, 40] and res.eval_losses[1][1] < res.eval_losses[0][1]
+
+    loaded, spec = load_model(res.model_dir, dtype="float32")
+    assert spec.family.name == "unmask" and spec.mask_id == 3 and spec.block_size == 4
+    assert {2, 5, 13} <= set(spec.stop_ids)
+    assert (res.model_dir / "tokenizer.json").is_file() and (res.model_dir / "generation_config.json").is_file()
+    ids = torch.randint(16, 60, (2, 16))
+    assert torch.allclose(logits_all(res.model.float(), ids), logits_all(loaded, ids), atol=1e-6)
+
+
+class _Kill(Exception):
+    pass
+
+
+def test_resume_is_bit_exact(tmp_path, tokdir, corpus):
+    full = train(tiny_cfg(tmp_path / "a", total_steps=8), corpus, tokdir)
+
+    def kill_at_5(step, metrics):
+        if step == 5:
+            raise _Kill  # dies after the step-3 checkpoint, with 2 unsaved steps
+    with pytest.raises(_Kill):
+        train(tiny_cfg(tmp_path / "b", total_steps=8, save_every=3), corpus, tokdir, on_step=kill_at_5)
+    resumed_steps = []
+    res = train(tiny_cfg(tmp_path / "b", total_steps=8, save_every=3, resume=True), corpus, tokdir,
+                on_step=lambda s, m: resumed_steps.append(s))
+    assert resumed_steps == [4, 5, 6, 7, 8]
+    assert res.losses == full.losses  # bit for bit
+    for (n, a), (_, b) in zip(full.model.state_dict().items(), res.model.state_dict().items()):
+        assert torch.equal(a, b), n
+
+    with pytest.raises(CheckpointError, match="seq_len"):
+        train(tiny_cfg(tmp_path / "b", total_steps=8, seq_len=16, resume=True), corpus, tokdir)
+
+
+def test_grad_accum_matches_one_batch(tmp_path, tokdir, corpus):
+    one = train(tiny_cfg(tmp_path / "a", total_steps=2), corpus, tokdir)
+    acc = train(tiny_cfg(tmp_path / "b", total_steps=2, grad_accum=2), corpus, tokdir)
+    assert acc.losses == pytest.approx(one.losses, abs=1e-6)
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str, tokdir: str, corpus: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    res = train(tiny_cfg(Path(out), total_steps=2), corpus, tokdir)
+    Path(out, f"losses{rank}.json").write_text(json.dumps(res.losses))
+
+
+def test_ddp_two_processes_match_one(tmp_path, tokdir, corpus):
+    import torch.multiprocessing as mp
+
+    single = train(tiny_cfg(tmp_path / "one", total_steps=2), corpus, tokdir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp"
+    mp.spawn(_ddp_worker, args=(2, port, str(out), str(tokdir), str(corpus)), nprocs=2, join=True)
+    for r in range(2):
+        losses = json.loads((out / f"losses{r}.json").read_text())
+        assert losses == pytest.approx(single.losses, abs=1e-6)  # step 2 runs on updated weights
+    assert (out / "model" / "model.safetensors").is_file()
+
+
+def test_unwritable_out_dir_fails_first(tmp_path, tokdir):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointError, match="not writable"):
+        train(tiny_cfg(blocker / "run"), tmp_path / "no-such-corpus", tokdir)
+
+
+# ------------------------------------------------------------------ SFT
+
+CHAT = {"messages": [{"role": "system", "content": "be brief."}, {"role": "user", "content": "hi?"},
+                     {"role": "assistant", "content": "hello."}, {"role": "user", "content": "and?"},
+                     {"role": "assistant", "content": "bye."}]}
+FIM = {"fim": {"prefix": "def f(", "suffix": "):\n", "middle": "x"}}
+
+
+def _encoder(tokdir):
+    from unmask.tokenizer import Tokenizer
+    return SFTEncoder(Tokenizer(tokdir), eos_id=2, stop_ids=(2, 5))
+
+
+def test_sft_loss_only_on_answers(tmp_path, tokdir):
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps(CHAT) + "\n" + json.dumps(FIM) + "\n")
+    enc = _encoder(tokdir)
+    rows, report = load_sft(path, enc, seq_len=96)
+    assert report.records == 2 and rows.ids.shape == (2, 96)
+    tok = enc.tok
+    ids, lm = rows.ids[0].tolist(), rows.loss_mask[0].tolist()
+    learned = tok.decode([i for i, m in zip(ids, lm) if m], skip_special_tokens=False)
+    n_text = len(tok.encode(tok.apply_chat_template(CHAT["messages"], add_generation_prompt=False).rstrip("\n")))
+    assert learned.startswith("hello.<|im_end|>bye.<|im_end|><|eos|>")
+    assert all(lm[n_text:]) and ids[n_text:] == [2] * (96 - n_text)  # EOS padding is learned
+    prompt = tok.decode([i for i, m in zip(ids[:n_text], lm[:n_text]) if not m], skip_special_tokens=False)
+    assert "be brief." in prompt and "<|im_start|>assistant\n" in prompt and "hello" not in prompt
+    fim_ids, fim_lm = rows.ids[1].tolist(), rows.loss_mask[1].tolist()
+    assert fim_ids[:1] == [6] and tok.decode([i for i, m in zip(fim_ids, fim_lm) if m][:2], False) == "x<|eos|>"
+    assert not any(fim_lm[:fim_ids.index(8) + 1])
+
+    obj = Objective(mask_id=3, block_sizes=(4, 8))
+    for s in range(20):  # prompt tokens are never noised, hence never scored
+        n = draw_noise(obj, rows.loss_mask, torch.Generator().manual_seed(s))
+        assert not (n.masked & ~rows.loss_mask).any()
+
+
+def test_malformed_jsonl_lines_are_reported(tmp_path, tokdir):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([json.dumps(CHAT), "{not json", json.dumps(FIM), json.dumps({"messages": []}), ""]))
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: invalid JSON"):
+        read_jsonl(path, on_error="raise")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        records, report = read_jsonl(path, on_error="skip")
+    assert [n for n, _ in records] == [1, 3] and [n for n, _ in report.skipped] == [2, 4]
+    assert any("skipped 2 malformed line(s): 2, 4" in str(x.message) for x in w)
+
+
+# ------------------------------------------------------------------ public-family fine-tuning
+
+def _tiny_family_checkpoint(d: Path, config: dict, tokdir: Path) -> dict[str, torch.Tensor]:
+    d.mkdir(parents=True)
+    fam = family_for(config)
+    arch = fam.parse_config(config)
+    m = DiffusionTransformer(arch)
+    init_weights(m, 5)
+    state = fam.from_canonical(dict(m.state_dict()), arch)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps(config))
+    for f in tokdir.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    return state
+
+
+SDAR_CFG = {"architectures": ["SDARForCausalLM"], "model_type": "sdar", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 8, "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "block_size": 4,
+            "mask_token_id": 63, "bos_token_id": 2, "eos_token_id": 2, "torch_dtype": "float32"}
+LLADA_CFG = {"architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model": 32, "n_layers": 2, "n_heads": 4,
+             "n_kv_heads": 4, "mlp_hidden_size": 64, "vocab_size": 64, "embedding_size": 64,
+             "max_sequence_length": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "weight_tying": False,
+             "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "mask_token_id": 63,
+             "eos_token_id": 2, "pad_token_id": 2}
+
+
+@pytest.mark.parametrize("config,probe", [(SDAR_CFG, "model.layers.0.self_attn.q_norm.weight"),
+                                          (LLADA_CFG, "model.transformer.blocks.0.ff_proj.weight")])
+def test_finetune_public_family_keeps_its_format(tmp_path, tokdir, config, probe):
+    src = tmp_path / "src"
+    before = _tiny_family_checkpoint(src, config, tokdir)
+    data = tmp_path / "sft.jsonl"
+    data.write_text((json.dumps(CHAT) + "\n" + json.dumps(FIM) + "\n") * 4)
+    res = finetune(tiny_cfg(tmp_path / "run", total_steps=3, seq_len=96, block_sizes=None), src, data)
+    with safe_open(str(res.model_dir / "model.safetensors"), "pt") as fh:
+        names = set(fh.keys())
+        assert names == set(before) and probe in names
+        assert not torch.equal(fh.get_tensor(probe), before[probe])  # trained
+    assert json.loads((res.model_dir / "config.json").read_text())["architectures"] == config["architectures"]
+    loaded, spec = load_model(res.model_dir, dtype="float32")
+    assert spec.family.name == family_for(config).name and spec.mask_id == 63
+    ids = torch.randint(16, 60, (2, 16))
+    assert torch.allclose(logits_all(res.model, ids), logits_all(loaded, ids), atol=1e-6)
+
+
+def test_lora_finetune_trains_adapters_and_merges(tmp_path, tokdir):
+    src = tmp_path / "src"
+    before = _tiny_family_checkpoint(src, SDAR_CFG, tokdir)
+    data = tmp_path / "sft.jsonl"
+    data.write_text((json.dumps(CHAT) + "\n") * 4)
+    res = finetune(tiny_cfg(tmp_path / "run", total_steps=3, seq_len=96, lora_rank=4, lr=5e-2), src, data)
+    trained = {n for n, p in res.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert (res.out_dir / "adapter" / "adapter_model.safetensors").is_file()
+    loaded, _ = load_model(res.model_dir, dtype="float32")
+    ids = torch.randint(16, 60, (2, 16))
+    assert torch.allclose(logits_all(res.model, ids), logits_all(loaded, ids), atol=1e-5)
+    with safe_open(str(res.model_dir / "model.safetensors"), "pt") as fh:  # deltas merged into q_proj
+        key = "model.layers.0.self_attn.q_proj.weight"
+        assert not torch.equal(fh.get_tensor(key), before[key])
+        assert torch.equal(fh.get_tensor("model.norm.weight"), before["model.norm.weight"])  # frozen
