@@ -75,6 +75,18 @@ def generate(
                    f"{n / elapsed:.1f} tokens/s, finish={out.finish_reason}]", err=True)
 
 
+def _register_optional_commands() -> None:
+    # command modules import their heavy dependencies (fastapi, the trainer) inside the command body
+    try:
+        from unmask.server import cli as server_cli
+    except ImportError:
+        return
+    app.command("serve")(server_cli.serve)
+
+
+_register_optional_commands()
+
+
 def main() -> None:
     try:
         app()

@@ -181,6 +181,9 @@ def load_pretraining(data: Path, tokenizer, seq_len: int, sep_id: int, cache_dir
     fingerprint = hashlib.sha256(tok_file.read_bytes()).hexdigest() if tok_file.is_file() else str(len(tokenizer.hf))
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
+        fast = getattr(tokenizer.hf, "backend_tokenizer", None)  # Rust, parallel, no length warnings
+        if fast is not None:
+            return [e.ids for e in fast.encode_batch(texts, add_special_tokens=False)]
         return tokenizer.hf(texts, add_special_tokens=False)["input_ids"]
 
     def stream(path: Path) -> np.ndarray:
