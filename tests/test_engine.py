@@ -184,3 +184,22 @@ def test_bad_requests(models):
         GenerationParams(policy="nope")
     with pytest.raises(InvalidRequestError, match="at most 4 stop"):
         GenerationParams(stop=["a", "b", "c", "d", "e"])
+
+
+def test_prefix_cache_reuses_prompt_blocks_exactly(models):
+    model, spec = models["sdar"]
+    system = list(range(60, 60 + 24))  # six whole blocks of 4 shared by both prompts
+    params = GenerationParams(max_tokens=8, policy="threshold", threshold=0.5, block_size=4)
+    eng = Engine(model, spec)
+    a = eng.add_request(system + [7, 8, 9], params)
+    eng.run_to_completion()
+    assert a.stats.prefill_tokens == 27 and eng.prefix_cache.hits == 0
+    b = eng.add_request(system + [10, 11], params)
+    assert b.cached == 24 and eng.prefix_cache.hits == 6  # restored, not recomputed
+    eng.run_to_completion()
+    assert b.stats.prefill_tokens == 2  # only the prompt tail inside the first answer block
+    fresh, _ = run(model, spec, [system + [10, 11]], GenerationParams(**{**params.__dict__}))
+    assert b.output_ids == fresh[0].output_ids
+    # a different block size must not hit blocks computed under another mask
+    c = eng.add_request(system + [10, 11], GenerationParams(max_tokens=4, block_size=8))
+    assert c.cached == 0

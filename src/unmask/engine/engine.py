@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from unmask.engine.detokenizer import TextStream
 from unmask.engine.outputs import StepOutput
 from unmask.engine.params import GenerationParams
+from unmask.engine.prefix_cache import PrefixCache, block_keys
 from unmask.engine.runner import ModelRunner
 from unmask.engine.scheduler import Scheduler
 from unmask.engine.sequence import ModelTraits, Sequence
@@ -32,7 +33,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: DiffusionTransformer, spec: ModelSpec, tokenizer: Tokenizer | None = None,
-                 max_num_seqs: int = 64, max_batch_tokens: int = 4096):
+                 max_num_seqs: int = 64, max_batch_tokens: int = 4096, prefix_cache_bytes: int = 256 << 20):
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.runner = ModelRunner(model)
         self.scheduler = Scheduler(max_num_seqs, max_batch_tokens)
@@ -42,6 +43,10 @@ class Engine:
             max_context=spec.max_context,
         )
         self.streams: dict[str, TextStream] = {}
+        # prompt K/V are reusable only where they do not depend on the answer canvas
+        exact = spec.family.attention == "block_causal" and prefix_cache_bytes > 0
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if exact else None
+        self._pending_store: dict[str, list[str]] = {}
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ requests
@@ -65,6 +70,11 @@ class Engine:
             seq.request_id = request_id
         if not (seq.bidirectional and seq.cache_mode == "none"):
             seq.cache = self.model.new_cache(capacity=min(total, 4096))
+        if self.prefix_cache is not None:
+            keys = block_keys(seq.prompt_ids[:seq.block_start], seq.B)
+            seq.cached = self.prefix_cache.load(keys, seq.cache, seq.B)
+            if len(keys) * seq.B > seq.cached:
+                self._pending_store[seq.request_id] = keys
         if self.tokenizer is not None:
             self.streams[seq.request_id] = TextStream(self.tokenizer, params.stop, params.include_stop_str)
         self.scheduler.add(seq)
@@ -74,6 +84,7 @@ class Engine:
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
+        self._pending_store.pop(request_id, None)
         self.streams.pop(request_id, None)
         return self._output(seq, [], "")
 
@@ -99,6 +110,10 @@ class Engine:
         for plan, logits in zip(plans, result.logits):
             seq = plan.seq
             seq.after_forward(plan)
+            keys = self._pending_store.get(seq.request_id)
+            if keys is not None and seq.cached >= len(keys) * seq.B:
+                self.prefix_cache.store(keys, seq.cache, seq.B)
+                del self._pending_store[seq.request_id]
             new = seq.apply(plan, logits)
             delta = ""
             stream = self.streams.get(seq.request_id)
@@ -111,7 +126,8 @@ class Engine:
                     self.streams.pop(seq.request_id, None)
             if new or seq.finish_reason or seq.params.snapshots:
                 outputs.append(self._output(seq, new, delta))
-        self.scheduler.release_finished()
+        for done in self.scheduler.release_finished():
+            self._pending_store.pop(done.request_id, None)
         s = self.stats
         s.steps += 1
         s.forward_s += result.forward_s

@@ -147,7 +147,7 @@ class Sequence:
         seg = plan.segment
         if not self.bidirectional and seg.write:
             self.cached = seg.start + seg.write
-            self.stats.prefill_tokens += seg.write if seg.start < self.P else 0
+            self.stats.prefill_tokens += max(0, min(seg.start + seg.write, self.P) - seg.start)
 
     def apply(self, plan: StepPlan, logits: Tensor) -> list[int]:
         """Commit tokens chosen by the policy; returns newly final generated token ids."""
