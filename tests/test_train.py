@@ -155,6 +155,34 @@ def test_loss_hand_computation():
     want = sum(-F.log_softmax(lg[b, j], -1)[x0[b, j]].item() / p[b, j].item() for b, j in masked.nonzero().tolist())
     assert got.item() == pytest.approx(want, rel=1e-5)
 
+    # shifted logits (Dream): token j is read from row j-1; position 0 is never scored
+    shifted = Objective(mask_id=3, shift=True)
+    m2 = masked.clone()
+    m2[:, 0] = False
+    got = diffusion_loss_sum(model, x0, Noise(None, m2, p), shifted)
+    lg = logits_all(model, torch.where(m2, 3, x0))
+    want = sum(-F.log_softmax(lg[b, j - 1], -1)[x0[b, j]].item() / p[b, j].item() for b, j in m2.nonzero().tolist())
+    assert got.item() == pytest.approx(want, rel=1e-5)
+    n = draw_noise(Objective(mask_id=3, shift=True, block_sizes=(4,)), torch.ones(8, 8, dtype=torch.bool),
+                   torch.Generator().manual_seed(0))
+    assert not n.masked[:, 0].any()
+
+
+def test_tied_embeddings_export(tmp_path):
+    from unmask.train.checkpoint import export_model
+    from unmask.train.model_init import fresh_model, new_unmask_config
+
+    cfg = new_unmask_config(64, 32, 2, 4, 2, 8, 64, 128, 4, mask_id=3, eos_ids=[2], tie_embeddings=True)
+    tm = fresh_model(cfg, {"eos_token_id": [2, 5]}, seed=0)
+    assert tm.model.lm_head.weight is tm.model.model.embed_tokens.weight
+    out = export_model(tm, tmp_path / "model", None)
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        assert "lm_head.weight" not in fh.keys()
+    loaded, spec = load_model(out, dtype="float32")
+    assert spec.arch.tie_embeddings and spec.stop_ids[:2] == (2, 5)
+    ids = torch.randint(16, 60, (1, 12))
+    assert torch.allclose(logits_all(tm.model, ids), logits_all(loaded, ids), atol=1e-6)
+
 
 def test_noise_respects_loss_mask_and_blocks():
     lm = torch.ones(64, 32, dtype=torch.bool)
@@ -377,3 +405,23 @@ def test_lora_finetune_trains_adapters_and_merges(tmp_path, tokdir):
         key = "model.layers.0.self_attn.q_proj.weight"
         assert not torch.equal(fh.get_tensor(key), before[key])
         assert torch.equal(fh.get_tensor("model.norm.weight"), before["model.norm.weight"])  # frozen
+
+
+def test_sft_packing_fills_rows_and_keeps_each_answer_terminated():
+    from unmask.train.sft import build_sft_rows
+
+    class Enc:
+        eos_id = 2
+
+        def encode(self, rec):
+            n = rec["n"]
+            return [7] * n + [5], [False] * n + [True]  # prompt, then a stop token in the loss
+
+    recs = [(i + 1, {"n": n}) for i, n in enumerate([3, 4, 10, 2])]
+    one_per_row = build_sft_rows(recs, Enc(), seq_len=12, path="x")
+    packed = build_sft_rows(recs, Enc(), seq_len=12, path="x", pack=True)
+    assert one_per_row.ids.shape[0] == 4
+    assert packed.ids.shape[0] == 3  # rows: [4 + 5 tokens], [11], [3]
+    row0 = packed.ids[0].tolist()
+    assert row0[:9] == [7, 7, 7, 5, 7, 7, 7, 7, 5] and row0[9:] == [2, 2, 2]
+    assert packed.loss_mask[0].tolist() == [False] * 3 + [True] + [False] * 4 + [True] + [True] * 3

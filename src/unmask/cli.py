@@ -75,6 +75,103 @@ def generate(
                    f"{n / elapsed:.1f} tokens/s, finish={out.finish_reason}]", err=True)
 
 
+@app.command()
+def corpus(
+    out: Path = typer.Option(Path("data/corpus"), help="Output directory for train/heldout JSONL."),
+    tokenizer_out: Path = typer.Option(Path("data/tokenizer"), help="Where to write the trained tokenizer."),
+    sft_out: Path = typer.Option(Path("data/sft"), help="Where to write the instruction data."),
+    docs: bool = typer.Option(True, help="Include the Python documentation when installed."),
+    seed: int = typer.Option(0),
+):
+    """Build the offline corpus, the BPE tokenizer and the instruction data (deterministic)."""
+    from unmask.train.corpus import build_corpus, read_documents, split_files, collect_files
+    from unmask.train.instructions import build_instructions, first_user_prompt, write_jsonl
+    from unmask.train.tokenizer import save_hf_tokenizer, train_tokenizer
+
+    stats = build_corpus(out, include_docs=docs)
+    typer.echo(f"corpus: {stats.train_files} train files ({stats.train_bytes / 1e6:.1f} MB), "
+               f"{stats.heldout_files} held out -> {out}")
+    tok = train_tokenizer(d.text for d in read_documents(out / "train.jsonl"))
+    save_hf_tokenizer(tok, tokenizer_out)
+    typer.echo(f"tokenizer: {tok.get_vocab_size()} tokens -> {tokenizer_out}")
+    train_files, held_files = split_files(collect_files(include_docs=docs))
+    train_recs = build_instructions(train_files, seed, heldout=False)
+    seen = {p for p in map(first_user_prompt, train_recs) if p}
+    held_recs = build_instructions(held_files, seed, heldout=True, exclude_prompts=seen)
+    sft_out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(train_recs, sft_out / "train.jsonl")
+    write_jsonl(held_recs, sft_out / "heldout.jsonl")
+    typer.echo(f"instructions: {len(train_recs)} train, {len(held_recs)} held-out records -> {sft_out}")
+
+
+def _train_config(out: Path, steps: int, batch_size: int, seq_len: int, lr: float, warmup: int, resume: bool,
+                  eval_every: int, save_every: int, seed: int, lora_rank: int = 0, block_sizes: str | None = None,
+                  on_error: str = "raise", **model):
+    from unmask.train.model_init import ModelShape
+    from unmask.train.trainer import TrainConfig
+
+    sizes = tuple(int(b) for b in block_sizes.split(",")) if block_sizes else None
+    return TrainConfig(out_dir=str(out), total_steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
+                       warmup_steps=warmup, resume=resume, eval_every=eval_every, save_every=save_every, seed=seed,
+                       lora_rank=lora_rank, block_sizes=sizes, on_error=on_error,
+                       model=ModelShape(**model) if model else ModelShape())
+
+
+@app.command()
+def train(
+    data: Path = typer.Option(Path("data/corpus"), help="Corpus directory (train.jsonl [+ heldout.jsonl])."),
+    tokenizer: Path = typer.Option(Path("data/tokenizer"), help="Tokenizer directory."),
+    out: Path = typer.Option(Path("runs/pretrain"), help="Run directory (checkpoints, final model in out/model)."),
+    steps: int = typer.Option(2000), batch_size: int = typer.Option(16), seq_len: int = typer.Option(512),
+    lr: float = typer.Option(1e-3), warmup: int = typer.Option(100), seed: int = typer.Option(0),
+    hidden: int = typer.Option(256), layers: int = typer.Option(4), heads: int = typer.Option(8),
+    kv_heads: int = typer.Option(4), head_dim: int = typer.Option(32), intermediate: int = typer.Option(768),
+    tie_embeddings: bool = typer.Option(True), block_sizes: Optional[str] = typer.Option(None, help="e.g. 4,8,16,32"),
+    eval_every: int = typer.Option(200), save_every: int = typer.Option(100),
+    init_from: Optional[Path] = typer.Option(None, help="Continue pre-training from a model directory."),
+    resume: bool = typer.Option(False, help="Continue a killed run from out/checkpoint.pt."),
+):
+    """Pre-train a masked block-diffusion model from scratch (multi-process: launch with torchrun)."""
+    from unmask.errors import UnmaskError
+    from unmask.train.trainer import train as run_train
+
+    try:
+        cfg = _train_config(out, steps, batch_size, seq_len, lr, warmup, resume, eval_every, save_every, seed,
+                            block_sizes=block_sizes, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                            head_dim=head_dim, intermediate=intermediate, tie_embeddings=tie_embeddings)
+        res = run_train(cfg, data, tokenizer, init_from=init_from)
+    except UnmaskError as e:
+        fail(str(e))
+    typer.echo(f"done: {res.steps} steps, final model in {res.model_dir}")
+
+
+@app.command()
+def finetune(
+    model: Path = typer.Option(..., "--model", "-m", help="Model directory to fine-tune (any supported family)."),
+    data: Path = typer.Option(..., help="Chat JSONL: {\"messages\": [...]} (optionally \"tools\") or {\"fim\": {...}}."),
+    out: Path = typer.Option(Path("runs/finetune")), eval_data: Optional[Path] = typer.Option(None),
+    steps: int = typer.Option(500), batch_size: int = typer.Option(16), seq_len: int = typer.Option(512),
+    lr: float = typer.Option(3e-4), warmup: int = typer.Option(50), seed: int = typer.Option(0),
+    lora_rank: int = typer.Option(0, help=">0 trains LoRA adapters of this rank (peft) instead of all weights."),
+    block_sizes: Optional[str] = typer.Option(None), eval_every: int = typer.Option(100),
+    save_every: int = typer.Option(100), on_error: str = typer.Option("raise", help="Malformed JSONL lines: raise | skip."),
+    pack: bool = typer.Option(False, help="Pack several short records per row instead of padding each."),
+    resume: bool = typer.Option(False),
+):
+    """Supervised fine-tuning on chat JSONL (loss on assistant tokens only)."""
+    from unmask.errors import UnmaskError
+    from unmask.train.trainer import finetune as run_finetune
+
+    try:
+        cfg = _train_config(out, steps, batch_size, seq_len, lr, warmup, resume, eval_every, save_every, seed,
+                            lora_rank=lora_rank, block_sizes=block_sizes, on_error=on_error)
+        cfg.sft_pack = pack
+        res = run_finetune(cfg, model, data, eval_path=eval_data)
+    except UnmaskError as e:
+        fail(str(e))
+    typer.echo(f"done: {res.steps} steps, final model in {res.model_dir}")
+
+
 def _register_optional_commands() -> None:
     # command modules import their heavy dependencies (fastapi, the trainer) inside the command body
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from unmask.errors import ModelLoadError
 from unmask.models.loader import load_spec, load_weights, read_state, weight_files
 from unmask.models.registry import Family, family_for
 from unmask.models.transformer import ArchConfig, DiffusionTransformer
@@ -124,7 +125,7 @@ def load_trainable(model_dir: str | Path) -> TrainableModel:
     load_weights(model, spec, read_state(weight_files(spec.path)))
     model = model.float().requires_grad_(True)
     if spec.eos_id is None:
-        raise ValueError(f"{spec.path}: no eos_token_id in config.json or generation_config.json")
+        raise ModelLoadError(f"{spec.path}: no eos_token_id in config.json or generation_config.json")
     return TrainableModel(model, spec.family, spec.arch, dict(spec.config), dict(spec.generation_config),
                           spec.mask_id, spec.eos_id, spec.block_size, spec.stop_ids, source=spec.path)
 

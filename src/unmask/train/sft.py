@@ -155,10 +155,26 @@ class SFTEncoder:
 
 
 def build_sft_rows(records: list[tuple[int, dict]], encoder: SFTEncoder, seq_len: int, path: str | Path,
-                   on_error: Literal["skip", "raise"] = "raise", report: SFTReport | None = None) -> TokenRows:
-    """One row per record: tokens + EOS padding to seq_len; loss on answers and padding."""
+                   on_error: Literal["skip", "raise"] = "raise", report: SFTReport | None = None,
+                   pack: bool = False) -> TokenRows:
+    """Rows of records + EOS padding to seq_len; loss on answers (each ends with its stop token) and padding.
+
+    `pack=False`: one record per row (the LLaDA recipe). `pack=True`: consecutive records share a row
+    until it is full. Short records then stop costing a whole row of padding (a median 104-token
+    record in a 512-token row wastes 80% of the compute); block-causal models still learn to end
+    each answer because its stop token is in the loss.
+    """
     report = report or SFTReport()
     ids_rows, mask_rows = [], []
+    cur_ids: list[int] = []
+    cur_mask: list[bool] = []
+    used = 0
+
+    def flush() -> None:
+        pad = seq_len - len(cur_ids)
+        ids_rows.append(cur_ids + [encoder.eos_id] * pad)
+        mask_rows.append(cur_mask + [True] * pad)
+
     for n, rec in records:
         try:
             ids, mask = encoder.encode(rec)
@@ -175,23 +191,27 @@ def build_sft_rows(records: list[tuple[int, dict]], encoder: SFTEncoder, seq_len
         if len(ids) > seq_len or not any(mask):
             report.too_long += len(ids) > seq_len
             continue
-        pad = seq_len - len(ids)
-        ids_rows.append(ids + [encoder.eos_id] * pad)
-        mask_rows.append(mask + [True] * pad)
+        if cur_ids and (not pack or len(cur_ids) + len(ids) > seq_len):
+            flush()
+            cur_ids, cur_mask = [], []
+        cur_ids, cur_mask = cur_ids + ids, cur_mask + mask
+        used += 1
+    if cur_ids:
+        flush()
     if report.too_long:
         warnings.warn(f"{path}: skipped {report.too_long} record(s) longer than seq_len {seq_len}", stacklevel=2)
     if not ids_rows:
         raise DataError(f"{path}: no usable SFT records (of {len(records)}; {report.too_long} too long, "
                         f"{len(report.skipped)} malformed)")
-    report.records = len(ids_rows)
+    report.records = used
     return TokenRows(torch.tensor(ids_rows, dtype=torch.int32), torch.tensor(mask_rows, dtype=torch.bool))
 
 
 def load_sft(path: str | Path, encoder: SFTEncoder, seq_len: int,
-             on_error: Literal["skip", "raise"] = "raise") -> tuple[TokenRows, SFTReport]:
+             on_error: Literal["skip", "raise"] = "raise", pack: bool = False) -> tuple[TokenRows, SFTReport]:
     records, report = read_jsonl(path, on_error)
     n_skipped = len(report.skipped)
-    rows = build_sft_rows(records, encoder, seq_len, path, on_error, report)
+    rows = build_sft_rows(records, encoder, seq_len, path, on_error, report, pack)
     if len(report.skipped) > n_skipped:
         _warn_skipped(Path(path), SFTReport(skipped=report.skipped[n_skipped:]))
     return rows, report

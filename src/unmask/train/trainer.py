@@ -15,20 +15,29 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Literal
+from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from unmask.errors import UnmaskError
 from unmask.models.transformer import DiffusionTransformer
-from unmask.train.checkpoint import (CheckpointError, ensure_writable, export_model, load_checkpoint,
+from unmask.tokenizer import Tokenizer
+from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, ensure_writable, export_model, load_checkpoint,
                                      rng_state, save_adapter, save_checkpoint, set_rng_state)
-from unmask.train.data import BatchIterator, DataError, TokenRows, eval_batches
-from unmask.train.model_init import (ModelShape, TrainableModel, apply_lora, count_params, trainable_state)
+from unmask.train.data import BatchIterator, DataError, TokenRows, eval_batches, load_pretraining
+from unmask.train.model_init import (ModelShape, TrainableModel, apply_lora, count_params, fresh_model,
+                                     load_trainable, shape_config, trainable_state)
 from unmask.train.objectives import Noise, Objective, diffusion_loss_sum, draw_noise, loss_eligible
+from unmask.train.sft import SFTEncoder, load_sft
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16, 32)
+
+
+class TrainConfigError(UnmaskError, ValueError):
+    """Training settings that contradict each other or the machine."""
+
 # settings a resumed run must share with the checkpoint for its batches and noise to line up
 _RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "model")
 
@@ -58,8 +67,9 @@ class TrainConfig:
     lora_alpha: float | None = None    # default 2 * rank
     lora_merge: bool = True            # export merged full weights (the adapter is saved either way)
     resume: bool = False               # continue from out_dir/checkpoint.pt if it exists
-    export_dtype: str = "float32"
+    export_dtype: str = "auto"         # "auto": float32 for a fresh model, else the source checkpoint's dtype
     on_error: Literal["skip", "raise"] = "raise"  # malformed SFT lines
+    sft_pack: bool = False             # several short SFT records per row (see sft.build_sft_rows)
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
     model: ModelShape = field(default_factory=ModelShape)  # fresh pre-training model only
 
@@ -70,15 +80,17 @@ class TrainConfig:
             self.block_sizes = tuple(int(b) for b in self.block_sizes)
         for name in ("lr", "total_steps", "batch_size", "grad_accum", "seq_len"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.warmup_steps < 0:
-            raise ValueError("warmup_steps must be >= 0")
+            raise TrainConfigError("warmup_steps must be >= 0")
+        if self.batch_size % self.grad_accum:
+            raise TrainConfigError(f"batch_size {self.batch_size} is not divisible by grad_accum {self.grad_accum}")
 
 
 @dataclass
 class TrainResult:
     out_dir: Path
-    model_dir: Path | None             # exported Hugging Face-format directory
+    model_dir: Path | None             # exported Hugging Face-format directory (rank 0; None with an unmerged LoRA)
     steps: int
     losses: list[float]                # training loss of every step, from step 1
     eval_losses: list[tuple[int, float]]
@@ -109,15 +121,6 @@ class _Dist:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
-
-    @contextlib.contextmanager
-    def main_first(self) -> Iterator[None]:
-        """Rank 0 runs the block first (e.g. writes a cache) and the others then reuse its work."""
-        if not self.main:
-            self.barrier()
-        yield
-        if self.main:
-            self.barrier()
 
 
 def _init_dist(device: str) -> _Dist:
@@ -213,12 +216,29 @@ def _norm(v):
     return list(v) if isinstance(v, tuple) else v
 
 
+def _train_step(cfg: TrainConfig, ctx: _Dist, loss_module: nn.Module, obj: Objective, x0: Tensor, lm: Tensor,
+                noise: Noise, autocast) -> float:
+    """Forward/backward over this rank's micro-batches; returns the global loss of the batch."""
+    B, A, W = cfg.batch_size, cfg.grad_accum, ctx.world
+    n_eligible = max(1, int(loss_eligible(lm, obj.shift).sum()))  # of the global batch, on every rank
+    loss_sum = 0.0
+    for m in range(A):
+        lo = m * (B // A) + ctx.rank * (B // (A * W))
+        mine = slice(lo, lo + B // (A * W))
+        sync = contextlib.nullcontext() if (W == 1 or m == A - 1) else loss_module.no_sync()
+        with sync:
+            with autocast:
+                part = loss_module(x0[mine].to(ctx.device), noise.masked[mine], noise.p[mine], noise.block_size or 0)
+            (part * (W / n_eligible)).backward()  # DDP divides by W when it averages
+        loss_sum += float(part.detach())
+    return ctx.sum([loss_sum])[0] / n_eligible
+
+
 def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, eval_rows: TokenRows | None,
         tokenizer_dir: Path | None, ctx: _Dist, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+    """The loop: batches, optimizer steps, eval, checkpoints, export. Resumes from out_dir if asked."""
     out = Path(cfg.out_dir)
-    B, A, W = cfg.batch_size, cfg.grad_accum, ctx.world
-    if B % (A * W):
-        raise ValueError(f"batch_size {B} must be divisible by grad_accum {A} x processes {W}")
+    B, W = cfg.batch_size, ctx.world
     if rows.seq_len != cfg.seq_len:
         raise DataError(f"data rows have length {rows.seq_len}, seq_len is {cfg.seq_len}")
     model = tm.model.to(ctx.device)
@@ -229,6 +249,9 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
     step, losses, evals, train_time = 0, [], [], 0.0
 
     saved = load_checkpoint(out) if cfg.resume else None
+    if ctx.main and (out / CHECKPOINT).is_file() != cfg.resume:
+        print(f"{out}: " + ("no checkpoint to resume, starting fresh" if cfg.resume
+                            else "starting over; the checkpoint there will be overwritten (resume=True continues it)"))
     if saved is not None:
         _check_resume(saved["config"], cfg)
         missing = set(trainable_state(model)) - set(saved["model"])
@@ -240,6 +263,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         batches.load_state_dict(saved["data"])
         set_rng_state(saved["rng"])
         step, losses, evals, train_time = saved["step"], saved["losses"], saved["evals"], saved["train_time"]
+    first_step, first_time = step, train_time
 
     loss_module: nn.Module = _LossModule(model, obj)
     if W > 1:
@@ -262,46 +286,35 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
 
     def evaluate() -> float:
         model.eval()
-        tot = [0.0, 0.0]
+        total, n = 0.0, 0
+        mine = slice(ctx.rank * B // W, (ctx.rank + 1) * B // W)
         with torch.no_grad(), autocast:
             for i, idx in enumerate(eval_batches(len(eval_rows), B, cfg.eval_batches)):
                 x0, lm = eval_rows.batch(idx)
-                noise = draw_noise(obj, lm, _noise_gen(cfg.seed, i, salt=7))  # same noise at every eval
-                mine = slice(ctx.rank * B // W, (ctx.rank + 1) * B // W)
-                tot[0] += float(diffusion_loss_sum(model, x0[mine].to(ctx.device), noise.rows(mine), obj))
-                tot[1] += float(loss_eligible(lm, obj.shift).sum()) / W
+                noise = draw_noise(obj, lm, _noise_gen(cfg.seed, i, salt=7))  # the same noise at every eval
+                total += float(diffusion_loss_sum(model, x0[mine].to(ctx.device), noise.rows(mine), obj))
+                n += int(loss_eligible(lm, obj.shift).sum())
         model.train()
-        s, n = ctx.sum(tot)
-        return s / max(n, 1.0)
+        return ctx.sum([total])[0] / max(n, 1)
 
     try:
         while step < cfg.total_steps:
             t0 = time.perf_counter()
             x0, lm = rows.batch(next(batches))
             noise = draw_noise(obj, lm, _noise_gen(cfg.seed, step))
-            n_eligible = max(1, int(loss_eligible(lm, obj.shift).sum()))
-            loss_sum = 0.0
-            for m in range(A):
-                lo = m * (B // A) + ctx.rank * (B // (A * W))
-                mine = slice(lo, lo + B // (A * W))
-                sync = contextlib.nullcontext() if (W == 1 or m == A - 1) else loss_module.no_sync()
-                with sync:
-                    with autocast:
-                        part = loss_module(x0[mine].to(ctx.device), noise.masked[mine], noise.p[mine], noise.block_size or 0)
-                    (part * (W / n_eligible)).backward()
-                loss_sum += float(part.detach())
+            loss = _train_step(cfg, ctx, loss_module, obj, x0, lm, noise, autocast)
             if cfg.grad_clip:
                 torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
-            loss = ctx.sum([loss_sum])[0] / n_eligible
             losses.append(loss)
             train_time += time.perf_counter() - t0
-            tps = B * cfg.seq_len * (step - (saved["step"] if saved else 0)) / max(train_time - (saved["train_time"] if saved else 0), 1e-9)
-            rep.step(step, loss, sched.get_last_lr()[0], tps, (cfg.total_steps - step) * B * cfg.seq_len / max(tps, 1e-9))
-            metrics = {"loss": loss, "lr": sched.get_last_lr()[0], "tokens_per_s": tps, "block_size": noise.block_size}
+            tps = B * cfg.seq_len * (step - first_step) / max(train_time - first_time, 1e-9)
+            lr = sched.get_last_lr()[0]
+            rep.step(step, loss, lr, tps, (cfg.total_steps - step) * B * cfg.seq_len / max(tps, 1e-9))
+            metrics = {"loss": loss, "lr": lr, "tokens_per_s": tps, "block_size": noise.block_size}
             if eval_rows is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.total_steps):
                 metrics["eval_loss"] = evaluate()
                 evals.append((step, metrics["eval_loss"]))
@@ -310,15 +323,12 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
                 checkpoint()
             if on_step is not None:
                 on_step(step, metrics)
-        model_dir = None
-        if ctx.main:
-            model_dir = _export(cfg, tm, out, tokenizer_dir, rep)
+        model_dir = _export(cfg, tm, out, tokenizer_dir, rep) if ctx.main else None
         ctx.barrier()
     finally:
         rep.close()
     tokens = B * cfg.seq_len * len(losses)
-    return TrainResult(out, model_dir if ctx.main else out / "model", step, losses, evals,
-                       tokens / train_time if train_time else 0.0, model)
+    return TrainResult(out, model_dir, step, losses, evals, tokens / train_time if train_time else 0.0, model)
 
 
 def _export(cfg: TrainConfig, tm: TrainableModel, out: Path, tokenizer_dir: Path | None, rep: _Reporter) -> Path | None:
@@ -328,7 +338,11 @@ def _export(cfg: TrainConfig, tm: TrainableModel, out: Path, tokenizer_dir: Path
         save_adapter(tm, out / "adapter")
         rep.log(f"LoRA adapter saved to {out / 'adapter'}")
     if not tm.lora or cfg.lora_merge:
-        model_dir = export_model(tm, out / "model", tokenizer_dir, cfg.export_dtype)
+        dtype = cfg.export_dtype
+        if dtype == "auto":
+            src = tm.config.get("torch_dtype") if tm.source else None
+            dtype = src if src in ("float32", "bfloat16", "float16") else "float32"
+        model_dir = export_model(tm, out / "model", tokenizer_dir, dtype)
         rep.log(f"model exported to {model_dir} ({tm.family.name} format)")
     tm.model.train()
     return model_dir
@@ -338,9 +352,14 @@ def _export(cfg: TrainConfig, tm: TrainableModel, out: Path, tokenizer_dir: Path
 
 def _prepare(cfg: TrainConfig) -> _Dist:
     ctx = _init_dist(cfg.device)
-    if ctx.main:
+    try:  # every rank checks, so a failure never leaves the others waiting at a barrier
         ensure_writable(Path(cfg.out_dir))  # fail before tokenizing or building anything
-    ctx.barrier()
+        if cfg.batch_size % (cfg.grad_accum * ctx.world):
+            raise TrainConfigError(f"batch_size {cfg.batch_size} must be divisible by grad_accum {cfg.grad_accum} "
+                                   f"x {ctx.world} processes")
+    except Exception:
+        _finish(ctx)
+        raise
     return ctx
 
 
@@ -360,16 +379,13 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
     """
     ctx = _prepare(cfg)
     try:
-        from unmask.tokenizer import Tokenizer
-        from unmask.train.data import load_pretraining
-        from unmask.train.model_init import fresh_model, load_trainable, shape_config
-
         tok = Tokenizer(tokenizer_dir)
         ids = _special_ids(tok)
         sep = ids["endoftext"] if ids["endoftext"] is not None else ids["eos"]
-        with ctx.main_first():
-            rows, eval_rows = load_pretraining(Path(data), tok, cfg.seq_len, sep, Path(cfg.out_dir) / "tokens",
-                                               log=print if ctx.main else (lambda _: None))
+        # every rank reads (or tokenizes into the same atomic cache) on its own: no rank can
+        # fail while another waits for it
+        rows, eval_rows = load_pretraining(Path(data), tok, cfg.seq_len, sep, Path(cfg.out_dir) / "tokens",
+                                           log=print if ctx.main else (lambda _: None))
         sizes = cfg.block_sizes or DEFAULT_BLOCK_SIZES
         if init_from is not None:
             tm = load_trainable(init_from)
@@ -397,15 +413,11 @@ def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *,
     """
     ctx = _prepare(cfg)
     try:
-        from unmask.tokenizer import Tokenizer
-        from unmask.train.model_init import load_trainable
-        from unmask.train.sft import SFTEncoder, load_sft
-
         tm = load_trainable(model_dir)
         tok = Tokenizer(model_dir)
         enc = SFTEncoder(tok, tm.eos_id, tm.stop_ids)
-        rows, _ = load_sft(jsonl_path, enc, cfg.seq_len, cfg.on_error)
-        eval_rows = load_sft(eval_path, enc, cfg.seq_len, cfg.on_error)[0] if eval_path else None
+        rows, _ = load_sft(jsonl_path, enc, cfg.seq_len, cfg.on_error, cfg.sft_pack)
+        eval_rows = load_sft(eval_path, enc, cfg.seq_len, cfg.on_error, cfg.sft_pack)[0] if eval_path else None
         _check_vocab(tm, rows)
         sizes = cfg.block_sizes or tuple(tm.config.get("train_block_sizes") or [tm.block_size])
         return run(cfg, _maybe_lora(tm, cfg), _objective(tm, sizes), rows, eval_rows, None, ctx, on_step)

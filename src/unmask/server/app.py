@@ -1,0 +1,191 @@
+"""The FastAPI application: routes of a few lines, one error envelope, security middleware, and a
+lifespan that loads the model in a background thread so that the socket (and /health, 503 until
+the model is ready) is up at once.
+
+Heavy modules (torch, the engine, serving.py) are imported by the loader thread, not here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+
+from unmask.errors import UnmaskError
+from unmask.server.metrics import Metrics
+from unmask.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
+
+logger = logging.getLogger("unmask.server")
+
+
+@dataclass
+class ServerArgs:
+    model: Path
+    served_model_name: str
+    api_keys: list[str] = field(default_factory=list)
+    cors_origins: list[str] = field(default_factory=list)
+    max_num_seqs: int = 64
+    max_queue: int = 256
+    max_body_bytes: int = 4 * 2**20
+    max_prompt_tokens: int | None = None
+    default_max_tokens: int = 1024
+    force_include_usage: bool = False
+    chat_template: str | None = None     # template text (read from --chat-template FILE by the CLI)
+    dtype: str | None = None
+    device: str = "cpu"
+    drain_timeout: float = 30.0
+
+
+def load_serving(app: FastAPI, args: ServerArgs) -> None:
+    """Loader thread: build the engine, then publish `app.state.serving` (health turns 200)."""
+    try:
+        from unmask.engine.async_engine import AsyncEngine
+        from unmask.engine.llm import LLM
+        from unmask.server.serving import OpenAIServing, ServingConfig
+
+        t0 = time.perf_counter()
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                  chat_template=args.chat_template)
+        # the server counts admission exactly (serving.py); the engine's own queue bound is a backstop
+        engine = AsyncEngine(llm.engine, max_queue=args.max_queue + args.max_num_seqs)
+        cfg = ServingConfig(model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+                            max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
+                            default_max_tokens=args.default_max_tokens, force_include_usage=args.force_include_usage)
+        app.state.metrics.attach(llm.engine)
+        app.state.serving = OpenAIServing(llm, engine, app.state.metrics, cfg)
+        logger.info("model %s loaded in %.1f s; ready", args.served_model_name, time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - any load failure stops the server with one line
+        app.state.load_error = str(e) if isinstance(e, UnmaskError) else f"{type(e).__name__}: {e}"
+        logger.error("cannot load the model: %s", app.state.load_error)
+        app.state.on_fatal()
+
+
+# ---------------------------------------------------------------------------------------- routes
+router = APIRouter()
+
+
+def serving(request: Request):
+    s = request.app.state.serving
+    if s is None:
+        raise APIError(503, "the model is still loading; retry when GET /health answers 200", code="model_loading")
+    return s
+
+
+def respond(result: BaseModel | AsyncIterator[str]) -> Response:
+    if isinstance(result, BaseModel):
+        return Response(result.model_dump_json(), media_type="application/json")
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return respond(await serving(request).chat(body, request.is_disconnected))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return respond(await serving(request).completion(body, request.is_disconnected))
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    return respond(serving(request).models())
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> Response:
+    return respond(serving(request).model_card(model_id))
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state = request.app.state
+    if state.serving is None or not state.serving.engine.is_alive:
+        status = "error" if state.load_error or state.serving is not None else "loading"
+        return JSONResponse({"status": status}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---------------------------------------------------------------------------------------- errors
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[\-]")  # pydantic's union-branch loc entries
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    err = next((e for e in errors if e["type"] == "value_error"), errors[0])
+    if err["type"] == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
+                        code="invalid_json")
+    loc = [str(x) for x in err["loc"][1:] if not _TYPE_TAG.search(str(x))]
+    if not loc:
+        return APIError(400, f"request body must be a JSON object matching the API: {err['msg']}")
+    param = ".".join(loc)
+    return APIError(400, f"{param}: {err['msg']}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: APIError) -> Response:
+        if exc.status != 499:
+            app.state.metrics.error(exc.status)
+        return JSONResponse(exc.response().model_dump(), status_code=exc.status, headers=exc.headers)
+
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        return await api_error(request, validation_error(exc))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return await api_error(request, APIError(exc.status_code, str(exc.detail)))
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return await api_error(request, APIError(500, "internal server error"))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+# ---------------------------------------------------------------------------------------- the app
+def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=load_serving, args=(app, args), name="unmask-load", daemon=True).start()
+        yield
+        s = app.state.serving
+        if s is not None:  # uvicorn has already waited for open requests; let the engine finish too
+            await asyncio.to_thread(s.engine.shutdown, True, args.drain_timeout)
+
+    app = FastAPI(title="unmask", lifespan=lifespan)
+    app.state.serving = None
+    app.state.load_error = None
+    app.state.metrics = Metrics()
+    app.state.on_fatal = on_fatal
+    app.include_router(router)
+    install_error_handlers(app)
+    # the last added middleware runs first: CORS (answers preflights), then the key, then the size
+    app.add_middleware(BodyLimitMiddleware, limit=args.max_body_bytes, metrics=app.state.metrics)
+    app.add_middleware(APIKeyMiddleware, keys=args.api_keys, metrics=app.state.metrics)
+    if args.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=args.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    return app

@@ -1,0 +1,86 @@
+"""`unmask serve`: every flag can also be set through an UNMASK_* environment variable.
+
+Imports nothing heavy at import time: fastapi, uvicorn and torch load inside `serve`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def serve(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", envvar="UNMASK_MODEL",
+                                         help="Model directory (default: the built-in unmask-tiny)."),
+    host: str = typer.Option("127.0.0.1", envvar="UNMASK_HOST", help="Interface to listen on."),
+    port: int = typer.Option(8000, envvar="UNMASK_PORT"),
+    api_key: list[str] = typer.Option([], "--api-key", envvar="UNMASK_API_KEY",
+                                      help="Require 'Authorization: Bearer KEY' on every route but /health "
+                                           "(repeatable; in the variable, keys separated by spaces)."),
+    max_num_seqs: int = typer.Option(64, min=1, envvar="UNMASK_MAX_NUM_SEQS",
+                                     help="Requests decoded together (one per choice)."),
+    max_queue: int = typer.Option(256, min=0, envvar="UNMASK_MAX_QUEUE",
+                                  help="Requests waiting for a slot; beyond that: 429 with Retry-After."),
+    chat_template: Optional[Path] = typer.Option(None, envvar="UNMASK_CHAT_TEMPLATE",
+                                                 help="Jinja chat template file (default: the model's)."),
+    cors_origin: list[str] = typer.Option([], "--cors-origin", envvar="UNMASK_CORS_ORIGIN",
+                                          help="Allowed browser origin (repeatable; none by default)."),
+    max_body_bytes: int = typer.Option(4 * 2**20, min=1, envvar="UNMASK_MAX_BODY_BYTES",
+                                       help="Largest request body accepted."),
+    max_prompt_tokens: Optional[int] = typer.Option(None, min=1, envvar="UNMASK_MAX_PROMPT_TOKENS",
+                                                    help="Longest prompt accepted (default: the model's context)."),
+    default_max_tokens: int = typer.Option(1024, min=1, envvar="UNMASK_DEFAULT_MAX_TOKENS",
+                                           help="max_tokens of requests that name none (capped by the context)."),
+    force_include_usage: bool = typer.Option(False, envvar="UNMASK_FORCE_INCLUDE_USAGE",
+                                             help="End every stream with a usage chunk, asked for or not."),
+    dtype: Optional[str] = typer.Option(None, envvar="UNMASK_DTYPE",
+                                        help="float32 | bfloat16 | float16 (default: float32 on CPU)."),
+    device: str = typer.Option("cpu", envvar="UNMASK_DEVICE"),
+    served_model_name: Optional[str] = typer.Option(None, envvar="UNMASK_SERVED_MODEL_NAME",
+                                                    help="Model id in the API (default: the directory name)."),
+    drain_timeout: float = typer.Option(30.0, envvar="UNMASK_DRAIN_TIMEOUT",
+                                        help="On shutdown, seconds to let running requests finish."),
+    log_level: str = typer.Option("info", envvar="UNMASK_LOG_LEVEL"),
+):
+    """Serve a model over an OpenAI-compatible HTTP API."""
+    import logging
+
+    import uvicorn
+
+    from unmask.server.app import ServerArgs, create_app
+
+    if model is None:
+        from unmask.engine.llm import default_model_path
+
+        model = default_model_path()
+        if not model.is_dir():
+            _fail(f"the built-in model is not installed at {model}; pass --model DIR")
+    elif not model.is_dir():
+        _fail(f"model directory {model} does not exist")
+    template = None
+    if chat_template is not None:
+        try:
+            template = chat_template.read_text(encoding="utf-8")
+        except OSError as e:
+            _fail(f"cannot read the chat template {chat_template}: {e.strerror}")
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+    args = ServerArgs(model=model, served_model_name=served_model_name or model.resolve().name,
+                      api_keys=list(api_key), cors_origins=list(cors_origin),
+                      max_num_seqs=max_num_seqs, max_queue=max_queue, max_body_bytes=max_body_bytes,
+                      max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
+                      force_include_usage=force_include_usage, chat_template=template, dtype=dtype,
+                      device=device, drain_timeout=drain_timeout)
+    app = create_app(args)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                                           timeout_graceful_shutdown=drain_timeout))
+    app.state.on_fatal = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if app.state.load_error:
+        _fail(app.state.load_error)

@@ -1,0 +1,365 @@
+"""Wire types of the OpenAI-compatible API.
+
+Fields follow the order of OpenAI's API reference; unmask's own extensions are fenced off at the
+end of each model. Requests accept unknown fields (`extra="allow"`, listed by `ignored_fields`) so
+that clients sending newer OpenAI fields keep working, but types are strict: `"5"` is not an
+integer. Fields that would change the meaning of a request and that unmask does not implement
+(tools, response_format, penalties, ...) are declared so that `unsupported()` can reject them
+with a 400 instead of silently ignoring them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+ReasoningEffort = Literal["instant", "low", "medium", "high", "minimal", "none"]
+
+
+# ---------------------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The one error envelope of every route: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
+               500: "server_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    """An error the API reports to the client: HTTP status plus the OpenAI error envelope."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, "error"),
+                                             param=self.param, code=self.code))
+
+
+# ---------------------------------------------------------------------------------------- bases
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class ResponseModel(BaseModel):
+    """Response objects; fields named in `_omit_if_none` are left out instead of sent as null."""
+
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        data = handler(self)
+        for name in self._omit_if_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+# reasoning_effort trades speed for quality through the unmasking threshold: a lower threshold
+# commits more tokens per forward (faster, more errors). Explicit policy/threshold/steps win.
+REASONING_EFFORT: dict[str, dict[str, Any]] = {
+    "instant": {"policy": "threshold", "threshold": 0.7},
+    "low": {"policy": "threshold", "threshold": 0.8},
+    "medium": {"policy": "threshold", "threshold": 0.9},
+    "high": {"policy": "threshold", "threshold": 0.95},
+}
+EFFORT_ALIASES = {"minimal": "instant", "none": "instant"}  # OpenAI's lowest levels
+
+
+class GenerationRequest(RequestModel):
+    """Shared by both endpoints: how a request's fields become engine `GenerationParams` fields."""
+
+    def generation_kwargs(self) -> dict[str, Any]:
+        """Fields this request sets; the server fills in max_tokens, seed and its defaults."""
+        effort = self.reasoning_effort
+        kw = dict(REASONING_EFFORT[EFFORT_ALIASES.get(effort, effort)]) if effort else {}
+        for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "block_size"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        kw["ignore_eos"] = self.ignore_eos
+        return kw
+
+
+# ---------------------------------------------------------------------------------------- chat
+class TextPart(RequestModel):
+    type: str
+    text: str | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"content parts of type {v!r} are not supported; only 'text'")
+        return v
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it: text parts joined, `developer` as `system`."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(p.text or "" for p in content)
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
+        return msg
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage]
+    model: str | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool = False
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    response_format: dict[str, Any] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_p: float | None = None
+    user: str | None = None
+    # ---- unmask extensions
+    top_k: int | None = None
+    diffusing: bool = False
+    policy: str | None = None
+    threshold: float | None = None
+    steps: int | None = None
+    block_size: int | None = None
+    ignore_eos: bool = False
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, reason) of the first field set to something unmask cannot honour."""
+        if self.tools and self.tool_choice != "none":
+            return "tools", "tool calling is not supported yet; send tool_choice 'none' or no tools"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "structured output (json_object, json_schema) is not supported yet"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs: true"
+        return _common_unsupported(self)
+
+
+# ---------------------------------------------------------------------------------------- completions
+class CompletionRequest(GenerationRequest):
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    echo: bool = False
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    max_tokens: int | None = None
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # ---- unmask extensions
+    reasoning_effort: ReasoningEffort | None = None
+    top_k: int | None = None
+    diffusing: bool = False
+    policy: str | None = None
+    threshold: float | None = None
+    steps: int | None = None
+    block_size: int | None = None
+    ignore_eos: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a batch: one string or token list per entry."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.suffix:
+            return "suffix", "suffix (fill in the middle) is not supported on /v1/completions"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of other than n is not supported"
+        if self.echo and self.logprobs is not None:
+            return "echo", "echo with logprobs is not supported (prompt logprobs are not computed)"
+        return _common_unsupported(self)
+
+
+def _common_unsupported(req) -> tuple[str, str] | None:
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name):
+            return name, f"{name} is not supported; send 0 or leave it out"
+    if req.logit_bias:
+        return "logit_bias", "logit_bias is not supported"
+    return None
+
+
+# ---------------------------------------------------------------------------------------- responses
+class Usage(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(ResponseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(ResponseModel):
+    _omit_if_none = frozenset({"role", "content"})
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(ResponseModel):
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class DiffusingFrame(ResponseModel):
+    """unmask extension: the full current text of choice `index`, masked positions shown as "░".
+
+    Each frame replaces the previous one; frames carry `choices: []` so clients that do not ask
+    for them (or skip chunks without choices, like the usage chunk) never mistake them for content.
+    """
+
+    index: int
+    text: str
+    masked: int
+
+
+class ChatCompletionChunk(ResponseModel):
+    _omit_if_none = frozenset({"usage", "diffusing"})
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    # ---- unmask extension
+    diffusing: DiffusingFrame | None = None
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(ResponseModel):
+    _omit_if_none = frozenset({"usage", "diffusing"})
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    # ---- unmask extension
+    diffusing: DiffusingFrame | None = None
+
+
+# ---------------------------------------------------------------------------------------- models
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "unmask"
+    # ---- unmask extension
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,457 @@
+"""Request handling of the OpenAI-compatible API: engine types in, response objects or SSE text out.
+
+No web framework here. A route hands over a parsed request and an `is_disconnected` callable and
+gets back either a response model or an async iterator of SSE frames. A stream is started before
+it is returned, so admission errors (429) are raised while the HTTP status can still say so.
+
+Each choice of a request is one engine request (`Job`); `n > 1` and batched completion prompts
+submit several and merge their events. Admission is counted here, in engine requests: at most
+`max_num_seqs` run and `max_queue` wait; one more is refused at once with 429 and Retry-After.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from itertools import groupby
+
+import jinja2
+from pydantic import BaseModel
+
+from unmask.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from unmask.engine.llm import LLM
+from unmask.engine.outputs import StepOutput
+from unmask.engine.params import GenerationParams
+from unmask.errors import InvalidRequestError, ModelLoadError, UnmaskError
+from unmask.server.metrics import Metrics
+from unmask.server.protocol import (
+    APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChoiceLogprobs, CompletionChoice, CompletionChunk, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, Delta, DiffusingFrame, ModelCard, ModelList, TokenLogprob,
+    TopLogprob, Usage,
+)
+
+logger = logging.getLogger("unmask.server")
+
+MASK_PLACEHOLDER = "░"       # one per masked position in `diffusing` frames
+DISCONNECT_POLL_S = 0.1      # how often a non-streamed request checks that its client is still there
+
+Disconnected = Callable[[], Awaitable[bool]]
+
+
+@dataclass
+class ServingConfig:
+    model_name: str
+    max_num_seqs: int = 64
+    max_queue: int = 256
+    max_prompt_tokens: int | None = None     # None: the model's context
+    default_max_tokens: int = 1024           # when a request names none (capped by the context left)
+    force_include_usage: bool = False
+
+
+@dataclass
+class Job:
+    """One engine request: choice `index` of an API request."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: GenerationParams
+
+
+@dataclass
+class ChoiceState:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_generated: int = 0
+
+    def add(self, out: StepOutput) -> None:
+        self.text += out.text_delta
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs or []
+        self.num_generated = out.num_generated
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """The model's own sampling settings (generation_config.json) for fields a request leaves out."""
+    if not generation_config.get("do_sample"):
+        return {}
+    return {k: generation_config[k] for k in ("temperature", "top_p", "top_k") if generation_config.get(k) is not None}
+
+
+def sse(obj: BaseModel | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else obj.model_dump_json()}\n\n"
+
+
+def as_api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e), param=e.param)
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, UnmaskError):
+        return APIError(500, str(e))
+    raise e
+
+
+class OpenAIServing:
+    def __init__(self, llm: LLM, engine: AsyncEngine, metrics: Metrics, cfg: ServingConfig):
+        self.llm, self.engine, self.metrics, self.cfg = llm, engine, metrics, cfg
+        self.tok, self.spec = llm.tokenizer, llm.spec
+        self.defaults = sampling_defaults(llm.spec.generation_config)
+        self.inflight = 0        # engine requests admitted and not yet released
+        self.created = int(time.time())
+
+    @property
+    def capacity(self) -> int:
+        return self.cfg.max_num_seqs + self.cfg.max_queue
+
+    # ------------------------------------------------------------------ models
+    def models(self) -> ModelList:
+        return ModelList(data=[self.model_card()])
+
+    def model_card(self, model_id: str | None = None) -> ModelCard:
+        if model_id is not None:
+            self._check_model(model_id)
+        return ModelCard(id=self.cfg.model_name, created=self.created, max_model_len=self.spec.max_context)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.cfg.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # ------------------------------------------------------------------ endpoints
+    async def chat(self, req: ChatCompletionRequest, is_disconnected: Disconnected | None = None):
+        t0 = time.perf_counter()
+        self._validate(req)
+        if not req.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        try:
+            text = self.tok.apply_chat_template([m.to_template() for m in req.messages])
+        except (ModelLoadError, jinja2.TemplateError) as e:
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        prompts = [self.tok.encode(text)]
+        fmt = ChatFormat(self, req)
+        return await self._run(fmt, self._jobs(prompts, req, "messages"), req, prompts, is_disconnected, t0)
+
+    async def completion(self, req: CompletionRequest, is_disconnected: Disconnected | None = None):
+        t0 = time.perf_counter()
+        self._validate(req)
+        prompts = [self.tok.encode(p) if isinstance(p, str) else list(p) for p in req.prompts()]
+        vocab = self.spec.arch.vocab_size
+        if any(t < 0 or t >= vocab for ids in prompts for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        fmt = CompletionFormat(self, req, [self.tok.decode(ids) for ids in prompts])
+        return await self._run(fmt, self._jobs(prompts, req, "prompt"), req, prompts, is_disconnected, t0)
+
+    # ------------------------------------------------------------------ request -> jobs
+    def _validate(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        self._check_model(req.model)
+        bad = req.unsupported()
+        if bad:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported")
+        if req.ignored_fields():
+            logger.info("ignoring unknown request fields: %s", ", ".join(req.ignored_fields()))
+
+    def _jobs(self, prompts: list[list[int]], req, prompt_param: str) -> list[Job]:
+        if len(prompts) * req.n > self.capacity:
+            raise APIError(400, f"{len(prompts) * req.n} choices requested; this server holds at most "
+                                f"{self.capacity} requests (--max-num-seqs + --max-queue)", param="n")
+        kw = {**self.defaults, **req.generation_kwargs()}
+        logprobs = bool(req.logprobs) if isinstance(req, ChatCompletionRequest) else req.logprobs is not None
+        base = uuid.uuid4().hex[:16]
+        jobs = []
+        for p, ids in enumerate(prompts):
+            max_tokens = self._max_tokens(req, len(ids), prompt_param)
+            for j in range(req.n):
+                seed = None if req.seed is None else (req.seed + j) % 2**63
+                try:
+                    params = GenerationParams(max_tokens=max_tokens, seed=seed, logprobs=logprobs,
+                                              snapshots=req.diffusing and req.stream, **kw)
+                except InvalidRequestError as e:
+                    raise APIError(400, str(e), param=e.param) from None
+                index = p * req.n + j
+                jobs.append(Job(index, f"{base}-{index}", ids, params))
+        return jobs
+
+    def _max_tokens(self, req, n_prompt: int, prompt_param: str) -> int:
+        ctx = self.spec.max_context
+        limit = min(self.cfg.max_prompt_tokens or ctx, ctx)
+        if n_prompt == 0:
+            raise APIError(400, "the prompt is empty", param=prompt_param)
+        if n_prompt > limit:
+            raise APIError(400, f"the prompt has {n_prompt} tokens, over this server's limit of {limit} "
+                                "prompt tokens", param=prompt_param, code="context_length_exceeded")
+        asked = getattr(req, "max_completion_tokens", None)
+        asked = req.max_tokens if asked is None else asked
+        room = ctx - n_prompt
+        if asked is None:
+            if room < 1:
+                raise APIError(400, f"the prompt ({n_prompt} tokens) fills this model's context of {ctx}",
+                               param=prompt_param, code="context_length_exceeded")
+            return min(self.cfg.default_max_tokens, room)
+        if asked < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {asked}", param="max_tokens")
+        if asked > room:
+            raise APIError(400, f"the prompt ({n_prompt} tokens) plus max_tokens ({asked}) is over this model's "
+                                f"context of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
+        return asked
+
+    # ------------------------------------------------------------------ running jobs
+    async def _run(self, fmt: _Format, jobs: list[Job], req, prompts: list[list[int]],
+                   is_disconnected: Disconnected | None, t0: float):
+        prompt_tokens = sum(map(len, prompts))
+        if req.stream:
+            include_usage = self.cfg.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
+            stream = self._stream(fmt, jobs, prompt_tokens, include_usage, req.diffusing, t0)
+            await anext(stream)  # admission: raises 429 here, before the response starts
+            return stream
+        self._admit(len(jobs))
+        try:
+            states = await self._until_done(self._collect(jobs, t0), is_disconnected)
+        finally:
+            self.inflight -= len(jobs)
+        self.metrics.e2e.observe(time.perf_counter() - t0)
+        return fmt.response(states, self._usage(prompt_tokens, states))
+
+    def _admit(self, n: int) -> None:
+        if self.inflight + n > self.capacity:
+            raise APIError(429, f"server busy: {self.inflight} requests in flight, limit {self.cfg.max_num_seqs} "
+                                f"running + {self.cfg.max_queue} queued", code="queue_full",
+                           headers={"Retry-After": "1"})
+        self.inflight += n
+
+    async def _events(self, jobs: list[Job], t0: float) -> AsyncIterator[tuple[int, StepOutput]]:
+        """Every job's engine events as (choice index, event). Closing it early aborts the jobs."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._drive(job, queue, t0)) for job in jobs]
+        left = len(tasks)
+        try:
+            while left:
+                index, item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                elif item.finish_reason == "abort":
+                    raise APIError(503, "the request was aborted (the server is shutting down)")
+                else:
+                    yield index, item
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.cancellations.inc()
+            raise
+        finally:
+            for t in tasks:
+                t.cancel()  # a cancelled engine generator aborts its request before the next step
+
+    async def _drive(self, job: Job, queue: asyncio.Queue, t0: float) -> None:
+        m = self.metrics
+        m.prompt_tokens.inc(len(job.prompt_ids))
+        first = True
+        try:
+            async for out in self.engine.generate(job.prompt_ids, job.params, request_id=job.request_id):
+                if out.new_token_ids:
+                    if first:
+                        m.ttft.observe(time.perf_counter() - t0)
+                        first = False
+                    m.generation_tokens.inc(len(out.new_token_ids))
+                if out.finished and out.finish_reason != "abort":
+                    m.tokens_per_forward.observe(out.num_generated / max(out.forwards, 1))
+                queue.put_nowait((job.index, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which reports it
+            queue.put_nowait((job.index, e))
+        else:
+            queue.put_nowait((job.index, None))
+
+    async def _collect(self, jobs: list[Job], t0: float) -> dict[int, ChoiceState]:
+        states = {job.index: ChoiceState() for job in jobs}
+        try:
+            async with aclosing(self._events(jobs, t0)) as events:
+                async for index, out in events:
+                    states[index].add(out)
+        except Exception as e:  # noqa: BLE001 - engine errors become API errors; others propagate
+            raise as_api_error(e) from None
+        return states
+
+    @staticmethod
+    async def _until_done(coro, is_disconnected: Disconnected | None):
+        """Await `coro`, cancelling it if the client goes away first."""
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if is_disconnected is not None and await is_disconnected():
+                    raise APIError(499, "the client disconnected")
+        finally:
+            task.cancel()
+
+    async def _stream(self, fmt: _Format, jobs: list[Job], prompt_tokens: int, include_usage: bool,
+                      diffusing: bool, t0: float) -> AsyncIterator[str]:
+        self._admit(len(jobs))
+        try:
+            yield ""  # admitted; the caller primes the stream up to here
+            states = {job.index: ChoiceState() for job in jobs}
+            for chunk in fmt.opening(sorted(states)):
+                yield sse(chunk)
+            async with aclosing(self._events(jobs, t0)) as events:
+                async for index, out in events:
+                    st = states[index]
+                    st.add(out)
+                    if out.text_delta or out.finished or (fmt.logprobs and out.new_token_ids):
+                        yield sse(fmt.chunk(index, st, out))
+                    if diffusing and out.snapshot is not None:
+                        yield sse(fmt.diffusing(DiffusingFrame(index=index, **self._render(out.snapshot))))
+            if include_usage:
+                yield sse(fmt.usage_chunk(self._usage(prompt_tokens, states)))
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - a stream reports its error in-band, then [DONE]
+            try:
+                err = as_api_error(e)
+            except Exception:  # noqa: BLE001
+                logger.exception("request failed while streaming")
+                err = APIError(500, "internal server error")
+            self.metrics.error(err.status)
+            yield sse(err.response())
+        finally:
+            self.inflight -= len(jobs)
+        yield sse("[DONE]")
+
+    # ------------------------------------------------------------------ helpers
+    def _render(self, snapshot: list[int]) -> dict:
+        """Snapshot token ids as text; every masked position becomes one MASK_PLACEHOLDER."""
+        mask, parts, masked = self.spec.mask_id, [], 0
+        for is_mask, run in groupby(snapshot, key=lambda t: t == mask):
+            run = list(run)
+            if is_mask:
+                parts.append(MASK_PLACEHOLDER * len(run))
+                masked += len(run)
+            else:
+                parts.append(self.tok.decode(run))
+        return {"text": "".join(parts), "masked": masked}
+
+    @staticmethod
+    def _usage(prompt_tokens: int, states: dict[int, ChoiceState]) -> Usage:
+        completion = sum(s.num_generated for s in states.values())
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+
+
+# ---------------------------------------------------------------------------------------- formats
+class _Format:
+    """Builds one endpoint's response objects; `logprobs` is None when not asked, else the top-k count."""
+
+    id_prefix = ""
+
+    def __init__(self, serving: OpenAIServing, logprobs: int | None):
+        self.tok = serving.tok
+        self.model = serving.cfg.model_name
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.logprobs = logprobs
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [self.tok.decode([t], skip_special_tokens=False) for t in ids]
+
+
+class ChatFormat(_Format):
+    id_prefix = "chatcmpl"
+
+    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest):
+        super().__init__(serving, (req.top_logprobs or 0) if req.logprobs else None)
+
+    def _logprobs(self, ids: list[int], lps: list[float]) -> ChoiceLogprobs | None:
+        if self.logprobs is None:
+            return None
+        content = []
+        for s, lp in zip(self.token_strings(ids), lps):
+            b = list(s.encode())
+            top = [TopLogprob(token=s, logprob=lp, bytes=b)] if self.logprobs else []
+            content.append(TokenLogprob(token=s, logprob=lp, bytes=b, top_logprobs=top))
+        return ChoiceLogprobs(content=content)
+
+    def _chunk(self, choices: list[ChatChunkChoice], **kw) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **kw)
+
+    def opening(self, indices: list[int]) -> list[ChatCompletionChunk]:
+        return [self._chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))]) for i in indices]
+
+    def chunk(self, index: int, st: ChoiceState, out: StepOutput) -> ChatCompletionChunk:
+        delta = Delta(content=out.text_delta) if out.text_delta or not out.finished else Delta()
+        return self._chunk([ChatChunkChoice(index=index, delta=delta,
+                                            logprobs=self._logprobs(out.new_token_ids, out.new_logprobs or []),
+                                            finish_reason=out.finish_reason if out.finished else None)])
+
+    def diffusing(self, frame: DiffusingFrame) -> ChatCompletionChunk:
+        return self._chunk([], diffusing=frame)
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return self._chunk([], usage=usage)
+
+    def response(self, states: dict[int, ChoiceState], usage: Usage) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=st.text),
+                              logprobs=self._logprobs(st.token_ids, st.logprobs), finish_reason=st.finish_reason)
+                   for i, st in sorted(states.items())]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=usage)
+
+
+class CompletionFormat(_Format):
+    id_prefix = "cmpl"
+
+    def __init__(self, serving: OpenAIServing, req: CompletionRequest, prompt_texts: list[str]):
+        super().__init__(serving, req.logprobs)
+        self.n = req.n
+        self.echo = [t if req.echo else "" for t in prompt_texts]
+
+    def _prefix(self, index: int) -> str:
+        return self.echo[index // self.n]
+
+    def _logprobs(self, ids: list[int], lps: list[float], offset: int) -> CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        tokens = self.token_strings(ids)
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        top = [{s: lp} for s, lp in zip(tokens, lps)] if self.logprobs else None
+        return CompletionLogprobs(tokens=tokens, token_logprobs=list(lps), top_logprobs=top, text_offset=offsets)
+
+    def _chunk(self, choices: list[CompletionChoice], **kw) -> CompletionChunk:
+        return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **kw)
+
+    def opening(self, indices: list[int]) -> list[CompletionChunk]:
+        return [self._chunk([CompletionChoice(index=i, text=self._prefix(i))]) for i in indices if self._prefix(i)]
+
+    def chunk(self, index: int, st: ChoiceState, out: StepOutput) -> CompletionChunk:
+        offset = len(self._prefix(index)) + len(st.text) - len(out.text_delta)
+        return self._chunk([CompletionChoice(index=index, text=out.text_delta,
+                                             logprobs=self._logprobs(out.new_token_ids, out.new_logprobs or [], offset),
+                                             finish_reason=out.finish_reason if out.finished else None)])
+
+    def diffusing(self, frame: DiffusingFrame) -> CompletionChunk:
+        return self._chunk([], diffusing=frame)
+
+    def usage_chunk(self, usage: Usage) -> CompletionChunk:
+        return self._chunk([], usage=usage)
+
+    def response(self, states: dict[int, ChoiceState], usage: Usage) -> CompletionResponse:
+        choices = [CompletionChoice(index=i, text=self._prefix(i) + st.text,
+                                    logprobs=self._logprobs(st.token_ids, st.logprobs, len(self._prefix(i))),
+                                    finish_reason=st.finish_reason)
+                   for i, st in sorted(states.items())]
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
