@@ -172,6 +172,56 @@ def finetune(
     typer.echo(f"done: {res.steps} steps, final model in {res.model_dir}")
 
 
+@app.command("eval")
+def evaluate_cmd(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Model directory (default: built-in)."),
+    corpus_dir: Path = typer.Option(Path("data/corpus"), "--corpus", help="Corpus with heldout.jsonl (unmask corpus)."),
+    sft_heldout: Path = typer.Option(Path("data/sft/heldout.jsonl"), "--sft-heldout", help="Held-out FIM records."),
+    limit: int = typer.Option(200, help="Tasks per kind."),
+    policies: str = typer.Option("one_token_per_forward,threshold_0.9,threshold_0.7"),
+    block_size: Optional[int] = typer.Option(None),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
+):
+    """Held-out masked-token loss, next-line completion and single-line infill exact match, per policy."""
+    import json
+
+    from unmask.engine.llm import LLM
+    from unmask.errors import UnmaskError
+    from unmask.evaluation import POLICIES, evaluate, infill_tasks, masked_token_loss, next_line_tasks
+    from unmask.train.corpus import read_documents
+    from unmask.train.instructions import read_jsonl
+
+    held = corpus_dir / "heldout.jsonl"
+    if not held.is_file():
+        fail(f"{held} not found: run `unmask corpus` first")
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    bad = [n for n in names if n not in POLICIES]
+    if bad:
+        fail(f"unknown eval policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
+    try:
+        llm = LLM(model)
+        docs = list(read_documents(held))
+        bs = block_size or llm.spec.block_size
+        results = {"model": str(llm.spec.path), "block_size": bs,
+                   "masked_token_loss": masked_token_loss(llm, docs, bs), "tasks": []}
+        typer.echo(f"masked-token loss (block {bs}): {results['masked_token_loss']:.3f}")
+        task_sets = [next_line_tasks(docs, limit)]
+        if sft_heldout.is_file():
+            task_sets.append(infill_tasks(read_jsonl(sft_heldout), limit))
+        typer.echo(f"{'task':<10} {'policy':<24} {'n':>4} {'exact':>7} {'tok/fwd':>8} {'tok/s':>8}")
+        for tasks in task_sets:
+            for name in names:
+                r = evaluate(llm, tasks, name, block_size=block_size)
+                results["tasks"].append({**r.__dict__, "tokens_per_forward": r.tokens_per_forward,
+                                         "tokens_per_s": r.tokens_per_s})
+                typer.echo(f"{r.task:<10} {name:<24} {r.n:>4} {r.accuracy:>7.1%} {r.tokens_per_forward:>8.2f} "
+                           f"{r.tokens_per_s:>8.1f}")
+    except UnmaskError as e:
+        fail(str(e))
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=2))
+
+
 def _register_optional_commands() -> None:
     # command modules import their heavy dependencies (fastapi, the trainer) inside the command body
     try:

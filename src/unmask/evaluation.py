@@ -93,3 +93,25 @@ def evaluate(llm: LLM, tasks: list[Task], policy: str, max_tokens: int = 48, **o
     return PolicyResult(task=tasks[0].kind if tasks else "", policy=policy, accuracy=correct / max(len(tasks), 1),
                         n=len(tasks), tokens=sum(len(o.token_ids) for o in outs),
                         forwards=sum(o.forwards for o in outs), seconds=seconds)
+
+
+def masked_token_loss(llm: LLM, docs, block_size: int, seq_len: int = 512, max_rows: int = 32, seed: int = 0) -> float:
+    """Block-diffusion loss per masked token (CE/p averaged over masked tokens) on held-out text."""
+    import torch
+
+    from unmask.train.data import pack_documents
+    from unmask.train.objectives import Objective, diffusion_loss_sum, draw_noise
+
+    sep = llm.tokenizer.token_id("<|endoftext|>")
+    sep = sep if sep is not None else llm.spec.eos_id
+    rows = pack_documents((llm.tokenizer.encode(d.text) for d in docs), seq_len, sep).ids[:max_rows].long()
+    obj = Objective(mask_id=llm.spec.mask_id, block_sizes=(block_size,), shift=llm.spec.family.shift)
+    gen = torch.Generator().manual_seed(seed)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, rows.shape[0], 8):
+            x0 = rows[i:i + 8]
+            noise = draw_noise(obj, torch.ones_like(x0, dtype=torch.bool), gen)
+            total += float(diffusion_loss_sum(llm.model, x0, noise, obj))
+            count += int(noise.masked.sum())
+    return total / max(count, 1)

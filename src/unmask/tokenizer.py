@@ -9,11 +9,17 @@ from unmask.errors import ModelLoadError
 
 class Tokenizer:
     def __init__(self, path: str | Path, chat_template: str | None = None):
+        import warnings
+
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        from transformers.utils import logging as hf_logging
 
         path = Path(path)
+        hf_logging.set_verbosity_error()  # it reads config.json and warns about model types it does not know
         try:
-            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         except Exception:  # custom tokenizer classes (trust_remote_code): fall back to tokenizer.json
             if not (path / "tokenizer.json").is_file():
                 raise ModelLoadError(f"{path} has no loadable tokenizer (tokenizer.json missing)") from None

@@ -1,0 +1,452 @@
+"""The OpenAI-compatible server as clients see it: real `unmask serve` processes on loopback ports,
+driven by the official `openai` client (and httpx where a client library would hide the wire).
+
+The model is the tiny SDAR checkpoint with its output head restricted to plain-text tokens (letters,
+digits, space; scaled up so they dominate), so that outputs are random but non-empty printable text:
+stop strings, text equality between paths and logprob tokens can be checked. Nothing here asserts
+on meaning.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import string
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tiny_checkpoints import FAMILIES
+
+KEYS = ("key-a", "key-b")
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+PLACEHOLDER = "░"
+
+
+def make_text_checkpoint(out: Path) -> Path:
+    from tokenizers import Tokenizer
+
+    path = FAMILIES["sdar"](out)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    allowed = set(string.ascii_letters + string.digits + " ")
+    keep = [i for i in range(tok.get_vocab_size()) if (s := tok.decode([i])) and set(s) <= allowed]
+    tensors = load_file(path / "model.safetensors")
+    head = tensors["lm_head.weight"]
+    text_head = torch.zeros_like(head)
+    text_head[keep] = head[keep] * 100.0
+    tensors["lm_head.weight"] = text_head
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `python -m unmask.cli serve` subprocess; `health_seen` records /health answers until ready."""
+
+    def __init__(self, model: Path, log: Path, *flags: str, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "unmask.cli", "serve", "--model", str(model), "--port", str(self.port),
+               "--log-level", "warning", *flags]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=full_env)
+        self.health_seen: list[int | None] = []
+
+    def wait_ready(self, timeout: float = 120) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                status = httpx.get(f"{self.url}/health", timeout=2).status_code
+            except httpx.TransportError:
+                status = None
+            self.health_seen.append(status)
+            if status == 200:
+                return self
+            time.sleep(0.05)
+        pytest.fail(f"server not ready after {timeout} s:\n{self.log.read_text()[-3000:]}")
+
+    def client(self, key: str = "unused", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60, **kw)
+
+    def metrics(self, key: str | None = None) -> dict[str, float]:
+        """Samples of /metrics summed over labels, by sample name."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        r = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10)
+        r.raise_for_status()
+        out: dict[str, float] = {}
+        for line in r.text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                name = name.split("{")[0]
+                out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    model = make_text_checkpoint(root / "tiny-sdar")
+    main = Server(model, root / "main.log")
+    # flags through the environment on purpose (typer envvar=); two keys in one variable
+    restricted = Server(model, root / "restricted.log", "--max-num-seqs", "1", "--max-body-bytes", "4000",
+                        "--cors-origin", "http://allowed.example", "--served-model-name", "restricted",
+                        env={"UNMASK_API_KEY": " ".join(KEYS), "UNMASK_MAX_QUEUE": "1",
+                             "UNMASK_MAX_PROMPT_TOKENS": "64"})
+    yield {"main": main, "restricted": restricted}
+    main.stop()
+    restricted.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> Server:
+    return servers["main"].wait_ready()
+
+
+@pytest.fixture(scope="module")
+def restricted(servers) -> Server:
+    return servers["restricted"].wait_ready()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+def chat(client, **kw):
+    args = {"model": "tiny-sdar", "messages": CHAT, "max_tokens": 24, "temperature": 0.0}
+    return client.chat.completions.create(**{**args, **kw})
+
+
+def stream_chat(client, **kw) -> tuple[str, list, list]:
+    """(content, finish reasons seen, all chunks) of a streamed chat completion."""
+    chunks = list(chat(client, stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return text, finishes, chunks
+
+
+def raw_post(server: Server, path: str, body: bytes | dict, key: str | None = None) -> httpx.Response:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=60)
+
+
+def assert_envelope(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# ---------------------------------------------------------------------------------------- basics
+def test_health_is_503_while_loading_then_200(server):
+    seen = [s for s in server.health_seen if s is not None]
+    assert seen[-1] == 200 and 503 in seen, server.health_seen
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["tiny-sdar"]
+    assert client.models.retrieve("tiny-sdar").id == "tiny-sdar"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
+    with pytest.raises(openai.NotFoundError):
+        chat(client, model="other-model")
+
+
+def test_chat_non_streamed_and_streamed_agree(client):
+    r = chat(client)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content and choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    text, finishes, chunks = stream_chat(client, stream_options={"include_usage": True})
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert text == choice.message.content and finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+    text, finishes, chunks = stream_chat(client)  # no include_usage: no usage chunk
+    assert text == choice.message.content and all(c.choices for c in chunks)
+
+
+def test_completions_non_streamed_and_streamed_agree(client):
+    args = {"model": "tiny-sdar", "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0.0}
+    r = client.completions.create(**args)
+    assert r.object == "text_completion" and r.choices[0].text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 20
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage == r.usage
+    echo = client.completions.create(**args, echo=True)
+    assert echo.choices[0].text == "Once upon a time" + r.choices[0].text
+    tokens = client.completions.create(**{**args, "prompt": [40, 41, 42, 43]})
+    assert tokens.usage.prompt_tokens == 4 and tokens.choices[0].text
+
+
+def test_stop_strings(client):
+    full = chat(client, max_tokens=40).choices[0].message.content
+    stop = full[12:15]
+    expected = full[:full.index(stop)]
+    r = chat(client, max_tokens=40, stop=stop)
+    assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 40
+    text, finishes, _ = stream_chat(client, max_tokens=40, stop=["never-in-output", stop])
+    assert text == expected and finishes == ["stop"]
+
+
+def test_n_choices_match_single_requests_with_successive_seeds(client):
+    r = chat(client, n=3, temperature=1.0, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == 3 * 24
+    for j, c in enumerate(r.choices):
+        assert c.message.content == chat(client, temperature=1.0, seed=7 + j).choices[0].message.content
+    chunks = list(chat(client, n=2, stream=True, temperature=1.0, seed=7))
+    for j in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == j]
+        assert "".join(ch.delta.content or "" for ch in mine) == r.choices[j].message.content
+        assert [ch.finish_reason for ch in mine if ch.finish_reason] == ["length"]
+
+
+def test_seed_reproducibility(client):
+    a = chat(client, temperature=1.0, seed=1234).choices[0].message.content
+    b = chat(client, temperature=1.0, seed=1234).choices[0].message.content
+    c = chat(client, temperature=1.0, seed=4321).choices[0].message.content
+    assert a == b and a != c
+
+
+def test_logprobs(client):
+    r = chat(client, logprobs=True, top_logprobs=1)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and [(x.token, x.logprob) for x in t.top_logprobs] == [(t.token, t.logprob)]
+    _, _, chunks = stream_chat(client, logprobs=True)
+    streamed = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([t.logprob for t in content])
+    comp = client.completions.create(model="tiny-sdar", prompt="abc", max_tokens=8, temperature=0.0, logprobs=1)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == comp.choices[0].text and lp.top_logprobs[0] == {lp.tokens[0]: lp.token_logprobs[0]}
+
+
+def test_diffusing_frames_are_marked_and_not_billed(client):
+    plain = chat(client, max_tokens=16)
+    chunks = list(chat(client, max_tokens=16, stream=True, stream_options={"include_usage": True},
+                       extra_body={"diffusing": True}))
+    frames = [c for c in chunks if getattr(c, "diffusing", None)]
+    assert frames and all(c.choices == [] for c in frames)
+    content, seen_prefix_ok = "", True
+    for c in chunks:
+        if c.choices:
+            content += c.choices[0].delta.content or ""
+        elif getattr(c, "diffusing", None):
+            frame = c.diffusing
+            assert frame["index"] == 0 and frame["masked"] == frame["text"].count(PLACEHOLDER)
+            seen_prefix_ok &= frame["text"].startswith(content)
+    assert any(f.diffusing["masked"] > 0 for f in frames)
+    assert seen_prefix_ok and content == plain.choices[0].message.content
+    assert chunks[-1].usage == plain.usage
+
+
+def test_diffusion_controls(client):
+    for extra in ({"reasoning_effort": "instant"}, {"reasoning_effort": "high"},
+                  {"policy": "low_confidence", "steps": 2, "block_size": 8}, {"threshold": 0.5}):
+        r = chat(client, max_tokens=16, extra_body=extra)
+        assert r.choices[0].message.content and r.usage.completion_tokens == 16
+
+
+# ---------------------------------------------------------------------------------------- batching, cancellation
+def test_sixteen_concurrent_streams_match_sequential_requests(server, client):
+    prompts = [f"Prompt number {i}: tell me about topic {i * 7}." for i in range(16)]
+    refs = [chat(client, messages=[{"role": "user", "content": p}]).choices[0].message.content for p in prompts]
+    before = server.metrics()
+
+    async def one(aclient, prompt):
+        stream = await aclient.chat.completions.create(model="tiny-sdar", messages=[{"role": "user", "content": prompt}],
+                                                       max_tokens=24, temperature=0.0, stream=True)
+        text, finishes = "", []
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finishes += [c.choices[0].finish_reason] if c.choices[0].finish_reason else []
+        return text, finishes
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    results = asyncio.run(all_at_once())
+    assert [t for t, _ in results] == refs
+    assert all(f == ["length"] for _, f in results)
+    after = server.metrics()
+    steps = after["unmask:step_batch_size_count"] - before["unmask:step_batch_size_count"]
+    batched = after["unmask:step_batch_size_sum"] - before["unmask:step_batch_size_sum"]
+    assert batched / steps > 2  # requests really shared forwards
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, client):
+    before = server.metrics()["unmask:request_cancellations_total"]
+    stream = chat(client, max_tokens=3000, stream=True)
+    got = [c for _, c in zip(range(4), stream)]
+    assert len(got) == 4 and server.metrics()["unmask:num_requests_running"] == 1
+    stream.close()
+    assert wait_for(lambda: server.metrics()["unmask:request_cancellations_total"] == before + 1)
+    assert wait_for(lambda: server.metrics()["unmask:num_requests_running"] == 0)
+
+
+def test_disconnect_while_waiting_non_streamed_cancels(server):
+    before = server.metrics()["unmask:request_cancellations_total"]
+    body = {"model": "tiny-sdar", "messages": CHAT, "max_tokens": 3000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    assert wait_for(lambda: server.metrics()["unmask:request_cancellations_total"] == before + 1)
+    assert wait_for(lambda: server.metrics()["unmask:num_requests_running"] == 0)
+
+
+def test_queue_overflow_answers_429_at_once(restricted):
+    body = {"messages": CHAT, "max_tokens": 3000, "stream": True}
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    with httpx.Client(base_url=restricted.url, headers=headers, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as running, \
+                http.stream("POST", "/v1/chat/completions", json=body) as queued:
+            assert running.status_code == queued.status_code == 200
+            t0 = time.monotonic()
+            r = http.post("/v1/chat/completions", json={**body, "stream": False})
+            assert time.monotonic() - t0 < 5
+            err = assert_envelope(r, 429)
+            assert err["type"] == "rate_limit_error" and int(r.headers["retry-after"]) >= 1
+            with pytest.raises(openai.RateLimitError):
+                chat(restricted.client(KEYS[1]), model="restricted", max_tokens=4)
+        assert wait_for(lambda: restricted.metrics(KEYS[0])["unmask:num_requests_running"] == 0)
+        assert wait_for(lambda: restricted.metrics(KEYS[0])["unmask:num_requests_waiting"] == 0)
+    assert chat(restricted.client(KEYS[1]), model="restricted", max_tokens=4).choices[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------------------- security and errors
+def test_api_keys(restricted, server):
+    assert httpx.get(f"{restricted.url}/health").status_code == 200
+    for key in (None, "wrong-key"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        for path in ("/v1/models", "/metrics", "/v1/models/restricted", "/nope"):
+            assert_envelope(httpx.get(f"{restricted.url}{path}", headers=headers), 401)
+        assert_envelope(raw_post(restricted, "/v1/chat/completions", {"messages": CHAT}, key), 401)
+    with pytest.raises(openai.AuthenticationError):
+        restricted.client("wrong-key").models.list()
+    for key in KEYS:
+        assert [m.id for m in restricted.client(key).models.list().data] == ["restricted"]
+    assert "unmask:request_errors_total" in restricted.metrics(KEYS[1])
+    assert httpx.get(f"{server.url}/metrics").status_code == 200  # no keys configured: open
+
+
+def test_body_and_prompt_limits(restricted):
+    big = {"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 4}
+    err = assert_envelope(raw_post(restricted, "/v1/chat/completions", big, KEYS[0]), 400)
+    assert "4000" in err["message"]
+    long_prompt = {"prompt": "word " * 200, "max_tokens": 4}
+    err = assert_envelope(raw_post(restricted, "/v1/completions", long_prompt, KEYS[0]), 400, "prompt")
+    assert "64" in err["message"]
+
+
+def test_cors(restricted, server):
+    preflight = {"Origin": "http://allowed.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(f"{restricted.url}/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://allowed.example"
+    r = httpx.options(f"{restricted.url}/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.get(f"{server.url}/v1/models", headers={"Origin": "http://allowed.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers  # closed by default
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"messages": [', None),
+    (b"not json at all", None),
+    (b"[1, 2]", None),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": CHAT, "max_tokens": "8"}, "max_tokens"),
+    ({"messages": CHAT, "temperature": "hot"}, "temperature"),
+    ({"messages": CHAT, "stream": "yes"}, "stream"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content.0.type"),
+    ({"messages": CHAT, "temperature": 5}, "temperature"),
+    ({"messages": CHAT, "top_p": 0}, "top_p"),
+    ({"messages": CHAT, "n": 0}, "n"),
+    ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ({"messages": CHAT, "max_tokens": 10**6}, "max_tokens"),
+    ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": CHAT, "policy": "no-such-policy"}, "policy"),
+    ({"messages": CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": []}, "messages"),
+])
+def test_invalid_requests_get_400_envelopes(server, body, param):
+    assert_envelope(raw_post(server, "/v1/chat/completions", body), 400, param)
+
+
+def test_unknown_fields_are_ignored(server, client):
+    r = chat(client, max_tokens=4, extra_body={"some_future_field": {"x": 1}, "min_p": 0.1},
+             frequency_penalty=0.0, user="someone")
+    assert r.choices[0].finish_reason == "length"
+    assert_envelope(raw_post(server, "/v1/completions", {"prompt": "a", "suffix": "b"}), 400, "suffix")
+
+
+def test_errors_are_counted(server):
+    before = server.metrics().get("unmask:request_errors_total", 0.0)
+    raw_post(server, "/v1/chat/completions", b"{")
+    assert server.metrics()["unmask:request_errors_total"] == before + 1
+
+
+# ---------------------------------------------------------------------------------------- shutdown (last: stops the server)
+def test_graceful_shutdown_drains_running_streams(server, client):
+    stream = chat(client, max_tokens=120, stream=True, stream_options={"include_usage": True})
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    server.proc.send_signal(signal.SIGTERM)
+    rest = list(stream)
+    assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert rest[-1].usage.completion_tokens == 120
+    assert server.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
