@@ -108,14 +108,23 @@ class Server:
                 self.proc.wait()
 
 
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def model_dir(tmp_path_factory) -> Path:
+    return make_text_checkpoint(tmp_path_factory.mktemp("model") / "tiny-sdar")
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
-    model = make_text_checkpoint(root / "tiny-sdar")
-    main = Server(model, root / "main.log")
+    main = Server(model_dir, root / "main.log")
+    (root / "template.jinja").write_text(TEMPLATE)
     # flags through the environment on purpose (typer envvar=); two keys in one variable
-    restricted = Server(model, root / "restricted.log", "--max-num-seqs", "1", "--max-body-bytes", "4000",
+    restricted = Server(model_dir, root / "restricted.log", "--max-num-seqs", "1", "--max-body-bytes", "4000",
                         "--cors-origin", "http://allowed.example", "--served-model-name", "restricted",
+                        "--chat-template", str(root / "template.jinja"),
                         env={"UNMASK_API_KEY": " ".join(KEYS), "UNMASK_MAX_QUEUE": "1",
                              "UNMASK_MAX_PROMPT_TOKENS": "64"})
     yield {"main": main, "restricted": restricted}
@@ -282,6 +291,14 @@ def test_diffusing_frames_are_marked_and_not_billed(client):
     assert chunks[-1].usage == plain.usage
 
 
+def test_chat_template_override(restricted, model_dir):
+    from tokenizers import Tokenizer
+
+    r = chat(restricted.client(KEYS[0]), model="restricted", max_tokens=4)
+    rendered = "[system] Be brief.\n[user] Say something.\n[assistant] "
+    assert r.usage.prompt_tokens == len(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(rendered).ids)
+
+
 def test_diffusion_controls(client):
     for extra in ({"reasoning_effort": "instant"}, {"reasoning_effort": "high"},
                   {"policy": "low_confidence", "steps": 2, "block_size": 8}, {"threshold": 0.5}):
@@ -438,6 +455,38 @@ def test_errors_are_counted(server):
     before = server.metrics().get("unmask:request_errors_total", 0.0)
     raw_post(server, "/v1/chat/completions", b"{")
     assert server.metrics()["unmask:request_errors_total"] == before + 1
+
+
+def test_engine_error_mid_stream_is_an_error_frame_then_done(model_dir):
+    """In process, with an engine that fails after one step: the stream ends with an error frame and [DONE]."""
+    from types import SimpleNamespace
+
+    from unmask.engine.async_engine import EngineDeadError
+    from unmask.engine.outputs import StepOutput
+    from unmask.server.metrics import Metrics
+    from unmask.server.protocol import ChatCompletionRequest
+    from unmask.server.serving import OpenAIServing, ServingConfig
+    from unmask.tokenizer import Tokenizer
+
+    class FailingEngine:
+        async def generate(self, prompt_ids, params, request_id=None):
+            yield StepOutput(request_id, [40, 41], "AB", False, None, len(prompt_ids), 2, 1)
+            raise EngineDeadError("engine step failed: RuntimeError: boom")
+
+    spec = SimpleNamespace(max_context=4096, mask_id=151669, arch=SimpleNamespace(vocab_size=151936),
+                           generation_config={})
+    llm = SimpleNamespace(tokenizer=Tokenizer(model_dir), spec=spec)
+    serving = OpenAIServing(llm, FailingEngine(), Metrics(), ServingConfig(model_name="m"))
+
+    async def frames():
+        stream = await serving.chat(ChatCompletionRequest(messages=CHAT, max_tokens=8, stream=True))
+        return [f async for f in stream]
+
+    data = [f.removeprefix("data: ").strip() for f in asyncio.run(frames())]
+    assert data[-1] == "[DONE]" and serving.inflight == 0
+    role, content, error = (json.loads(d) for d in data[:-1])
+    assert role["choices"][0]["delta"]["role"] == "assistant" and content["choices"][0]["delta"]["content"] == "AB"
+    assert error["error"]["type"] == "service_unavailable_error" and "boom" in error["error"]["message"]
 
 
 # ---------------------------------------------------------------------------------------- shutdown (last: stops the server)

@@ -65,7 +65,7 @@ class Engine:
                 f"over this model's context of {self.traits.max_context}", "max_tokens")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
-        seq = Sequence(list(prompt_ids), params, self.traits)
+        seq = (self.spec.family.sequence_class or Sequence)(list(prompt_ids), params, self.traits)
         if request_id is not None:
             seq.request_id = request_id
         if not (seq.bidirectional and seq.cache_mode == "none"):

@@ -68,6 +68,7 @@ class Segment:
     cache: KVCache | None = None
     block_ids: Tensor | None = None  # [length] long; None = all in one block (bidirectional)
     inner: Tensor | None = None      # filled by prepare(): [length, length] bool, None = no masking
+    extra: dict | None = None        # family-specific per-request inputs (e.g. a decoder mode flag)
 
     @property
     def num_keys(self) -> int:

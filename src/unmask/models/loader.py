@@ -157,7 +157,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     spec = load_spec(path)
     dt = resolve_dtype(dtype, device)
     with torch.device("meta"):
-        model = DiffusionTransformer(spec.arch)
+        model = (spec.family.model_class or DiffusionTransformer)(spec.arch)
     state = read_state(weight_files(spec.path))
     load_weights(model, spec, state, dt)
     del state

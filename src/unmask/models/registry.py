@@ -47,7 +47,7 @@ QWEN_NAMES = Renames(())  # canonical layout *is* the Qwen layout
 class Family:
     name: str
     architectures: tuple[str, ...]
-    attention: Literal["bidirectional", "block_causal"]
+    attention: Literal["bidirectional", "block_causal", "encoder_decoder"]
     shift: bool                       # logits at i predict token i+1 (Dream, Fast-dLLM v2)
     default_mask_id: int
     default_block_size: int
@@ -60,6 +60,9 @@ class Family:
     split_params: Callable[[StateDict, ArchConfig], StateDict] | None = None
     fuse_params: Callable[[StateDict, ArchConfig], StateDict] | None = None
     ignore_params: tuple[str, ...] = field(default=())  # regexes of stored names we do not need
+    # families whose network or decoding procedure differs from the masked-diffusion decoder
+    model_class: type | None = None          # default: DiffusionTransformer(parse_config(config))
+    sequence_class: type | None = None       # default: engine.sequence.Sequence
 
     def mask_id(self, config: dict) -> int:
         return int(config.get("mask_token_id", self.default_mask_id))

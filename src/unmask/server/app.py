@@ -137,6 +137,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
                         code="invalid_json")
     loc = [str(x) for x in err["loc"][1:] if not _TYPE_TAG.search(str(x))]
+    if not loc and err["type"] == "missing":
+        return APIError(400, "the request body is empty; send a JSON object")
     if not loc:
         return APIError(400, f"request body must be a JSON object matching the API: {err['msg']}")
     param = ".".join(loc)
