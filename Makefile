@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests
 
 serve: $(STAMP)
-	$(BIN)/unmask generate --stats "def fibonacci(n):"
+	$(BIN)/unmask serve
 
 bench: $(STAMP)
 	$(BIN)/python bench/decode.py

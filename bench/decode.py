@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from unmask.engine.llm import default_model_path
+    from unmask.defaults import default_model_path
 
     path = args.model or default_model_path()
     model, spec = load_model(path)

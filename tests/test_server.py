@@ -313,8 +313,9 @@ def test_sixteen_concurrent_streams_match_sequential_requests(server, client):
     before = server.metrics()
 
     async def one(aclient, prompt):
-        stream = await aclient.chat.completions.create(model="tiny-sdar", messages=[{"role": "user", "content": prompt}],
-                                                       max_tokens=24, temperature=0.0, stream=True)
+        messages = [{"role": "user", "content": prompt}]
+        stream = await aclient.chat.completions.create(model="tiny-sdar", messages=messages, max_tokens=24,
+                                                       temperature=0.0, stream=True)
         text, finishes = "", []
         async for c in stream:
             if c.choices:
@@ -449,6 +450,7 @@ def test_unknown_fields_are_ignored(server, client):
              frequency_penalty=0.0, user="someone")
     assert r.choices[0].finish_reason == "length"
     assert_envelope(raw_post(server, "/v1/completions", {"prompt": "a", "suffix": "b"}), 400, "suffix")
+    assert_envelope(raw_post(server, "/v1/completions", {"prompt": []}), 400, "prompt")
 
 
 def test_errors_are_counted(server):
@@ -457,26 +459,36 @@ def test_errors_are_counted(server):
     assert server.metrics()["unmask:request_errors_total"] == before + 1
 
 
-def test_engine_error_mid_stream_is_an_error_frame_then_done(model_dir):
-    """In process, with an engine that fails after one step: the stream ends with an error frame and [DONE]."""
+def stub_serving(model_dir: Path, engine, **cfg):
+    """In-process serving layer over a stand-in engine (no model, no HTTP)."""
     from types import SimpleNamespace
 
-    from unmask.engine.async_engine import EngineDeadError
-    from unmask.engine.outputs import StepOutput
     from unmask.server.metrics import Metrics
-    from unmask.server.protocol import ChatCompletionRequest
     from unmask.server.serving import OpenAIServing, ServingConfig
     from unmask.tokenizer import Tokenizer
-
-    class FailingEngine:
-        async def generate(self, prompt_ids, params, request_id=None):
-            yield StepOutput(request_id, [40, 41], "AB", False, None, len(prompt_ids), 2, 1)
-            raise EngineDeadError("engine step failed: RuntimeError: boom")
 
     spec = SimpleNamespace(max_context=4096, mask_id=151669, arch=SimpleNamespace(vocab_size=151936),
                            generation_config={})
     llm = SimpleNamespace(tokenizer=Tokenizer(model_dir), spec=spec)
-    serving = OpenAIServing(llm, FailingEngine(), Metrics(), ServingConfig(model_name="m"))
+    return OpenAIServing(llm, engine, Metrics(), ServingConfig(model_name="m", **cfg))
+
+
+def step(request_id, prompt_ids, text="A"):
+    from unmask.engine.outputs import StepOutput
+
+    return StepOutput(request_id, [40] * len(text), text, False, None, len(prompt_ids), len(text), 1)
+
+
+def test_engine_error_mid_stream_is_an_error_frame_then_done(model_dir):
+    from unmask.engine.async_engine import EngineDeadError
+    from unmask.server.protocol import ChatCompletionRequest
+
+    class FailingEngine:
+        async def generate(self, prompt_ids, params, request_id=None):
+            yield step(request_id, prompt_ids, "AB")
+            raise EngineDeadError("engine step failed: RuntimeError: boom")
+
+    serving = stub_serving(model_dir, FailingEngine())
 
     async def frames():
         stream = await serving.chat(ChatCompletionRequest(messages=CHAT, max_tokens=8, stream=True))
@@ -489,7 +501,48 @@ def test_engine_error_mid_stream_is_an_error_frame_then_done(model_dir):
     assert error["error"]["type"] == "service_unavailable_error" and "boom" in error["error"]["message"]
 
 
-# ---------------------------------------------------------------------------------------- shutdown (last: stops the server)
+def test_dropped_streams_release_their_slot(model_dir):
+    """A stream the web layer never reads (client gone before the first byte), or stops reading, is
+    closed by the event loop's async-generator finalizer: its slot is released and its engine request ends."""
+    import gc
+
+    from unmask.server.protocol import APIError, ChatCompletionRequest
+
+    closed = []
+
+    class EndlessEngine:
+        async def generate(self, prompt_ids, params, request_id=None):
+            try:
+                while True:
+                    await asyncio.sleep(0.01)
+                    yield step(request_id, prompt_ids)
+            finally:
+                closed.append(request_id)
+
+    serving = stub_serving(model_dir, EndlessEngine(), max_num_seqs=1, max_queue=0)
+    req = ChatCompletionRequest(messages=CHAT, stream=True)
+
+    async def scenario():
+        stream = await serving.chat(req)
+        with pytest.raises(APIError) as full:
+            await serving.chat(req)
+        assert full.value.status == 429 and serving.inflight == 1
+        del stream  # never iterated by the web layer
+        gc.collect()
+        await asyncio.sleep(0.05)
+        assert serving.inflight == 0
+        stream = await serving.chat(req)
+        assert json.loads((await anext(stream))[6:])["choices"][0]["delta"]["role"] == "assistant"
+        await anext(stream)  # a content chunk: the engine request is running
+        del stream
+        gc.collect()
+        await asyncio.sleep(0.05)
+        assert serving.inflight == 0 and len(closed) == 1
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------------ shutdown (last: stops the server)
 def test_graceful_shutdown_drains_running_streams(server, client):
     stream = chat(client, max_tokens=120, stream=True, stream_options={"include_usage": True})
     first = next(iter(stream))

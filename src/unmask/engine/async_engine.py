@@ -1,13 +1,15 @@
-"""Asynchronous front end: the step loop runs in one background thread; callers await per-request events.
+"""Asynchronous front end: the step loop owns the engine in one background thread.
 
-Requests join and leave between steps. The engine is guarded by one lock held for a step, so
-adding or aborting a request waits at most one step and never races the scheduler.
+Callers never touch the engine: adds and aborts go through an inbox that the loop drains between
+steps, so a new request or a cancellation never waits for a step to finish (the event loop stays
+free) and requests join and leave exactly at step boundaries.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 
 from unmask.engine.engine import Engine
@@ -31,7 +33,9 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_queue: int = 256):
         self.engine = engine
         self.max_queue = max_queue
-        self._lock = threading.Lock()
+        self._inbox: deque[tuple] = deque()   # ("add", rid, prompt, params) | ("abort", rid)
+        self._inbox_lock = threading.Lock()
+        self._pending_adds = 0
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
@@ -40,19 +44,37 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="unmask-engine", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the loop (engine thread only)
     def _loop(self) -> None:
         while not self._stop:
-            with self._lock:
-                busy = self.engine.has_unfinished()
-                outputs = self._step() if busy else []
-            for out in outputs:
+            self._drain_inbox()
+            busy = self.engine.has_unfinished()
+            for out in self._step() if busy else []:
                 self._deliver(out.request_id, out)
                 if out.finished:
                     self._deliver(out.request_id, _FINISHED)
-            if not busy:
+            if not busy and not self._inbox:
                 self._wake.wait(0.05)
                 self._wake.clear()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._inbox_lock:
+                if not self._inbox:
+                    return
+                item = self._inbox.popleft()
+                if item[0] == "add":
+                    self._pending_adds -= 1
+            if item[0] == "add":
+                _, rid, prompt, params = item
+                if rid not in self._queues:  # cancelled before it was admitted
+                    continue
+                try:
+                    self.engine.add_request(prompt, params, request_id=rid)
+                except Exception as e:  # noqa: BLE001 - checked up front; anything left goes to that caller
+                    self._deliver(rid, e)
+            else:
+                self.engine.abort(item[1])
 
     def _step(self) -> list[StepOutput]:
         try:
@@ -70,7 +92,7 @@ class AsyncEngine:
             loop, queue = entry
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-    # ------------------------------------------------------------------ API
+    # ------------------------------------------------------------------ API (any thread)
     @property
     def is_alive(self) -> bool:
         return not self._stop and self._error is None
@@ -79,24 +101,22 @@ class AsyncEngine:
         return self.engine.num_running
 
     def num_waiting(self) -> int:
-        return self.engine.num_waiting
+        return self.engine.num_waiting + self._pending_adds
 
     async def generate(self, prompt_ids: list[int], params: GenerationParams,
                        request_id: str | None = None) -> AsyncIterator[StepOutput]:
-        """Yields this request's events until it finishes; cancelling the iterator aborts the request."""
+        """Yields this request's events until it finishes; closing the iterator aborts the request."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
+        self.engine.check_request(prompt_ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if self.engine.num_waiting >= self.max_queue:
-                raise QueueFullError(f"server busy: {self.engine.num_waiting} requests already queued")
+        with self._inbox_lock:
+            if self.num_waiting() >= self.max_queue:
+                raise QueueFullError(f"server busy: {self.num_waiting()} requests already queued")
             self._queues[rid] = (asyncio.get_running_loop(), queue)
-            try:
-                self.engine.add_request(prompt_ids, params, request_id=rid)
-            except BaseException:
-                self._queues.pop(rid, None)
-                raise
+            self._inbox.append(("add", rid, list(prompt_ids), params))
+            self._pending_adds += 1
         self._wake.set()
         finished = False
         try:
@@ -106,6 +126,7 @@ class AsyncEngine:
                     finished = True
                     return
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 yield item
         finally:
@@ -114,17 +135,16 @@ class AsyncEngine:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort(request_id)
+        with self._inbox_lock:
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
 
     def shutdown(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop the loop; with `drain`, first let running requests finish (bounded by `timeout`)."""
-        if drain:
-            deadline = threading.Event()
-            waited = 0.0
-            while self.engine.has_unfinished() and waited < timeout and self.is_alive:
-                deadline.wait(0.05)
-                waited += 0.05
+        waited, tick = 0.0, threading.Event()
+        while drain and (self.engine.has_unfinished() or self._inbox) and waited < timeout and self.is_alive:
+            tick.wait(0.05)
+            waited += 0.05
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)

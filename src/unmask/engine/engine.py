@@ -40,7 +40,7 @@ class Engine:
         self.traits = ModelTraits(
             attention=spec.family.attention, shift=spec.family.shift, mask_id=spec.mask_id,
             block_size=spec.block_size, stop_ids=spec.stop_ids, ar_first_token=spec.family.ar_first_token,
-            max_context=spec.max_context,
+            max_context=spec.max_context, config=spec.config, generation_config=spec.generation_config,
         )
         self.streams: dict[str, TextStream] = {}
         # prompt K/V are reusable only where they do not depend on the answer canvas
@@ -50,9 +50,8 @@ class Engine:
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_ids: list[int], params: GenerationParams | None = None,
-                    request_id: str | None = None) -> Sequence:
-        params = params or GenerationParams()
+    def check_request(self, prompt_ids: list[int], params: GenerationParams) -> None:
+        """Raises InvalidRequestError / ContextLengthError; reads no engine state (safe from any thread)."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.spec.arch.vocab_size
@@ -65,11 +64,16 @@ class Engine:
                 f"over this model's context of {self.traits.max_context}", "max_tokens")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
+
+    def add_request(self, prompt_ids: list[int], params: GenerationParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        params = params or GenerationParams()
+        self.check_request(prompt_ids, params)
         seq = (self.spec.family.sequence_class or Sequence)(list(prompt_ids), params, self.traits)
         if request_id is not None:
             seq.request_id = request_id
         if not (seq.bidirectional and seq.cache_mode == "none"):
-            seq.cache = self.model.new_cache(capacity=min(total, 4096))
+            seq.cache = self.model.new_cache(capacity=min(len(prompt_ids) + params.max_tokens, 4096))
         if self.prefix_cache is not None:
             keys = block_keys(seq.prompt_ids[:seq.block_start], seq.B)
             seq.cached = self.prefix_cache.load(keys, seq.cache, seq.B)

@@ -3,22 +3,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from unmask.defaults import default_model_path
 from unmask.engine.engine import Engine
 from unmask.engine.outputs import RequestOutput
 from unmask.engine.params import GenerationParams
+from unmask.errors import ModelLoadError
 from unmask.models.loader import load_model
 from unmask.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
 
-def default_model_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "assets" / "unmask-tiny"
-
-
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str | None = None, device: str = "cpu",
                  max_num_seqs: int = 64, max_batch_tokens: int = 4096, chat_template: str | None = None):
+        if model is None and not default_model_path().is_dir():
+            raise ModelLoadError(f"the built-in model is not installed at {default_model_path()}; pass --model DIR")
         path = Path(model) if model is not None else default_model_path()
         self.model, self.spec = load_model(path, dtype=dtype, device=device)
         self.tokenizer = Tokenizer(self.spec.path, chat_template=chat_template)

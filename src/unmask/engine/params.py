@@ -22,7 +22,7 @@ class GenerationParams:
     steps: int | None = None            # denoising steps per block for schedule-based policies
     tokens_per_step: int | None = None  # the `topk` policy's fixed k (1 = one token per forward)
     factor: float = 1.0
-    entropy_bound: float = 0.35
+    entropy_bound: float | None = None  # None: the policy's / model's default (0.35 entropy_bounded; DiffusionGemma 0.1)
     block_size: int | None = None       # None: the model's default
     cache: CacheMode = "auto"           # bidirectional families: none (exact) | prefix | dual
     stop: list[str] = field(default_factory=list)
@@ -31,6 +31,11 @@ class GenerationParams:
     include_stop_str: bool = False
     snapshots: bool = False             # emit the active block each step (the `diffusing` view)
     logprobs: bool = False
+    # uniform-noise families (DiffusionGemma); None: the checkpoint's generation_config, else the reference defaults
+    t_min: float | None = None                 # temperature at the last denoising step
+    t_max: float | None = None                 # temperature at the first denoising step
+    stability_threshold: int | None = None     # steps the draft must stay unchanged before a canvas may stop
+    confidence_threshold: float | None = None  # mean entropy under which a stable canvas stops
 
     def __post_init__(self):
         def bad(msg: str, param: str):
@@ -52,6 +57,21 @@ class GenerationParams:
             bad("at most 4 stop sequences are allowed", "stop")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop sequences must be non-empty strings", "stop")
+        if self.entropy_bound is not None and not self.entropy_bound >= 0:
+            bad(f"entropy_bound must be >= 0, got {self.entropy_bound}", "entropy_bound")
+        for name in ("t_min", "t_max"):
+            v = getattr(self, name)
+            if v is not None and not 0.0 <= v <= 100.0:
+                bad(f"{name} must be in [0, 100], got {v}", name)
+        if self.t_min is not None and self.t_max is not None and not self.t_max > self.t_min:
+            bad(f"t_max ({self.t_max}) must be greater than t_min ({self.t_min})", "t_max")
+        if self.stability_threshold is not None and (not isinstance(self.stability_threshold, int)
+                                                     or isinstance(self.stability_threshold, bool)
+                                                     or self.stability_threshold < 0):
+            bad(f"stability_threshold must be an integer >= 0, got {self.stability_threshold!r}",
+                "stability_threshold")
+        if self.confidence_threshold is not None and not self.confidence_threshold > 0:
+            bad(f"confidence_threshold must be > 0, got {self.confidence_threshold}", "confidence_threshold")
         try:
             self.policy_config()
         except ValueError as e:
@@ -59,7 +79,8 @@ class GenerationParams:
 
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(name=self.policy, threshold=self.threshold, steps=self.steps, factor=self.factor,
-                            entropy_bound=self.entropy_bound, tokens_per_step=self.tokens_per_step)
+                            entropy_bound=0.35 if self.entropy_bound is None else self.entropy_bound,
+                            tokens_per_step=self.tokens_per_step)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)

@@ -47,4 +47,6 @@ class ModelRunner:
             torch.cuda.synchronize()
         forward_s = time.perf_counter() - t0
         commit_cache_lengths(batch)
-        return RunnerOutput(list(logits.cpu().split(counts)), forward_s, int(ids.numel()))
+        if not getattr(self.model, "keep_logits_on_device", False):  # DiffusionGemma samples on the device
+            logits = logits.cpu()
+        return RunnerOutput(list(logits.split(counts)), forward_s, int(ids.numel()))

@@ -39,6 +39,9 @@ class ModelTraits:
     stop_ids: tuple[int, ...]
     ar_first_token: bool
     max_context: int
+    # the checkpoint's config.json / generation_config.json, for families with their own sequence class
+    config: dict = field(default_factory=dict, compare=False)
+    generation_config: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass

@@ -112,7 +112,7 @@ def family_for(config: dict) -> Family:
 
 def _import_families() -> None:
     # imported for their register() side effect
-    from unmask.models import dream, fast_dllm, llada, llada2, sdar, unmask_lm  # noqa: F401
+    from unmask.models import diffusion_gemma, dream, fast_dllm, llada, llada2, sdar, unmask_lm  # noqa: F401
 
 
 def supported_architectures() -> list[str]:

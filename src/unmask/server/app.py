@@ -26,7 +26,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from unmask.errors import UnmaskError
 from unmask.server.metrics import Metrics
-from unmask.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from unmask.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
 
 logger = logging.getLogger("unmask.server")

@@ -56,7 +56,7 @@ def serve(
     from unmask.server.app import ServerArgs, create_app
 
     if model is None:
-        from unmask.engine.llm import default_model_path
+        from unmask.defaults import default_model_path
 
         model = default_model_path()
         if not model.is_dir():

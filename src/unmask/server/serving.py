@@ -149,6 +149,8 @@ class OpenAIServing:
         t0 = time.perf_counter()
         self._validate(req)
         prompts = [self.tok.encode(p) if isinstance(p, str) else list(p) for p in req.prompts()]
+        if not prompts:
+            raise APIError(400, "the prompt is empty", param="prompt")
         vocab = self.spec.arch.vocab_size
         if any(t < 0 or t >= vocab for ids in prompts for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -192,7 +194,8 @@ class OpenAIServing:
             raise APIError(400, "the prompt is empty", param=prompt_param)
         if n_prompt > limit:
             raise APIError(400, f"the prompt has {n_prompt} tokens, over this server's limit of {limit} "
-                                "prompt tokens", param=prompt_param, code="context_length_exceeded")
+                                "prompt tokens (--max-prompt-tokens, at most the model's context)",
+                           param=prompt_param, code="context_length_exceeded")
         asked = getattr(req, "max_completion_tokens", None)
         asked = req.max_tokens if asked is None else asked
         room = ctx - n_prompt
@@ -213,7 +216,8 @@ class OpenAIServing:
                    is_disconnected: Disconnected | None, t0: float):
         prompt_tokens = sum(map(len, prompts))
         if req.stream:
-            include_usage = self.cfg.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
+            asked = bool(req.stream_options and req.stream_options.include_usage)
+            include_usage = self.cfg.force_include_usage or asked
             stream = self._stream(fmt, jobs, prompt_tokens, include_usage, req.diffusing, t0)
             await anext(stream)  # admission: raises 429 here, before the response starts
             return stream

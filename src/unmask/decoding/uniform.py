@@ -1,0 +1,144 @@
+"""Uniform-noise block diffusion (DiffusionGemma): pure tensor functions for one denoising step.
+
+The canvas starts as uniform random tokens (no mask token). Each step (transformers'
+DiffusionGemmaGenerationMixin._denoising_step, EntropyBoundSampler, LinearTemperatureScheduleLogitsProcessor,
+StableAndConfidentStoppingCriteria):
+  1. processed = logits / T with T = t_min + (t_max - t_min) * remaining / max_steps (remaining = N..1);
+  2. sampled = one multinomial draw per position from softmax(processed); draft = argmax(processed);
+  3. entropy-bound acceptance: sort positions by entropy ascending, accept the longest prefix whose
+     sum of entropies minus its largest entropy is <= entropy_bound (arXiv 2505.24857); accepted positions
+     take the sampled token, the others keep the current canvas ...
+  4. ... and are then re-noised with fresh uniform tokens (nothing is frozen between steps);
+  5. stop when the draft equals the drafts of the previous `stability_threshold` steps and the mean entropy
+     is below `confidence_threshold`; a canvas also ends after `max_steps` steps. Its result is the draft.
+
+Random draws, in this order per step and from one generator: the multinomial over [rows, V], then
+randint for the re-noise (also on the step that stops). A canvas starts with one randint.
+Arithmetic mirrors the reference op for op (float32 temperature, Categorical's entropy), so the same
+generator state gives the same tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# transformers DiffusionGemmaGenerationConfig._get_default_generation_params
+DEFAULTS = {"max_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
+            "stability_threshold": 1, "confidence_threshold": 0.005}
+
+
+@dataclass(frozen=True)
+class UniformConfig:
+    max_steps: int = 48            # denoising steps per canvas at most
+    entropy_bound: float = 0.1     # gamma of the acceptance rule, nats, > 0
+    t_min: float = 0.4             # temperature at the last step (approached), >= 0
+    t_max: float = 0.8             # temperature at the first step, > t_min
+    stability_threshold: int = 1   # steps the draft must stay unchanged (0: stability always holds)
+    confidence_threshold: float = 0.005  # mean entropy below which the canvas is confident, > 0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.max_steps, int) and self.max_steps >= 1, "max_steps", "an integer >= 1")
+        check(self.entropy_bound > 0, "entropy_bound", "> 0")
+        check(self.t_min >= 0, "t_min", ">= 0")
+        check(self.t_max > self.t_min, "t_max", f"> t_min ({self.t_min})")
+        check(isinstance(self.stability_threshold, int) and self.stability_threshold >= 0,
+              "stability_threshold", "an integer >= 0")
+        check(self.confidence_threshold > 0, "confidence_threshold", "> 0")
+
+
+def linear_temperature(remaining: int, max_steps: int, t_min: float, t_max: float,
+                       device: torch.device | str = "cpu") -> Tensor:
+    """0-dim float32 T = t_min + (t_max - t_min) * remaining / max_steps; `remaining` counts N..1.
+
+    Computed on an int32 tensor as the reference does (its step counter is a tensor), so T is bitwise its T.
+    """
+    step = torch.tensor(remaining, dtype=torch.int32, device=device)
+    return t_min + ((t_max - t_min) * (step / max_steps))
+
+
+def categorical_entropy(logits: Tensor) -> Tensor:
+    """Entropy over the last dim, as torch.distributions.Categorical(logits=...).entropy() computes it."""
+    norm = logits - logits.logsumexp(dim=-1, keepdim=True)
+    probs = torch.softmax(norm, dim=-1)
+    return -(torch.clamp(norm, min=torch.finfo(norm.dtype).min) * probs).sum(-1)
+
+
+def entropy_bound_mask(entropy: Tensor, bound: float) -> Tensor:
+    """Bool mask over the last dim: the lowest-entropy positions with sum(H) - max(H) <= bound.
+
+    Sorted ascending, the max of the first k is H_k, so the test is cumsum_k - H_k <= bound (monotone in k;
+    the lowest-entropy position always passes when bound >= 0). Ties keep torch.sort's order.
+    """
+    h, order = torch.sort(entropy, dim=-1, descending=False)
+    keep = torch.cumsum(h, dim=-1) - h <= bound
+    return torch.scatter(torch.zeros_like(keep), -1, order, keep)
+
+
+def uniform_tokens(shape: tuple[int, ...], vocab_size: int, generator: torch.Generator | None,
+                   device: torch.device | str) -> Tensor:
+    """Uniform random token ids over the whole vocabulary (a fresh canvas, or the re-noise).
+
+    Drawn on the generator's device (then moved) so a generator's stream never depends on where the result goes.
+    """
+    src = generator.device if generator is not None else device
+    return torch.randint(0, vocab_size, shape, generator=generator, device=src).to(device)
+
+
+def renoise(canvas: Tensor, keep: Tensor, vocab_size: int, generator: torch.Generator | None) -> Tensor:
+    """Positions not in `keep` get fresh uniform tokens (drawn for every position, as the reference does)."""
+    noise = uniform_tokens(tuple(canvas.shape), vocab_size, generator, canvas.device)
+    return torch.where(~keep, noise, canvas)
+
+
+def stable_and_confident(history: Tensor | None, draft: Tensor, entropy: Tensor, stability_threshold: int,
+                         confidence_threshold: float) -> tuple[Tensor, Tensor | None]:
+    """(stop [B] bool, new history) for drafts [B, C] and entropies [B, C].
+
+    history [S, B, C] holds the previous S = stability_threshold drafts (-1 before they exist).
+    """
+    if stability_threshold == 0:
+        stable = torch.ones(draft.shape[0], dtype=torch.bool, device=draft.device)
+    else:
+        if history is None:
+            history = torch.full((stability_threshold, *draft.shape), -1, dtype=draft.dtype, device=draft.device)
+        stable = (history == draft[None]).all(dim=-1).all(dim=0)
+        history = torch.roll(history, shifts=-1, dims=0)
+        history[-1] = draft
+    confident = torch.mean(entropy, dim=-1) < confidence_threshold
+    return stable & confident, history
+
+
+@dataclass
+class StepResult:
+    canvas: Tensor      # [B, C] long: next canvas (accepted samples + re-noise)
+    draft: Tensor       # [B, C] long: argmax of the processed logits (the canvas's answer)
+    processed: Tensor   # [B, C, V] float32: temperature-scaled logits (next step's self-conditioning)
+    entropy: Tensor     # [B, C] float32
+    accepted: Tensor    # [B, C] bool
+    stop: Tensor        # [B] bool: stable and confident
+    history: Tensor | None
+
+
+def denoise_step(logits: Tensor, canvas: Tensor, remaining: int, cfg: UniformConfig, history: Tensor | None,
+                 generator: torch.Generator | None) -> StepResult:
+    """One step for a [B, C, V] block of logits; draws from `generator` in the reference's order."""
+    b, c, v = logits.shape
+    temp = linear_temperature(remaining, cfg.max_steps, cfg.t_min, cfg.t_max, logits.device)
+    processed = logits / temp
+    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+    src = probs.view(-1, v)
+    if generator is not None and generator.device != probs.device:
+        src = src.to(generator.device)
+    sampled = torch.multinomial(src, num_samples=1, generator=generator).to(probs.device).view(b, c)
+    draft = torch.argmax(processed, dim=-1)
+    entropy = categorical_entropy(processed)
+    accepted = entropy_bound_mask(entropy, cfg.entropy_bound)
+    nxt = renoise(torch.where(accepted, sampled, canvas), accepted, v, generator)
+    stop, history = stable_and_confident(history, draft, entropy, cfg.stability_threshold, cfg.confidence_threshold)
+    return StepResult(nxt, draft, processed, entropy, accepted, stop, history)

@@ -1,0 +1,667 @@
+"""DiffusionGemma (google/diffusiongemma-*): the text path of `DiffusionGemmaForBlockDiffusion`, natively.
+
+One set of Gemma-4 weights runs in two modes (transformers.models.diffusion_gemma, modeling file):
+  * encoder: causal over the prompt (or the last accepted canvas); writes the KV cache;
+  * decoder: the canvas, bidirectional over [cached prefix ; canvas], never writes the cache; its input
+    embeddings are self-conditioned on the previous denoising step's (temperature-scaled) logits.
+Both modes share every text weight; only the per-layer `layer_scalar` buffers exist once per mode.
+
+A segment of the ragged batch may hold both: its first `Segment.extra["encoder"]` tokens are encoder
+tokens (causal, written to the cache) and the rest is a decoder canvas that sees them. So accepting a
+canvas (encoder pass) and the first denoising step of the next canvas share one forward.
+
+Layer (Gemma 4 "sandwich" norms, dense GeGLU MLP in parallel with a routed MoE):
+    h = x + post_attn_norm(attn(input_norm(x)))
+    y = h + post_ff_norm(post_ff_norm_1(mlp(pre_ff_norm(h))) + post_ff_norm_2(moe(pre_ff_norm_2(h), route(h))))
+    out = y * layer_scalar
+Attention: q/k RMS-normed (weighted), v RMS-normed (unweighted), scale 1.0; full-attention layers have
+their own head_dim / kv heads and no v_proj (values are the raw k_proj output). Sliding layers: the encoder
+sees keys in (p - W, p]; the decoder sees the last W - 1 cached tokens (what transformers'
+DynamicSlidingWindowLayer keeps) plus the whole canvas.
+The vision tower is never built: image inputs are refused by the request path (gemma_sequence.py).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from unmask.errors import UnsupportedModelError
+from unmask.models.attention import AttentionBatch, Segment, sdpa
+from unmask.models.layers import activation
+from unmask.models.registry import Family, StateDict, register
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# transformers' DiffusionGemmaTextConfig defaults for keys a config.json may leave out
+_DEFAULT_ROPE = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+_PER_LAYER_KEYS = {"head_dim", "num_key_value_heads"}
+
+
+@dataclass(frozen=True)
+class GemmaArch:
+    """Parsed `config.json` of a DiffusionGemma checkpoint (text path only)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    layer_types: tuple[str, ...]
+    head_dims: tuple[int, ...]            # per layer
+    kv_heads: tuple[int, ...]             # per layer
+    intermediate_size: int
+    num_experts: int
+    top_k_experts: int
+    moe_intermediate_size: int
+    sliding_window: int
+    rope: dict = field(hash=False)         # layer type -> (rope_type, theta, partial_rotary_factor, factor)
+    max_position: int = 131072
+    rms_eps: float = 1e-6
+    softcap: float | None = 30.0
+    act: str = "gelu_pytorch_tanh"
+    attention_bias: bool = False
+    canvas_length: int = 256
+    image_token_ids: tuple[int, ...] = ()  # boi / image / eoi ids: refused in prompts
+    tie_embeddings: bool = True
+    # fields the loader / engine read on every family's config
+    partial_rotary: float = 1.0
+    rope_scaling: dict | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dims[0]
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope[self.layer_types[0]][1])
+
+
+def _default_layer_types(n: int) -> list[str]:
+    # DiffusionGemmaTextConfig.__post_init__: five sliding layers per full one
+    return [SLIDING if (i + 1) % 6 else FULL for i in range(n)]
+
+
+def parse_diffusion_gemma(cfg: dict) -> GemmaArch:
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModelError("DiffusionGemma config.json has no text_config")
+    if cfg.get("tie_word_embeddings", True) is False or text.get("tie_word_embeddings", True) is False:
+        raise UnsupportedModelError("DiffusionGemma with untied encoder/decoder weights (tie_word_embeddings: false) "
+                                    "is not supported")
+    if text.get("use_bidirectional_attention") == "all":
+        raise UnsupportedModelError("DiffusionGemma with a fully bidirectional encoder "
+                                    "(use_bidirectional_attention: 'all') is not supported")
+    if not text.get("num_experts") or not text.get("top_k_experts"):
+        raise UnsupportedModelError("DiffusionGemma without a mixture of experts (num_experts unset) is not supported")
+    n = text["num_hidden_layers"]
+    types = list(text.get("layer_types") or _default_layer_types(n))
+    if len(types) != n:
+        raise UnsupportedModelError(f"layer_types has {len(types)} entries for {n} layers")
+    types[-1] = FULL  # the reference forces the last layer to full attention
+    bad = sorted(set(types) - {SLIDING, FULL})
+    if bad:
+        raise UnsupportedModelError(f"DiffusionGemma layer type(s) {', '.join(bad)} not supported")
+
+    heads = text["num_attention_heads"]
+    head_dims = [text.get("head_dim") or text["hidden_size"] // heads] * n
+    kv = [text.get("num_key_value_heads") or heads] * n
+    per_layer = text.get("per_layer_config")
+    if per_layer is None:  # the config class derives the full-layer overrides from init-only keys
+        override = {"head_dim": text.get("global_head_dim", 512)}
+        if text.get("num_global_key_value_heads") is not None and text.get("attention_k_eq_v", True):
+            override["num_key_value_heads"] = text["num_global_key_value_heads"]
+        per_layer = {i: override for i, t in enumerate(types) if t == FULL}
+    for key, over in per_layer.items():
+        i = int(key)
+        extra = sorted(set(over) - _PER_LAYER_KEYS)
+        if extra:
+            raise UnsupportedModelError(f"DiffusionGemma per-layer override(s) {', '.join(extra)} (layer {i}) "
+                                        "are not supported")
+        head_dims[i] = over.get("head_dim", head_dims[i])
+        kv[i] = over.get("num_key_value_heads", kv[i])
+    for i in range(n):
+        if heads % kv[i]:
+            raise UnsupportedModelError(f"layer {i}: {heads} heads is not a multiple of {kv[i]} kv heads")
+
+    rope_params = text.get("rope_parameters") or _DEFAULT_ROPE
+    rope = {}
+    for t in set(types):
+        p = rope_params.get(t) or _DEFAULT_ROPE[t]
+        kind = p.get("rope_type", "default")
+        if kind not in ("default", "proportional"):
+            raise UnsupportedModelError(f"DiffusionGemma rope_type {kind!r} ({t}) is not supported; "
+                                        "supported: default, proportional")
+        if kind == "default" and p.get("factor", 1.0) != 1.0:
+            raise UnsupportedModelError("DiffusionGemma RoPE scaling factor on default RoPE is not supported")
+        rope[t] = (kind, float(p["rope_theta"]), float(p.get("partial_rotary_factor", 1.0)), float(p.get("factor", 1.0)))
+
+    activation(text.get("hidden_activation", "gelu_pytorch_tanh"))  # raises on an unknown activation
+    image_ids = tuple(int(cfg[k]) for k in ("boi_token_id", "image_token_id", "eoi_token_id")
+                      if isinstance(cfg.get(k), int))
+    softcap = text.get("final_logit_softcapping", 30.0)  # class attribute in the reference: often not serialised
+    return GemmaArch(
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        num_layers=n,
+        num_heads=heads,
+        layer_types=tuple(types),
+        head_dims=tuple(head_dims),
+        kv_heads=tuple(kv),
+        intermediate_size=text["intermediate_size"],
+        num_experts=text["num_experts"],
+        top_k_experts=text["top_k_experts"],
+        moe_intermediate_size=text["moe_intermediate_size"],
+        sliding_window=text.get("sliding_window") or 512,
+        rope=rope,
+        max_position=text.get("max_position_embeddings", 131072),
+        rms_eps=text.get("rms_norm_eps", 1e-6),
+        softcap=float(softcap) if softcap else None,
+        act=text.get("hidden_activation", "gelu_pytorch_tanh"),
+        attention_bias=bool(text.get("attention_bias", False)),
+        canvas_length=int(cfg.get("canvas_length") or 256),
+        image_token_ids=image_ids,
+    )
+
+
+# ---------------------------------------------------------------------------------------- layers
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma 4 RMSNorm: all in float32, x * (mean(x^2) + eps)^-1/2 * weight (plain weight, optional)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = normalized(x, self.eps)
+        if self.weight is not None:
+            out = out * self.weight.float()
+        return out.type_as(x)
+
+
+def normalized(x: Tensor, eps: float) -> Tensor:
+    """float32 x * (mean(x^2) + eps)^-1/2 over the last dim (the shared part of every Gemma RMSNorm)."""
+    xf = x.float()
+    return xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+
+
+def rms_unweighted(x: Tensor, eps: float) -> Tensor:
+    return normalized(x, eps).type_as(x)
+
+
+def inv_freq(kind: str, head_dim: int, theta: float, partial: float, factor: float) -> Tensor:
+    """Per layer type, float32 as the reference computes it (modeling_rope_utils)."""
+    if kind == "default":
+        dim = int(head_dim * partial)
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+    # "proportional": the first int(partial * head_dim / 2) frequencies use the *full* head_dim as the
+    # denominator, the rest are 0 (those channels are not rotated); cos/sin still span the whole head
+    angles = int(partial * head_dim // 2)
+    rot = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    rest = head_dim // 2 - angles
+    out = torch.cat([rot, torch.zeros(rest, dtype=torch.float32, device="cpu")]) if rest > 0 else rot
+    return out / factor
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Half-split RoPE over the whole head; x [N, H, D], cos/sin [N, D] in x's dtype."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def fuse_rows(*linears: nn.Linear) -> Tensor:
+    """One [sum(out), in] weight whose row blocks the given linears' weights become views of.
+
+    A single GEMM then computes all projections (bitwise the same rows on CPU, measured); the
+    parameters keep their names for state_dict. Rebuilt if the parameters were replaced (.to()).
+    """
+    fused = torch.cat([m.weight.detach() for m in linears])
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = fused[row:row + n]
+        row += n
+    return fused
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, a: GemmaArch, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.sliding = a.layer_types[layer] == SLIDING
+        self.h, self.kv, self.d = a.num_heads, a.kv_heads[layer], a.head_dims[layer]
+        bias = a.attention_bias
+        self.q_proj = nn.Linear(a.hidden_size, self.h * self.d, bias=bias)
+        self.k_proj = nn.Linear(a.hidden_size, self.kv * self.d, bias=bias)
+        self.v_proj = nn.Linear(a.hidden_size, self.kv * self.d, bias=bias) if self.sliding else None
+        self.o_proj = nn.Linear(self.h * self.d, a.hidden_size, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.d, a.rms_eps)
+        self.k_norm = GemmaRMSNorm(self.d, a.rms_eps)
+        self.eps = a.rms_eps
+        self._fused: tuple[Tensor, Tensor | None, Tensor] | None = None
+
+    def _projections(self) -> tuple[Tensor, Tensor | None, Tensor]:
+        """(fused q|k|v weight, fused bias, per-head norm weights [H + Hkv, D]) built on first use."""
+        f = self._fused
+        if f is None or f[0].data_ptr() != self.q_proj.weight.data_ptr():
+            mods = [self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj is not None else [])
+            w = fuse_rows(*mods)
+            b = torch.cat([m.bias for m in mods]) if mods[0].bias is not None else None
+            norm_w = torch.cat([self.q_norm.weight.float().expand(self.h, self.d),
+                                self.k_norm.weight.float().expand(self.kv, self.d)])
+            f = self._fused = (w, b, norm_w)
+        return f
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: "_Context") -> Tensor:
+        n, h, kv, d = x.shape[0], self.h, self.kv, self.d
+        w, b, norm_w = self._projections()
+        heads = F.linear(x, w, b).view(n, -1, d)          # [q heads | k heads | v heads (sliding)]
+        # q_norm / k_norm (weighted) and v_norm (unweighted) share one RMS pass; full layers take V from
+        # the raw k_proj output, so their V is the unweighted normalisation of the K heads
+        xn = normalized(heads, self.eps)
+        qk = rotate((xn[:, :h + kv] * norm_w).type_as(x), cos, sin)
+        q, k = qk[:, :h], qk[:, h:]
+        v = (xn[:, h + kv:] if self.v_proj is not None else xn[:, h:]).type_as(x)
+        outs = []
+        for seg, off, (lo, mask) in zip(ctx.segments, ctx.offsets, ctx.masks[self.sliding]):
+            sl = slice(off, off + seg.length)
+            qs, ks, vs = q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1)
+            cache = seg.cache
+            if cache is not None:  # write in place (decoder tokens are scratch), attend to the cache view
+                hi = seg.start + seg.length
+                cache.k[self.layer][:, seg.start:hi] = ks
+                cache.v[self.layer][:, seg.start:hi] = vs
+                ks, vs = cache.k[self.layer][:, lo:hi], cache.v[self.layer][:, lo:hi]
+            outs.append(sdpa(qs, ks, vs, mask, 1.0).transpose(0, 1))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return self.o_proj(out.reshape(n, h * d))
+
+
+class GeGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.act = activation(act)
+        self._fused: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self._fused
+        if w is None or w.data_ptr() != self.gate_proj.weight.data_ptr():
+            w = self._fused = fuse_rows(self.gate_proj, self.up_proj)
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Router(nn.Module):
+    """Softmax top-k router on the RMS-normalised residual (DiffusionGemmaTextRouter)."""
+
+    def __init__(self, a: GemmaArch):
+        super().__init__()
+        self.proj = nn.Linear(a.hidden_size, a.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(a.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(a.num_experts))
+        self.root = a.hidden_size ** -0.5
+        self.eps, self.top_k = a.rms_eps, a.top_k_experts
+
+    def forward(self, x_normed: Tensor) -> tuple[Tensor, Tensor]:
+        """x_normed: the residual stream already RMS-normalised (no weight)."""
+        probs = F.softmax(self.proj(x_normed * self.scale * self.root), dim=-1, dtype=torch.float32)
+        w, idx = torch.topk(probs, k=self.top_k, dim=-1)
+        w /= w.sum(dim=-1, keepdim=True)
+        return w * self.per_expert_scale[idx], idx
+
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class Experts(nn.Module):
+    """Fused expert weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+
+    One grouped GEMM per projection over the (token, expert) pairs sorted by expert; the per-token sum
+    over its k experts runs in slot order, as transformers' grouped_mm experts path does. Falls back
+    to a loop over experts where grouped GEMM is unavailable for the device / dtype.
+    """
+
+    def __init__(self, a: GemmaArch):
+        super().__init__()
+        e, i, h = a.num_experts, a.moe_intermediate_size, a.hidden_size
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act = activation(a.act)
+        self.grouped = _grouped_mm is not None
+
+    def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        n, k = idx.shape
+        if self.grouped:
+            try:
+                return self._grouped(x, idx, w, n, k)
+            except (RuntimeError, NotImplementedError):
+                self.grouped = False
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down_proj[e]) * w[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+    def _grouped(self, x: Tensor, idx: Tensor, w: Tensor, n: int, k: int) -> Tensor:
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        h = _grouped_mm(x[order // k], self.gate_up_proj.transpose(-2, -1), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = _grouped_mm(self.act(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
+        y = y * w.reshape(-1)[order, None]
+        out = torch.empty_like(y)
+        out[order] = y
+        return out.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+
+class GemmaLayer(nn.Module):
+    def __init__(self, a: GemmaArch, layer: int):
+        super().__init__()
+        d, eps = a.hidden_size, a.rms_eps
+        self.eps = eps
+        self.self_attn = GemmaAttention(a, layer)
+        self.mlp = GeGLU(d, a.intermediate_size, a.act)
+        self.router = Router(a)
+        self.experts = Experts(a)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                     "pre_feedforward_layernorm_2"):
+            setattr(self, name, GemmaRMSNorm(d, eps))
+        self.register_buffer("layer_scalar", torch.ones(1))          # decoder mode
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))  # encoder mode (stored separately)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: "_Context") -> Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+        # the dense MLP's pre-norm, the experts' pre-norm and the router's unweighted norm all normalise x
+        xn = normalized(x, self.eps)
+        dense_in = (xn * self.pre_feedforward_layernorm.weight.float()).type_as(x)
+        moe_in = (xn * self.pre_feedforward_layernorm_2.weight.float()).type_as(x)
+        w, idx = self.router(xn.type_as(x))
+        dense = self.post_feedforward_layernorm_1(self.mlp(dense_in))
+        moe = self.post_feedforward_layernorm_2(self.experts(moe_in, idx, w))
+        x = x + self.post_feedforward_layernorm(dense + moe)
+        if ctx.encoder_rows is None:  # decoder tokens only (the common denoising step)
+            return x * self.layer_scalar
+        if ctx.all_encoder:
+            return x * self.encoder_layer_scalar
+        return x * torch.where(ctx.encoder_rows[:, None], self.encoder_layer_scalar, self.layer_scalar)
+
+
+class SelfConditioning(nn.Module):
+    """post_norm(embeds + down(act(gate(pre_norm(s))) * up(pre_norm(s)))), s = softmax(prev logits) @ E * sqrt(H)."""
+
+    def __init__(self, a: GemmaArch):
+        super().__init__()
+        self.pre_norm = GemmaRMSNorm(a.hidden_size, a.rms_eps)
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.act = activation(a.act)
+        self.eps = a.rms_eps
+
+    def forward(self, embeds: Tensor, soft: Tensor | None) -> Tensor:
+        if soft is not None:  # soft = 0 (first step) adds exactly 0, so it is skipped
+            h = self.pre_norm(soft)
+            embeds = embeds + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
+        return rms_unweighted(embeds, self.eps)
+
+
+class GemmaBackbone(nn.Module):
+    def __init__(self, a: GemmaArch):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(GemmaLayer(a, i) for i in range(a.num_layers))
+        self.norm = GemmaRMSNorm(a.hidden_size, a.rms_eps)
+        self.self_conditioning = SelfConditioning(a)
+
+
+# ---------------------------------------------------------------------------------------- cache
+
+class GemmaKVCache:
+    """Per-request K/V with per-layer shapes (sliding and full layers differ in heads and head_dim).
+
+    Same members as `attention.KVCache` (k, v, length, reserve, truncate, num_layers, nbytes).
+    Sliding layers keep every position too (simple, exact); only the last W - 1 are ever read.
+    """
+
+    def __init__(self, shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device | str,
+                 capacity: int = 256):
+        self.shapes = shapes
+        self.num_layers = len(shapes)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.capacity = 0
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+        self.length = 0
+        self._grow(capacity)
+
+    def _grow(self, need: int) -> None:
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity, 64)
+        new_k = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for h, d in self.shapes]
+        new_v = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for h, d in self.shapes]
+        for i in range(len(self.k)):
+            new_k[i][:, : self.length] = self.k[i][:, : self.length]
+            new_v[i][:, : self.length] = self.v[i][:, : self.length]
+        self.k, self.v, self.capacity = new_k, new_v, cap
+
+    def reserve(self, end: int) -> None:
+        self._grow(end)
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+# ---------------------------------------------------------------------------------------- the model
+
+@dataclass
+class _Context:
+    """Per-forward attention bookkeeping shared by all layers."""
+
+    segments: list[Segment]
+    offsets: list[int]
+    masks: dict[bool, list[tuple[int, Tensor | None]]]  # sliding? -> per segment (first key, mask or None)
+    encoder_rows: Tensor | None                          # [N] bool, None when every token is a decoder token
+    all_encoder: bool
+
+
+def segment_masks(start: int, n_enc: int, n_dec: int, window: int | None,
+                  device: torch.device) -> tuple[int, Tensor | None]:
+    """(first visible key, bool mask [n_enc + n_dec, keys] or None) for one segment and layer kind.
+
+    Keys are the cache positions [lo, start + n_enc + n_dec). Encoder query p: causal, and within the window
+    (k > p - W) on sliding layers. Decoder query: every canvas key, and the cached prefix [0, start + n_enc)
+    (sliding layers: its last W - 1 positions, as transformers' sliding cache keeps them).
+    """
+    hi = start + n_enc + n_dec
+    lo = 0 if window is None else max(0, start - window + 1)
+    if n_enc == 0:
+        return lo, None
+    q = torch.arange(start, hi, device=device)[:, None]
+    k = torch.arange(lo, hi, device=device)[None, :]
+    enc = k <= q
+    prefix_end = start + n_enc
+    dec = torch.ones_like(enc)
+    if window is not None:
+        enc = enc & (k > q - window)
+        dec = (k >= prefix_end) | (k > prefix_end - window)
+    mask = torch.where(q < prefix_end, enc, dec)
+    return lo, (None if bool(mask.all()) else mask)
+
+
+class DiffusionGemmaLM(nn.Module):
+    """Token ids + absolute positions over a ragged batch -> hidden states; `logits` adds the soft-cap."""
+
+    keep_logits_on_device = True  # the sampler runs where the logits are (runner.py)
+
+    def __init__(self, a: GemmaArch):
+        super().__init__()
+        self.cfg = a
+        self.model = GemmaBackbone(a)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied (lm_head = decoder embedding)
+        first = {t: a.layer_types.index(t) for t in set(a.layer_types)}
+        self.inv_freq = {t: inv_freq(*a.rope[t][:1], a.head_dims[first[t]], *a.rope[t][1:]) for t in first}
+
+    # ------------------------------------------------------------------ helpers
+    def _embed_scale(self, dtype: torch.dtype) -> Tensor:
+        # a float32 scalar cast to the weight dtype (bf16 rounds sqrt(H), as the reference's buffer does)
+        return torch.tensor(self.cfg.hidden_size ** 0.5, dtype=torch.float32).to(dtype)
+
+    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
+        out = {}
+        for t, f in self.inv_freq.items():
+            if f.device != positions.device:
+                f = self.inv_freq[t] = f.to(positions.device)
+            freqs = positions.float()[:, None] * f
+            emb = torch.cat([freqs, freqs], dim=-1)
+            out[t] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return out
+
+    def soft_embeddings(self, logits: Tensor) -> Tensor:
+        w = self.model.embed_tokens.weight
+        probs = logits.to(w.dtype).softmax(dim=-1, dtype=torch.float32).to(w.dtype)
+        return torch.matmul(probs, w) * self._embed_scale(w.dtype)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: Tensor, positions: Tensor, batch: AttentionBatch) -> Tensor:
+        """input_ids/positions [N] flat over the segments -> final-normed hidden states [N, H].
+
+        Segment.extra: {"encoder": leading encoder tokens (default: all), "sc_logits": [n_dec, V] or None}.
+        """
+        dev = input_ids.device
+        w = self.model.embed_tokens.weight
+        x = self.model.embed_tokens(input_ids) * self._embed_scale(w.dtype)
+        offsets, off = [], 0
+        enc_rows = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=dev)
+        masks: dict[bool, list] = {True: [], False: []}
+        plain_rows, soft_rows, soft = [], [], []
+        for seg in batch.segments:
+            extra = seg.extra or {}
+            n_enc = int(extra.get("encoder", seg.length))
+            n_dec = seg.length - n_enc
+            offsets.append(off)
+            enc_rows[off:off + n_enc] = True
+            if n_dec:
+                rows = torch.arange(off + n_enc, off + seg.length, device=dev)
+                sc = extra.get("sc_logits")
+                if sc is None:
+                    plain_rows.append(rows)
+                else:
+                    soft_rows.append(rows)
+                    soft.append(self.soft_embeddings(sc.to(dev).reshape(n_dec, -1)))
+            masks[True].append(segment_masks(seg.start, n_enc, n_dec, self.cfg.sliding_window, dev))
+            masks[False].append(segment_masks(seg.start, n_enc, n_dec, None, dev))
+            off += seg.length
+        sc_mod = self.model.self_conditioning
+        for rows, s in ((plain_rows, None), (soft_rows, soft)):
+            if rows:
+                r = torch.cat(rows)
+                x[r] = sc_mod(x[r], None if s is None else torch.cat(s))
+        dec_rows = plain_rows + soft_rows
+        all_enc = not dec_rows
+        ctx = _Context(batch.segments, offsets, masks,
+                       None if not bool(enc_rows.any()) else enc_rows, all_enc)
+        cs = self._cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            cos, sin = cs[SLIDING if layer.self_attn.sliding else FULL]
+            x = layer(x, cos, sin, ctx)
+        return self.model.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        out = self.lm_head(hidden).float()
+        cap = self.cfg.softcap
+        return torch.tanh(out / cap) * cap if cap else out
+
+    def new_cache(self, capacity: int = 256) -> GemmaKVCache:
+        a, p = self.cfg, self.lm_head.weight
+        return GemmaKVCache(list(zip(a.kv_heads, a.head_dims)), p.dtype, p.device, capacity)
+
+
+# ---------------------------------------------------------------------------------------- checkpoint names
+
+_DEC, _ENC = "model.decoder.", "model.encoder.language_model."
+_ENC_SCALAR = re.compile(r"model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
+
+
+def to_canonical_names(state: StateDict, arch: GemmaArch) -> StateDict:
+    """Stored names -> this module's names.
+
+    Text weights are stored once under `model.decoder.` (save_pretrained drops the tied encoder copies);
+    a checkpoint that stores them under the encoder instead is read from there. The encoder's own
+    `layer_scalar` buffers become `encoder_layer_scalar` (ones when absent, the reference's init value).
+    Vision weights are left for `ignore_params`.
+    """
+    out: StateDict = {}
+    for name, t in state.items():
+        m = _ENC_SCALAR.match(name)
+        if m:
+            out[f"model.layers.{m.group(1)}.encoder_layer_scalar"] = t
+        elif name.startswith(_DEC):
+            out["model." + name[len(_DEC):]] = t
+        elif name.startswith(_ENC):
+            canon = "model." + name[len(_ENC):]
+            if (_DEC + name[len(_ENC):]) not in state:
+                out[canon] = t
+        else:
+            out[name] = t
+    for i in range(arch.num_layers):
+        key = f"model.layers.{i}.encoder_layer_scalar"
+        if key not in out and f"model.layers.{i}.layer_scalar" in out:
+            out[key] = torch.ones_like(out[f"model.layers.{i}.layer_scalar"])
+    return out
+
+
+def from_canonical_names(state: StateDict, arch: GemmaArch) -> StateDict:
+    out: StateDict = {}
+    for name, t in state.items():
+        m = re.match(r"model\.layers\.(\d+)\.encoder_layer_scalar$", name)
+        if m:
+            out[f"{_ENC}layers.{m.group(1)}.layer_scalar"] = t
+        elif name.startswith("model."):
+            out[_DEC + name[len("model."):]] = t
+        else:
+            out[name] = t
+    return out
+
+
+def _gemma_sequence():
+    from unmask.engine.gemma_sequence import GemmaSequence
+    return GemmaSequence
+
+
+DIFFUSION_GEMMA = register(Family(
+    name="diffusion_gemma",
+    architectures=("DiffusionGemmaForBlockDiffusion",),
+    attention="encoder_decoder",
+    shift=False,
+    default_mask_id=-1,             # no mask token: the canvas starts as uniform noise
+    default_block_size=256,
+    parse_config=parse_diffusion_gemma,
+    block_size_keys=("canvas_length",),
+    split_params=to_canonical_names,
+    fuse_params=from_canonical_names,
+    ignore_params=(r"model\.encoder\.vision_tower\.", r"model\.encoder\.embed_vision\.",
+                   r"model\.encoder\.language_model\.", r"lm_head\.weight$"),
+    model_class=DiffusionGemmaLM,
+    sequence_class=_gemma_sequence(),
+))
