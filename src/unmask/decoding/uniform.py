@@ -142,3 +142,68 @@ def denoise_step(logits: Tensor, canvas: Tensor, remaining: int, cfg: UniformCon
     nxt = renoise(torch.where(accepted, sampled, canvas), accepted, v, generator)
     stop, history = stable_and_confident(history, draft, entropy, cfg.stability_threshold, cfg.confidence_threshold)
     return StepResult(nxt, draft, processed, entropy, accepted, stop, history)
+
+
+def denoise_batch(logits: Tensor, canvas: Tensor, remaining: list[int], cfgs: list[UniformConfig],
+                  histories: list[Tensor | None], generators: list[torch.Generator | None]) -> list[StepResult]:
+    """`denoise_step` for B independent requests at once (logits [B, C, V], canvas [B, C]).
+
+    Every row computes exactly what `denoise_step` computes for it alone (row-wise ops, per-row temperature,
+    bound and thresholds as float32 like the reference's scalars); each request draws from its own generator,
+    in its own order, so rows never share randomness. Returns one [1, C]-shaped result per row.
+    """
+    b, c, v = logits.shape
+    if b == 1:
+        return [denoise_step(logits, canvas, remaining[0], cfgs[0], histories[0], generators[0])]
+    dev = logits.device
+    f32 = torch.float32
+    step = torch.tensor(remaining, dtype=torch.int32, device=dev)
+    steps = torch.tensor([g.max_steps for g in cfgs], dtype=torch.int32, device=dev)
+    span = torch.tensor([g.t_max - g.t_min for g in cfgs], dtype=f32, device=dev)
+    t_min = torch.tensor([g.t_min for g in cfgs], dtype=f32, device=dev)
+    temp = t_min + span * (step / steps)
+    processed = logits / temp[:, None, None]
+    probs = torch.softmax(processed, dim=-1, dtype=f32)
+    sampled = []
+    for i, g in enumerate(generators):
+        src = probs[i]
+        if g is not None and g.device != src.device:
+            src = src.to(g.device)
+        sampled.append(torch.multinomial(src, num_samples=1, generator=g).to(dev).view(1, c))
+    draft = torch.argmax(processed, dim=-1)
+    entropy = categorical_entropy(processed)
+    h, order = torch.sort(entropy, dim=-1, descending=False)
+    bound = torch.tensor([g.entropy_bound for g in cfgs], dtype=f32, device=dev)
+    keep = torch.cumsum(h, dim=-1) - h <= bound[:, None]
+    accepted = torch.scatter(torch.zeros_like(keep), -1, order, keep)
+    kept = torch.where(accepted, torch.cat(sampled), canvas)
+    noise = torch.cat([uniform_tokens((1, c), v, g, dev) for g in generators])
+    nxt = torch.where(~accepted, noise, kept)
+    conf = torch.tensor([g.confidence_threshold for g in cfgs], dtype=f32, device=dev)
+    confident = torch.mean(entropy, dim=-1) < conf
+    stable, new_hist = _stability_batch(draft, histories, [g.stability_threshold for g in cfgs])
+    stop = (stable & confident).tolist()
+    return [StepResult(nxt[i:i + 1], draft[i:i + 1], processed[i:i + 1], entropy[i:i + 1], accepted[i:i + 1],
+                       torch.tensor([stop[i]]), new_hist[i]) for i in range(b)]
+
+
+def _stability_batch(draft: Tensor, histories: list[Tensor | None],
+                     thresholds: list[int]) -> tuple[Tensor, list[Tensor | None]]:
+    """Row-wise `stable_and_confident` stability part; rows with the same threshold share one comparison."""
+    b = draft.shape[0]
+    stable = torch.ones(b, dtype=torch.bool, device=draft.device)
+    new: list[Tensor | None] = [None] * b
+    for s in sorted(set(thresholds)):
+        rows = [i for i in range(b) if thresholds[i] == s]
+        if s == 0:
+            continue
+        hist = torch.cat([histories[i] if histories[i] is not None else
+                          torch.full((s, 1, draft.shape[1]), -1, dtype=draft.dtype, device=draft.device)
+                          for i in rows], dim=1)
+        d = draft[rows] if len(rows) < b else draft
+        stable[rows] = (hist == d[None]).all(dim=-1).all(dim=0)
+        hist = torch.roll(hist, shifts=-1, dims=0)
+        hist[-1] = d
+        for j, i in enumerate(rows):
+            new[i] = hist[:, j:j + 1]
+    return stable, new

@@ -110,6 +110,9 @@ class Engine:
         if not plans:
             return []
         result = self.runner.execute(plans)
+        prepare = getattr(self.spec.family.sequence_class, "prepare_batch", None)
+        if prepare is not None:  # families that decide every request's step in one batched computation
+            prepare(plans, result.logits)
         outputs = []
         for plan, logits in zip(plans, result.logits):
             seq = plan.seq

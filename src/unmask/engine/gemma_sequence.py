@@ -25,7 +25,7 @@ import os
 import torch
 from torch import Tensor
 
-from unmask.decoding.uniform import DEFAULTS, UniformConfig, denoise_step, uniform_tokens
+from unmask.decoding.uniform import DEFAULTS, StepResult, UniformConfig, denoise_batch, denoise_step, uniform_tokens
 from unmask.engine.params import GenerationParams
 from unmask.engine.sequence import ModelTraits, Stats, Status, StepPlan, _ids
 from unmask.errors import InvalidRequestError
@@ -104,6 +104,7 @@ class GemmaSequence:
         self.final_end = self.P
         self.logprobs = torch.zeros(params.max_tokens) if params.logprobs else None
         self.canvases_done = 0
+        self._prepared: StepResult | None = None  # this step's result when computed batched (prepare_batch)
         self._reset_canvas()
 
     def _reset_canvas(self) -> None:
@@ -151,12 +152,34 @@ class GemmaSequence:
             self.stats.prefill_tokens += max(0, min(seg.start + seg.write, self.P) - seg.start)
             self.cached = seg.start + seg.write
 
+    @staticmethod
+    def prepare_batch(plans: list[StepPlan], logits: list[Tensor]) -> None:
+        """Engine hook, before the per-request `apply` calls of a step: run the denoising step of every
+        request in one batched computation (requests with the same canvas length and device)."""
+        groups: dict[tuple, list[tuple[GemmaSequence, Tensor]]] = {}
+        for plan, lg in zip(plans, logits):
+            seq = plan.seq
+            if isinstance(seq, GemmaSequence) and plan.targets.numel():
+                groups.setdefault((seq.C, lg.device), []).append((seq, lg))
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            seqs = [s for s, _ in members]
+            results = denoise_batch(torch.stack([lg.view(s.C, -1) for s, lg in members]),
+                                    torch.cat([s.canvas for s in seqs]), [s.remaining for s in seqs],
+                                    [s.cfg for s in seqs], [s.history for s in seqs], [s.generator for s in seqs])
+            for s, r in zip(seqs, results):
+                s._prepared = r
+
     def apply(self, plan: StepPlan, logits: Tensor) -> list[int]:
         """One denoising step; returns the newly final tokens (a whole canvas when it ends)."""
         if plan.targets.numel() == 0:
             return []
-        step = denoise_step(logits.view(1, self.C, -1), self.canvas, self.remaining, self.cfg, self.history,
-                            self.generator)
+        step: StepResult | None = self._prepared
+        self._prepared = None
+        if step is None:
+            step = denoise_step(logits.view(1, self.C, -1), self.canvas, self.remaining, self.cfg, self.history,
+                                self.generator)
         self.stats.denoise_steps += 1
         self.remaining -= 1
         self.canvas, self.draft, self.history = step.canvas, step.draft, step.history

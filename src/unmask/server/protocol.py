@@ -87,6 +87,10 @@ REASONING_EFFORT: dict[str, dict[str, Any]] = {
 EFFORT_ALIASES = {"minimal": "instant", "none": "instant"}  # OpenAI's lowest levels
 
 
+# uniform-noise decoding (DiffusionGemma): entropy-bound acceptance, temperature schedule, stop rule
+UNIFORM_FIELDS = ("entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold")
+
+
 class GenerationRequest(RequestModel):
     """Shared by both endpoints: how a request's fields become engine `GenerationParams` fields."""
 
@@ -94,7 +98,7 @@ class GenerationRequest(RequestModel):
         """Fields this request sets; the server fills in max_tokens, seed and its defaults."""
         effort = self.reasoning_effort
         kw = dict(REASONING_EFFORT[EFFORT_ALIASES.get(effort, effort)]) if effort else {}
-        for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "block_size"):
+        for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "block_size", *UNIFORM_FIELDS):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -165,6 +169,11 @@ class ChatCompletionRequest(GenerationRequest):
     steps: int | None = None
     block_size: int | None = None
     ignore_eos: bool = False
+    entropy_bound: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) of the first field set to something unmask cannot honour."""
@@ -206,6 +215,11 @@ class CompletionRequest(GenerationRequest):
     steps: int | None = None
     block_size: int | None = None
     ignore_eos: bool = False
+    entropy_bound: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: one string or token list per entry."""

@@ -1,0 +1,45 @@
+"""Held-out evaluation: task construction and scoring."""
+from types import SimpleNamespace
+
+from unmask.engine.outputs import RequestOutput
+from unmask.evaluation import Task, evaluate, infill_tasks, next_line_tasks
+from unmask.train.corpus import CorpusFile
+
+CODE = "\n".join(["import os", "", "", "def f(x):", "    y = x + 1", "    return y * 2", ""] * 40)
+
+
+def test_next_line_tasks_are_deterministic_code_lines():
+    docs = [CorpusFile("stdlib", f"m{i}.py", CODE) for i in range(5)] + [CorpusFile("docs", "a.rst", CODE)]
+    a, b = next_line_tasks(docs), next_line_tasks(docs)
+    assert a == b and len(a) > 0
+    for t in a:
+        assert t.target in {"import os", "def f(x):", "    y = x + 1", "    return y * 2"}
+        assert CODE.find(t.prompt + t.target) >= 0  # the prompt is exactly the text before the line
+        assert t.prompt == "" or t.prompt.endswith("\n")
+
+
+def test_infill_tasks_use_single_line_fim_records():
+    recs = [{"kind": "fim", "span": "line", "fim": {"prefix": "a = ", "suffix": "\nb", "middle": "1 + 2"}},
+            {"kind": "fim", "span": "block", "fim": {"prefix": "x", "suffix": "y", "middle": "z\n"}},
+            {"kind": "explain", "messages": []}]
+    (t,) = infill_tasks(recs)
+    assert t.prompt == "<|fim_prefix|>a = <|fim_suffix|>\nb<|fim_middle|>" and t.target == "1 + 2"
+
+
+class FakeLLM:
+    def __init__(self, answers):
+        self.answers = answers
+
+    def encode(self, text):
+        return [1, 2, 3]
+
+    def generate(self, prompts, params):
+        assert all(p.stop == ["\n"] and p.policy == "topk" and p.tokens_per_step == 1 for p in params)
+        return [RequestOutput("r", [1], [7] * 4, text, "stop", forwards=2) for text in self.answers]
+
+
+def test_evaluate_scores_exact_match_and_tokens_per_forward():
+    tasks = [Task("next_line", "p", "x = 1", ("\n",)), Task("next_line", "p", "y = 2", ("\n",))]
+    r = evaluate(FakeLLM(["x = 1  ", "y = 3"]), tasks, "one_token_per_forward")
+    assert r.accuracy == 0.5 and r.n == 2
+    assert r.tokens == 8 and r.forwards == 4 and r.tokens_per_forward == 2.0
