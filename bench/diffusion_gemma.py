@@ -11,8 +11,10 @@ machine slows both alike. Modes:
   concurrent  all prompts at once: the reference's batched `generate` (left-padded, lockstep rows) and
               unmask with every request submitted together (continuous batching). Randomness differs
               between the two (the reference shares one RNG across rows), so tokens are not compared.
-tokens/s counts generated tokens (up to max_new_tokens, or the first EOS). Prints a table, then one
-JSON line with the median / min / max of the per-round ratio unmask / reference.
+tokens/s counts generated tokens (up to each request's max_new_tokens, or the first EOS). Prints a table,
+then one JSON line with the median / min / max of the per-round ratio unmask / reference.
+--draws lean lets unmask draw only the random numbers it uses (same output distribution, not the
+reference's stream); --mixed-lengths gives requests different budgets, as a server sees them.
 """
 from __future__ import annotations
 
@@ -60,10 +62,17 @@ def count(tokens: list[int], eos: int | None, limit: int) -> int:
     return tokens.index(eos) if eos is not None and eos in tokens else len(tokens)
 
 
-def ref_kwargs(a) -> dict:
+def budgets_for(a, n: int) -> list[int]:
+    """max_new_tokens per request: all equal, or (--mixed-lengths) 1/4, 2/4, 3/4, 4/4 of --max-new-tokens."""
+    if not a.mixed_lengths:
+        return [a.max_new_tokens] * n
+    return [max(1, round(a.max_new_tokens * (i % 4 + 1) / 4)) for i in range(n)]
+
+
+def ref_kwargs(a, max_new: int) -> dict:
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
-    kw = dict(max_new_tokens=a.max_new_tokens, max_denoising_steps=a.steps, t_min=a.t_min, t_max=a.t_max,
+    kw = dict(max_new_tokens=max_new, max_denoising_steps=a.steps, t_min=a.t_min, t_max=a.t_max,
               sampler_config=EntropyBoundSamplerConfig(entropy_bound=a.entropy_bound),
               stability_threshold=a.stability_threshold, confidence_threshold=a.confidence_threshold)
     if a.eos is not None:
@@ -71,49 +80,49 @@ def ref_kwargs(a) -> dict:
     return kw
 
 
-def unmask_params(a, seed: int):
+def unmask_params(a, seed: int, max_new: int):
     from unmask.engine.params import GenerationParams
 
-    return GenerationParams(max_tokens=a.max_new_tokens, steps=a.steps, seed=seed, t_min=a.t_min, t_max=a.t_max,
+    return GenerationParams(max_tokens=max_new, steps=a.steps, seed=seed, t_min=a.t_min, t_max=a.t_max,
                             entropy_bound=a.entropy_bound, stability_threshold=a.stability_threshold,
-                            confidence_threshold=a.confidence_threshold,
+                            confidence_threshold=a.confidence_threshold, uniform_draws=a.draws,
                             stop_token_ids=[a.eos] if a.eos is not None else [])
 
 
 @torch.no_grad()
-def run_reference(ref, prompts, a, mode: str) -> tuple[float, int, list[list[int]]]:
-    kw = ref_kwargs(a)
+def run_reference(ref, prompts, budgets, a, mode: str) -> tuple[float, int, list[list[int]]]:
     t0 = time.perf_counter()
     outs = []
     if mode == "sequential":
-        for i, p in enumerate(prompts):
+        for i, (p, n) in enumerate(zip(prompts, budgets)):
             torch.manual_seed(a.seed + i)
-            seq = ref.generate(torch.tensor([p]), **kw).sequences[0, len(p):].tolist()
+            seq = ref.generate(torch.tensor([p]), **ref_kwargs(a, n)).sequences[0, len(p):].tolist()
             outs.append(seq)
-    else:  # one left-padded batch
+    else:  # one left-padded batch, run to the largest budget (one max_new_tokens per call)
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         torch.manual_seed(a.seed)
-        out = ref.generate(ids, attention_mask=mask, **kw).sequences[:, width:]
+        out = ref.generate(ids, attention_mask=mask, **ref_kwargs(a, max(budgets))).sequences[:, width:]
         outs = out.tolist()
     wall = time.perf_counter() - t0
-    return wall, sum(count(o, a.eos, a.max_new_tokens) for o in outs), outs
+    return wall, sum(count(o, a.eos, n) for o, n in zip(outs, budgets)), outs
 
 
-def run_unmask(model, spec, prompts, a, mode: str) -> tuple[float, int, list[list[int]], int]:
+def run_unmask(model, spec, prompts, budgets, a, mode: str) -> tuple[float, int, list[list[int]], int]:
     from unmask.engine.engine import Engine
 
     eng = Engine(model, spec, max_num_seqs=max(len(prompts), 1))
     t0 = time.perf_counter()
     outs = []
     if mode == "sequential":
-        for i, p in enumerate(prompts):
-            seq = eng.add_request(p, unmask_params(a, a.seed + i))
+        for i, (p, n) in enumerate(zip(prompts, budgets)):
+            seq = eng.add_request(p, unmask_params(a, a.seed + i, n))
             eng.run_to_completion()
             outs.append(seq.output_ids)
     else:
-        seqs = [eng.add_request(p, unmask_params(a, a.seed + i)) for i, p in enumerate(prompts)]
+        seqs = [eng.add_request(p, unmask_params(a, a.seed + i, n))
+                for i, (p, n) in enumerate(zip(prompts, budgets))]
         eng.run_to_completion()
         outs = [s.output_ids for s in seqs]
     wall = time.perf_counter() - t0
@@ -121,8 +130,9 @@ def run_unmask(model, spec, prompts, a, mode: str) -> tuple[float, int, list[lis
 
 
 def bench_mode(ref, model, spec, prompts, a, mode: str) -> dict:
-    run_reference(ref, prompts[:1], a, mode)  # warm-up (first-call allocations, lazy init)
-    run_unmask(model, spec, prompts[:1], a, mode)
+    budgets = budgets_for(a, len(prompts))
+    run_reference(ref, prompts[:1], budgets[:1], a, mode)  # warm-up (first-call allocations, lazy init)
+    run_unmask(model, spec, prompts[:1], budgets[:1], a, mode)
     rounds = []
     identical = True
     for r in range(a.reps):
@@ -130,18 +140,19 @@ def bench_mode(ref, model, spec, prompts, a, mode: str) -> dict:
         res = {}
         for who in order:
             if who == "ref":
-                res["ref"] = run_reference(ref, prompts, a, mode)
+                res["ref"] = run_reference(ref, prompts, budgets, a, mode)
             else:
-                res["unmask"] = run_unmask(model, spec, prompts, a, mode)
+                res["unmask"] = run_unmask(model, spec, prompts, budgets, a, mode)
         (rw, rt, routs), (uw, ut, uouts, steps) = res["ref"], res["unmask"]
-        if mode == "sequential":
-            identical &= all(u == o[:len(u)] and len(u) == count(o, a.eos, a.max_new_tokens)
-                             for u, o in zip(uouts, routs))
+        if mode == "sequential" and a.draws == "reference":
+            identical &= all(u == o[:len(u)] and len(u) == count(o, a.eos, n)
+                             for u, o, n in zip(uouts, routs, budgets))
         rounds.append({"ref_tps": rt / rw, "unmask_tps": ut / uw, "ratio": (ut / uw) / (rt / rw),
                        "ref_tokens": rt, "unmask_tokens": ut, "unmask_steps": steps})
     ratios = [x["ratio"] for x in rounds]
     return {
-        "mode": mode, "requests": len(prompts), "identical": identical if mode == "sequential" else None,
+        "mode": mode, "requests": len(prompts),
+        "identical": identical if mode == "sequential" and a.draws == "reference" else None,
         "ref_tps": statistics.median(x["ref_tps"] for x in rounds),
         "unmask_tps": statistics.median(x["unmask_tps"] for x in rounds),
         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
@@ -161,6 +172,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-len", default="8,64", help="min,max prompt tokens")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--mixed-lengths", action="store_true",
+                    help="requests ask for 1/4..4/4 of --max-new-tokens (the reference's batch runs to the max)")
     ap.add_argument("--steps", type=int, default=16, help="max denoising steps per canvas")
     ap.add_argument("--entropy-bound", type=float, default=0.1)
     ap.add_argument("--t-min", type=float, default=0.4)
@@ -168,6 +181,8 @@ def main() -> None:
     ap.add_argument("--stability-threshold", type=int, default=1)
     ap.add_argument("--confidence-threshold", type=float, default=0.005)
     ap.add_argument("--eos", type=int, default=None, help="stop token (default: none, full length)")
+    ap.add_argument("--draws", choices=("reference", "lean"), default="reference",
+                    help="unmask's random stream: the reference's (token-identical) or only the used draws")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
@@ -195,14 +210,18 @@ def main() -> None:
     results = [bench_mode(ref, model, spec, prompts, a, m) for m in modes]
 
     print(f"model={a.model.name} canvas={spec.block_size} requests={a.requests} max_new={a.max_new_tokens} "
-          f"steps={a.steps} threads={a.threads} dtype={a.dtype} reps={a.reps}")
-    print(f"{'mode':<11} {'ref tok/s':>10} {'unmask tok/s':>13} {'ratio med':>10} {'min':>6} {'max':>6} {'identical':>10}")
+          f"steps={a.steps} draws={a.draws} mixed_lengths={a.mixed_lengths} threads={a.threads} dtype={a.dtype} "
+          f"reps={a.reps}")
+    print(f"{'mode':<11} {'ref tok/s':>10} {'unmask tok/s':>13} {'ratio med':>10} {'min':>6} {'max':>6} "
+          f"{'identical':>10}")
     for r in results:
         ident = "-" if r["identical"] is None else str(r["identical"])
         print(f"{r['mode']:<11} {r['ref_tps']:10.1f} {r['unmask_tps']:13.1f} {r['ratio_median']:10.2f} "
               f"{r['ratio_min']:6.2f} {r['ratio_max']:6.2f} {ident:>10}")
     print(json.dumps({"bench": "diffusion_gemma", "model": a.model.name, "canvas": spec.block_size,
                       "requests": a.requests, "max_new_tokens": a.max_new_tokens, "steps": a.steps,
+                      "draws": a.draws, "mixed_lengths": a.mixed_lengths, "stability_threshold": a.stability_threshold,
+                      "confidence_threshold": a.confidence_threshold,
                       "threads": a.threads, "dtype": a.dtype,
                       "results": [{k: v for k, v in r.items() if k != "rounds"} for r in results]}))
 

@@ -437,8 +437,9 @@ def test_cors(restricted, server):
     ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": CHAT, "policy": "no-such-policy"}, "policy"),
     ({"messages": CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"messages": CHAT, "response_format": {"type": "yaml"}}, "response_format"),
     ({"messages": []}, "messages"),
 ])
 def test_invalid_requests_get_400_envelopes(server, body, param):

@@ -29,6 +29,12 @@ DEFAULTS = {"max_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
             "stability_threshold": 1, "confidence_threshold": 0.005}
 
 
+# "reference" reproduces the reference's random stream (multinomial over every position, uniform noise over
+# every position); "lean" samples only the accepted positions and draws noise only for the others: the same
+# distribution over outputs, a different stream, and no [C, V] exponential draw per step.
+DRAWS = ("reference", "lean")
+
+
 @dataclass(frozen=True)
 class UniformConfig:
     max_steps: int = 48            # denoising steps per canvas at most
@@ -37,6 +43,7 @@ class UniformConfig:
     t_max: float = 0.8             # temperature at the first step, > t_min
     stability_threshold: int = 1   # steps the draft must stay unchanged (0: stability always holds)
     confidence_threshold: float = 0.005  # mean entropy below which the canvas is confident, > 0
+    draws: str = "reference"       # "reference": every draw the reference makes; "lean": only the used ones
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
@@ -50,6 +57,7 @@ class UniformConfig:
         check(isinstance(self.stability_threshold, int) and self.stability_threshold >= 0,
               "stability_threshold", "an integer >= 0")
         check(self.confidence_threshold > 0, "confidence_threshold", "> 0")
+        check(self.draws in DRAWS, "draws", f"one of {', '.join(DRAWS)}")
 
 
 def linear_temperature(remaining: int, max_steps: int, t_min: float, t_max: float,
@@ -125,21 +133,57 @@ class StepResult:
     history: Tensor | None
 
 
+def _probs_and_entropy(processed: Tensor, lean: bool) -> tuple[Tensor, Tensor]:
+    """(sampling distribution, entropy) of the processed logits over the last dim."""
+    if not lean:  # two separate passes, exactly as the reference computes them
+        return torch.softmax(processed, dim=-1, dtype=torch.float32), categorical_entropy(processed)
+    logp = torch.log_softmax(processed, dim=-1)
+    probs = logp.exp()
+    return probs, -(torch.clamp(logp, min=torch.finfo(logp.dtype).min) * probs).sum(-1)
+
+
+def _next_row(probs: Tensor, canvas: Tensor, accepted: Tensor, vocab: int, generator: torch.Generator | None,
+              lean: bool) -> Tensor:
+    """One request's next canvas [C] from its probs [C, V], current canvas [C] and acceptance [C]."""
+    dev = probs.device
+    if lean:
+        out = torch.empty_like(canvas)
+        k = int(accepted.sum())
+        if k:
+            src = probs[accepted]
+            if generator is not None and generator.device != dev:
+                src = src.to(generator.device)
+            out[accepted] = torch.multinomial(src, 1, generator=generator).to(dev)[:, 0]
+        if k < canvas.numel():
+            out[~accepted] = uniform_tokens((canvas.numel() - k,), vocab, generator, dev)
+        return out
+    src = probs if generator is None or generator.device == dev else probs.to(generator.device)
+    sampled = torch.multinomial(src, num_samples=1, generator=generator).to(dev)[:, 0]
+    kept = torch.where(accepted, sampled, canvas)
+    noise = uniform_tokens((1, canvas.numel()), vocab, generator, dev)[0]
+    return torch.where(~accepted, noise, kept)
+
+
 def denoise_step(logits: Tensor, canvas: Tensor, remaining: int, cfg: UniformConfig, history: Tensor | None,
                  generator: torch.Generator | None) -> StepResult:
-    """One step for a [B, C, V] block of logits; draws from `generator` in the reference's order."""
+    """One step for a [B, C, V] block of logits; with draws="reference", the reference's draws in its order
+    (one multinomial over all B*C rows, then one randint [B, C])."""
     b, c, v = logits.shape
+    lean = cfg.draws == "lean"
     temp = linear_temperature(remaining, cfg.max_steps, cfg.t_min, cfg.t_max, logits.device)
     processed = logits / temp
-    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
-    src = probs.view(-1, v)
-    if generator is not None and generator.device != probs.device:
-        src = src.to(generator.device)
-    sampled = torch.multinomial(src, num_samples=1, generator=generator).to(probs.device).view(b, c)
+    probs, entropy = _probs_and_entropy(processed, lean)
     draft = torch.argmax(processed, dim=-1)
-    entropy = categorical_entropy(processed)
-    accepted = entropy_bound_mask(entropy, cfg.entropy_bound)
-    nxt = renoise(torch.where(accepted, sampled, canvas), accepted, v, generator)
+    if lean:
+        accepted = entropy_bound_mask(entropy, cfg.entropy_bound)
+        nxt = torch.stack([_next_row(probs[i], canvas[i], accepted[i], v, generator, True) for i in range(b)])
+    else:
+        src = probs.view(-1, v)
+        if generator is not None and generator.device != probs.device:
+            src = src.to(generator.device)
+        sampled = torch.multinomial(src, num_samples=1, generator=generator).to(probs.device).view(b, c)
+        accepted = entropy_bound_mask(entropy, cfg.entropy_bound)
+        nxt = renoise(torch.where(accepted, sampled, canvas), accepted, v, generator)
     stop, history = stable_and_confident(history, draft, entropy, cfg.stability_threshold, cfg.confidence_threshold)
     return StepResult(nxt, draft, processed, entropy, accepted, stop, history)
 
@@ -150,11 +194,15 @@ def denoise_batch(logits: Tensor, canvas: Tensor, remaining: list[int], cfgs: li
 
     Every row computes exactly what `denoise_step` computes for it alone (row-wise ops, per-row temperature,
     bound and thresholds as float32 like the reference's scalars); each request draws from its own generator,
-    in its own order, so rows never share randomness. Returns one [1, C]-shaped result per row.
+    in its own order, so rows never share randomness. All rows must use the same `draws` mode.
+    Returns one [1, C]-shaped result per row.
     """
     b, c, v = logits.shape
     if b == 1:
         return [denoise_step(logits, canvas, remaining[0], cfgs[0], histories[0], generators[0])]
+    lean = cfgs[0].draws == "lean"
+    if any((g.draws == "lean") != lean for g in cfgs):
+        raise ValueError("denoise_batch: rows mix draws modes")
     dev = logits.device
     f32 = torch.float32
     step = torch.tensor(remaining, dtype=torch.int32, device=dev)
@@ -163,22 +211,13 @@ def denoise_batch(logits: Tensor, canvas: Tensor, remaining: list[int], cfgs: li
     t_min = torch.tensor([g.t_min for g in cfgs], dtype=f32, device=dev)
     temp = t_min + span * (step / steps)
     processed = logits / temp[:, None, None]
-    probs = torch.softmax(processed, dim=-1, dtype=f32)
-    sampled = []
-    for i, g in enumerate(generators):
-        src = probs[i]
-        if g is not None and g.device != src.device:
-            src = src.to(g.device)
-        sampled.append(torch.multinomial(src, num_samples=1, generator=g).to(dev).view(1, c))
+    probs, entropy = _probs_and_entropy(processed, lean)
     draft = torch.argmax(processed, dim=-1)
-    entropy = categorical_entropy(processed)
     h, order = torch.sort(entropy, dim=-1, descending=False)
     bound = torch.tensor([g.entropy_bound for g in cfgs], dtype=f32, device=dev)
     keep = torch.cumsum(h, dim=-1) - h <= bound[:, None]
     accepted = torch.scatter(torch.zeros_like(keep), -1, order, keep)
-    kept = torch.where(accepted, torch.cat(sampled), canvas)
-    noise = torch.cat([uniform_tokens((1, c), v, g, dev) for g in generators])
-    nxt = torch.where(~accepted, noise, kept)
+    nxt = torch.stack([_next_row(probs[i], canvas[i], accepted[i], v, g, lean) for i, g in enumerate(generators)])
     conf = torch.tensor([g.confidence_threshold for g in cfgs], dtype=f32, device=dev)
     confident = torch.mean(entropy, dim=-1) < conf
     stable, new_hist = _stability_batch(draft, histories, [g.stability_threshold for g in cfgs])

@@ -1,6 +1,7 @@
 """The step-level engine: accepts requests any time, one batched forward per step, per-request events."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ class Engine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if exact else None
         self._pending_store: dict[str, list[str]] = {}
         self.stats = EngineStats()
+        self._structured = None                  # unmask.structured.backend.GuidanceBackend, on first use
+        self._structured_lock = threading.Lock()
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_ids: list[int], params: GenerationParams) -> None:
@@ -64,6 +67,8 @@ class Engine:
                 f"over this model's context of {self.traits.max_context}", "max_tokens")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
+        if params.structured is not None:
+            self.structured_backend().compile(params.structured)  # 400 for what it cannot enforce
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams | None = None,
                     request_id: str | None = None) -> Sequence:
@@ -72,6 +77,8 @@ class Engine:
         seq = (self.spec.family.sequence_class or Sequence)(list(prompt_ids), params, self.traits)
         if request_id is not None:
             seq.request_id = request_id
+        if params.structured is not None:
+            seq.constraint = self.structured_backend().constraint(params.structured)
         if not (seq.bidirectional and seq.cache_mode == "none"):
             seq.cache = self.model.new_cache(capacity=min(len(prompt_ids) + params.max_tokens, 4096))
         if self.prefix_cache is not None:
@@ -83,6 +90,22 @@ class Engine:
             self.streams[seq.request_id] = TextStream(self.tokenizer, params.stop, params.include_stop_str)
         self.scheduler.add(seq)
         return seq
+
+    def structured_backend(self):
+        """The grammar engine (unmask.structured), built on the first constrained request."""
+        if self._structured is None:
+            seq_class = self.spec.family.sequence_class or Sequence
+            if not getattr(seq_class, "supports_constraints", False):
+                raise InvalidRequestError(f"structured output is not supported for the {self.spec.family.name} "
+                                          "family (its decoder has no grammar hook)", "response_format")
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs a tokenizer", "response_format")
+            from unmask.structured.backend import GuidanceBackend
+
+            with self._structured_lock:
+                if self._structured is None:
+                    self._structured = GuidanceBackend(self.tokenizer, self.spec.arch.vocab_size, self.traits.stop_ids)
+        return self._structured
 
     def abort(self, request_id: str) -> StepOutput | None:
         seq = self.scheduler.abort(request_id)

@@ -59,6 +59,7 @@ def uniform_config(params: GenerationParams, generation_config: dict) -> Uniform
                                 else d["stability_threshold"]),
         "confidence_threshold": (params.confidence_threshold if params.confidence_threshold is not None
                                  else d["confidence_threshold"]),
+        "draws": params.uniform_draws,
     }
     try:
         return UniformConfig(**chosen)
@@ -160,7 +161,7 @@ class GemmaSequence:
         for plan, lg in zip(plans, logits):
             seq = plan.seq
             if isinstance(seq, GemmaSequence) and plan.targets.numel():
-                groups.setdefault((seq.C, lg.device), []).append((seq, lg))
+                groups.setdefault((seq.C, lg.device, seq.cfg.draws), []).append((seq, lg))
         for members in groups.values():
             if len(members) < 2:
                 continue
@@ -233,4 +234,5 @@ class GemmaSequence:
 
 
 def _image_ids(config: dict) -> list[int]:
-    return [int(config[k]) for k in ("boi_token_id", "image_token_id", "eoi_token_id") if isinstance(config.get(k), int)]
+    keys = ("boi_token_id", "image_token_id", "eoi_token_id")
+    return [int(config[k]) for k in keys if isinstance(config.get(k), int)]

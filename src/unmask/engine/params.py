@@ -6,6 +6,7 @@ from typing import Literal
 
 from unmask.decoding import PolicyConfig, SamplingParams
 from unmask.errors import InvalidRequestError
+from unmask.structured.spec import StructuredSpec
 
 CacheMode = Literal["auto", "none", "prefix", "dual"]
 
@@ -22,7 +23,7 @@ class GenerationParams:
     steps: int | None = None            # denoising steps per block for schedule-based policies
     tokens_per_step: int | None = None  # the `topk` policy's fixed k (1 = one token per forward)
     factor: float = 1.0
-    entropy_bound: float | None = None  # None: the policy's / model's default (0.35 entropy_bounded; DiffusionGemma 0.1)
+    entropy_bound: float | None = None  # None: the default (0.35 for entropy_bounded; DiffusionGemma: 0.1)
     block_size: int | None = None       # None: the model's default
     cache: CacheMode = "auto"           # bidirectional families: none (exact) | prefix | dual
     stop: list[str] = field(default_factory=list)
@@ -36,6 +37,9 @@ class GenerationParams:
     t_max: float | None = None                 # temperature at the first denoising step
     stability_threshold: int | None = None     # steps the draft must stay unchanged before a canvas may stop
     confidence_threshold: float | None = None  # mean entropy under which a stable canvas stops
+    uniform_draws: str = "reference"           # "reference": the reference's random stream; "lean": only used draws
+    # structured output (unmask.structured): the output must match this grammar, enforced while decoding
+    structured: StructuredSpec | None = None
 
     def __post_init__(self):
         def bad(msg: str, param: str):
@@ -72,6 +76,13 @@ class GenerationParams:
                 "stability_threshold")
         if self.confidence_threshold is not None and not self.confidence_threshold > 0:
             bad(f"confidence_threshold must be > 0, got {self.confidence_threshold}", "confidence_threshold")
+        if self.uniform_draws not in ("reference", "lean"):
+            bad(f"uniform_draws must be 'reference' or 'lean', got {self.uniform_draws!r}", "uniform_draws")
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            bad("structured must be a StructuredSpec", "structured")
+        if self.structured is not None and self.ignore_eos:
+            bad("ignore_eos cannot be combined with a structured-output constraint (it ends at its grammar's end)",
+                "ignore_eos")
         try:
             self.policy_config()
         except ValueError as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -71,6 +72,9 @@ class Sequence:
     finish_reason: str | None = None
     stats: Stats = field(default_factory=Stats)
     cache: KVCache | None = None
+    constraint: Any = None   # unmask.structured.Constraint, set by the engine for structured requests
+
+    supports_constraints: ClassVar[bool] = True  # other sequence classes (uniform noise) lack the hook
 
     def __post_init__(self):
         t, p = self.traits, self.params
@@ -158,6 +162,8 @@ class Sequence:
             return []
         offsets = plan.targets - self.block_start
         logits[:, self.traits.mask_id] = float("-inf")  # never propose the mask itself (dInfer does the same)
+        if self.constraint is not None:
+            return self._apply_constrained(plan, logits, offsets)
         forced_first = self.traits.ar_first_token and self.block.step == 0 and int(offsets[0]) == 0
         d = decide(self.policy, logits, offsets, self.block, self.sampling, self.generator)
         commit = d.commit.clone()
@@ -169,6 +175,25 @@ class Sequence:
             self.logprobs[pos - self.P] = d.probs[commit].clamp_min(1e-30).log()
         self.stats.denoise_steps += 1
         return self._advance()
+
+    def _apply_constrained(self, plan: StepPlan, logits: Tensor, offsets: Tensor) -> list[int]:
+        """Grammar-constrained step: commits a run of tokens from the leftmost masked position on
+        (unmask.structured.constraint explains the draft-verify rule), so the committed prefix never has holes
+        and the matcher has read every committed token in order."""
+        if int(plan.targets[0]) != self.final_end:
+            raise RuntimeError(f"constrained decoding expects the first masked position at {self.final_end}, "
+                               f"got {int(plan.targets[0])}")
+        tokens, probs = self.constraint.step(logits, offsets, self.policy, self.block, self.sampling,
+                                             self.generator, room=self.end - self.final_end)
+        pos = plan.targets[: len(tokens)]
+        self.seq[pos] = torch.tensor(tokens, dtype=torch.long)
+        if self.logprobs is not None:
+            self.logprobs[pos - self.P] = torch.tensor(probs).clamp_min(1e-30).log()
+        self.stats.denoise_steps += 1
+        new = self._advance()
+        if self.finish_reason == "length" and self.constraint.complete():
+            self.finish_reason = "stop"  # the grammar's output is complete: not truncated
+        return new
 
     def _advance(self) -> list[int]:
         mask = self.traits.mask_id

@@ -139,7 +139,8 @@ def parse_diffusion_gemma(cfg: dict) -> GemmaArch:
                                         "supported: default, proportional")
         if kind == "default" and p.get("factor", 1.0) != 1.0:
             raise UnsupportedModelError("DiffusionGemma RoPE scaling factor on default RoPE is not supported")
-        rope[t] = (kind, float(p["rope_theta"]), float(p.get("partial_rotary_factor", 1.0)), float(p.get("factor", 1.0)))
+        rope[t] = (kind, float(p["rope_theta"]), float(p.get("partial_rotary_factor", 1.0)),
+                   float(p.get("factor", 1.0)))
 
     activation(text.get("hidden_activation", "gelu_pytorch_tanh"))  # raises on an unknown activation
     image_ids = tuple(int(cfg[k]) for k in ("boi_token_id", "image_token_id", "eoi_token_id")
@@ -235,7 +236,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """q [H, Lq, D], k/v [Hkv, Lk, D] -> [H, Lq, D]; scale 1.0 (Gemma 4 normalises q and k instead)."""
     h, lq, d = q.shape
     hk, lk = k.shape[0], k.shape[1]
-    if q.device.type != "cpu" or h * lq * lk > SMALL_ATTENTION:
+    if q.device.type != "cpu" or q.dtype != torch.float32 or h * lq * lk > SMALL_ATTENTION:
         return sdpa(q, k, v, mask, 1.0)
     g = h // hk  # query heads per kv head, grouped as repeat_interleave orders them
     scores = torch.matmul(q.reshape(hk, g * lq, d), k.transpose(1, 2))
@@ -297,19 +298,26 @@ class GemmaAttention(nn.Module):
         qk = rotate(_like(xn[:, :h + kv] * norm_w, x), cos, sin)
         q, k = qk[:, :h], qk[:, h:]
         v = _like(xn[:, h + kv:] if self.v_proj is not None else xn[:, h:], x)
-        outs = []
-        for seg, off, (lo, mask) in zip(ctx.segments, ctx.offsets, ctx.masks[self.sliding]):
-            sl = slice(off, off + seg.length)
-            qs, ks, vs = q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1)
-            cache = seg.cache
-            if cache is not None:  # write in place (decoder tokens are scratch), attend to the cache view
-                hi = seg.start + seg.length
-                cache.k[self.layer][:, seg.start:hi] = ks
-                cache.v[self.layer][:, seg.start:hi] = vs
-                ks, vs = cache.k[self.layer][:, lo:hi], cache.v[self.layer][:, lo:hi]
-            outs.append(attend(qs, ks, vs, mask).transpose(0, 1))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, N, D]
+        if len(ctx.segments) == 1:
+            out = self._segment(q, k, v, ctx.segments[0], *ctx.masks[self.sliding][0])
+        else:
+            out = q.new_empty(h, n, d)
+            for seg, off, (lo, mask) in zip(ctx.segments, ctx.offsets, ctx.masks[self.sliding]):
+                sl = slice(off, off + seg.length)
+                out[:, sl] = self._segment(q[:, sl], k[:, sl], v[:, sl], seg, lo, mask)
+        out = out.transpose(0, 1)
         return self.o_proj(out.reshape(n, h * d))
+
+    def _segment(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment, lo: int, mask: Tensor | None) -> Tensor:
+        cache = seg.cache
+        if cache is not None:  # write in place (decoder tokens are scratch), attend to the cache view
+            hi = seg.start + seg.length
+            ck, cv = cache.k[self.layer], cache.v[self.layer]
+            ck[:, seg.start:hi] = k
+            cv[:, seg.start:hi] = v
+            k, v = ck[:, lo:hi], cv[:, lo:hi]
+        return attend(q, k, v, mask)
 
 
 class GeGLU(nn.Module):
@@ -579,7 +587,7 @@ class DiffusionGemmaLM(nn.Module):
         w = self.model.embed_tokens.weight
         x = self.model.embed_tokens(input_ids) * self._embed_scale(w.dtype)
         offsets, off = [], 0
-        enc_rows = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=dev)
+        enc_spans: list[tuple[int, int]] = []
         masks: dict[bool, list] = {True: [], False: []}
         plain_rows, soft_rows, soft = [], [], []
         for seg in batch.segments:
@@ -587,27 +595,35 @@ class DiffusionGemmaLM(nn.Module):
             n_enc = int(extra.get("encoder", seg.length))
             n_dec = seg.length - n_enc
             offsets.append(off)
-            enc_rows[off:off + n_enc] = True
+            if n_enc:
+                enc_spans.append((off, off + n_enc))
             if n_dec:
-                rows = torch.arange(off + n_enc, off + seg.length, device=dev)
+                rows = range(off + n_enc, off + seg.length)
                 sc = extra.get("sc_logits")
                 if sc is None:
-                    plain_rows.append(rows)
+                    plain_rows.extend(rows)
                 else:
-                    soft_rows.append(rows)
-                    soft.append(self.soft_embeddings(sc.to(dev).reshape(n_dec, -1)))
+                    soft_rows.extend(rows)
+                    soft.append(sc.reshape(n_dec, -1))
             masks[True].append(segment_masks(seg.start, n_enc, n_dec, self.cfg.sliding_window, dev))
             masks[False].append(segment_masks(seg.start, n_enc, n_dec, None, dev))
             off += seg.length
         sc_mod = self.model.self_conditioning
         for rows, s in ((plain_rows, None), (soft_rows, soft)):
-            if rows:
-                r = torch.cat(rows)
-                x[r] = sc_mod(x[r], None if s is None else torch.cat(s))
-        dec_rows = plain_rows + soft_rows
-        all_enc = not dec_rows
-        ctx = _Context(batch.segments, offsets, masks,
-                       None if not bool(enc_rows.any()) else enc_rows, all_enc)
+            if not rows:
+                continue
+            emb = None if s is None else self.soft_embeddings(torch.cat(s).to(dev) if len(s) > 1 else s[0].to(dev))
+            if len(rows) == x.shape[0]:  # every token is a canvas token of this kind: no gather / scatter
+                x = sc_mod(x, emb)
+            else:
+                r = torch.tensor(rows, device=dev)
+                x[r] = sc_mod(x[r], emb)
+        enc_rows = None
+        if enc_spans:
+            enc_rows = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=dev)
+            for lo, hi in enc_spans:
+                enc_rows[lo:hi] = True
+        ctx = _Context(batch.segments, offsets, masks, enc_rows, not (plain_rows or soft_rows))
         cs = self._cos_sin(positions, x.dtype)
         for layer in self.model.layers:
             cos, sin = cs[SLIDING if layer.self_attn.sliding else FULL]

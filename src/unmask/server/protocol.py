@@ -4,8 +4,9 @@ Fields follow the order of OpenAI's API reference; unmask's own extensions are f
 end of each model. Requests accept unknown fields (`extra="allow"`, listed by `ignored_fields`) so
 that clients sending newer OpenAI fields keep working, but types are strict: `"5"` is not an
 integer. Fields that would change the meaning of a request and that unmask does not implement
-(tools, response_format, penalties, ...) are declared so that `unsupported()` can reject them
-with a 400 instead of silently ignoring them.
+(penalties, logit_bias, ...) are declared so that `unsupported()` can reject them with a 400
+instead of silently ignoring them. Tools and structured outputs are checked and compiled by
+unmask.structured (an unenforceable schema is a 400 naming the feature).
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ EFFORT_ALIASES = {"minimal": "instant", "none": "instant"}  # OpenAI's lowest le
 
 
 # uniform-noise decoding (DiffusionGemma): entropy-bound acceptance, temperature schedule, stop rule
-UNIFORM_FIELDS = ("entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold")
+UNIFORM_FIELDS = ("entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold", "uniform_draws")
 
 
 class GenerationRequest(RequestModel):
@@ -148,6 +149,7 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     max_tokens: int | None = None
     n: int = Field(1, ge=1, le=128)
+    parallel_tool_calls: bool | None = None
     presence_penalty: float | None = None
     reasoning_effort: ReasoningEffort | None = None
     response_format: dict[str, Any] | None = None
@@ -174,13 +176,14 @@ class ChatCompletionRequest(GenerationRequest):
     t_max: float | None = None
     stability_threshold: int | None = None
     confidence_threshold: float | None = None
+    uniform_draws: Literal["reference", "lean"] | None = None
+    # structured output beyond response_format (docs/structured-outputs.md)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) of the first field set to something unmask cannot honour."""
-        if self.tools and self.tool_choice != "none":
-            return "tools", "tool calling is not supported yet; send tool_choice 'none' or no tools"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "structured output (json_object, json_schema) is not supported yet"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs: true"
         return _common_unsupported(self)
@@ -220,6 +223,12 @@ class CompletionRequest(GenerationRequest):
     t_max: float | None = None
     stability_threshold: int | None = None
     confidence_threshold: float | None = None
+    uniform_draws: Literal["reference", "lean"] | None = None
+    # structured output (docs/structured-outputs.md)
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: one string or token list per entry."""
@@ -271,9 +280,22 @@ class ChoiceLogprobs(ResponseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str      # JSON text, as the model wrote it
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(ResponseModel):
+    _omit_if_none = frozenset({"tool_calls"})
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(ResponseModel):
@@ -292,10 +314,27 @@ class ChatCompletionResponse(ResponseModel):
     usage: Usage
 
 
+class DeltaFunction(ResponseModel):
+    _omit_if_none = frozenset({"name", "arguments"})
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(ResponseModel):
+    """A call's first delta carries index, id, type, name and arguments ""; later ones index and arguments."""
+
+    _omit_if_none = frozenset({"id", "type"})
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class Delta(ResponseModel):
-    _omit_if_none = frozenset({"role", "content"})
+    _omit_if_none = frozenset({"role", "content", "tool_calls"})
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(ResponseModel):

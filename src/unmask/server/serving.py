@@ -31,9 +31,13 @@ from unmask.server.metrics import Metrics
 from unmask.server.protocol import (
     APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChoiceLogprobs, CompletionChoice, CompletionChunk, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, Delta, DiffusingFrame, ModelCard, ModelList, TokenLogprob,
-    TopLogprob, Usage,
+    CompletionRequest, CompletionResponse, Delta, DeltaFunction, DeltaToolCall, DiffusingFrame, FunctionCall,
+    ModelCard, ModelList, TokenLogprob, ToolCall, TopLogprob, Usage,
 )
+from unmask.structured import StructuredSpec, from_request
+from unmask.structured.tools import (ChatPlan, ToolParser, history_as_text, parse_tool_calls, plan_chat, special_tags,
+                                     tool_format)
+from unmask.tokenizer import IncrementalDecoder
 
 logger = logging.getLogger("unmask.server")
 
@@ -112,6 +116,7 @@ class OpenAIServing:
         self.defaults = sampling_defaults(llm.spec.generation_config)
         self.inflight = 0        # engine requests admitted and not yet released
         self.created = int(time.time())
+        self._template_tools: bool | None = None   # does the chat template render `tools`? (probed once)
 
     @property
     def capacity(self) -> int:
@@ -137,13 +142,43 @@ class OpenAIServing:
         self._validate(req)
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
+        plan = self._chat_plan(req)
         try:
-            text = self.tok.apply_chat_template([m.to_template() for m in req.messages])
+            text = self.tok.apply_chat_template(plan.messages, tools=plan.template_tools)
         except (ModelLoadError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         prompts = [self.tok.encode(text)]
-        fmt = ChatFormat(self, req)
-        return await self._run(fmt, self._jobs(prompts, req, "messages"), req, prompts, is_disconnected, t0)
+        fmt = ChatFormat(self, req, plan)
+        jobs = self._jobs(prompts, req, "messages", plan.structured)
+        return await self._run(fmt, jobs, req, prompts, is_disconnected, t0)
+
+    def _chat_plan(self, req: ChatCompletionRequest) -> ChatPlan:
+        """Tools, tool_choice and output constraints -> prompt messages, constraint, parser (400 on errors)."""
+        messages = [m.to_template() for m in req.messages]
+        try:
+            content = from_request(req.response_format, req.regex, req.choice, req.grammar)
+            if not req.tools and req.tool_choice in (None, "none", "auto"):
+                if not self._template_renders_tools() and any(m["role"] == "tool" or m.get("tool_calls")
+                                                               for m in messages):
+                    messages = history_as_text(messages, tool_format(self.spec.family.name))
+                return ChatPlan(messages, None, content, None)
+            plan = plan_chat(messages, req.tools, req.tool_choice, req.parallel_tool_calls, content,
+                             self.spec.family.name, self._template_renders_tools(), special_tags(self.tok))
+            for spec in plan.param_specs or []:  # a schema error names its tool
+                self.llm.engine.structured_backend().compile(spec)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        return plan
+
+    def _template_renders_tools(self) -> bool:
+        if self._template_tools is None:
+            probe = {"type": "function", "function": {"name": "unmask_probe_tool", "parameters": {"type": "object"}}}
+            try:
+                text = self.tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe])
+            except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
+                text = ""
+            self._template_tools = "unmask_probe_tool" in text
+        return self._template_tools
 
     async def completion(self, req: CompletionRequest, is_disconnected: Disconnected | None = None):
         t0 = time.perf_counter()
@@ -155,7 +190,11 @@ class OpenAIServing:
         if any(t < 0 or t >= vocab for ids in prompts for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         fmt = CompletionFormat(self, req, [self.tok.decode(ids) for ids in prompts])
-        return await self._run(fmt, self._jobs(prompts, req, "prompt"), req, prompts, is_disconnected, t0)
+        try:
+            structured = from_request(req.response_format, req.regex, req.choice, req.grammar)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        return await self._run(fmt, self._jobs(prompts, req, "prompt", structured), req, prompts, is_disconnected, t0)
 
     # ------------------------------------------------------------------ request -> jobs
     def _validate(self, req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -166,11 +205,18 @@ class OpenAIServing:
         if req.ignored_fields():
             logger.info("ignoring unknown request fields: %s", ", ".join(req.ignored_fields()))
 
-    def _jobs(self, prompts: list[list[int]], req, prompt_param: str) -> list[Job]:
+    def _jobs(self, prompts: list[list[int]], req, prompt_param: str,
+              structured: StructuredSpec | None = None) -> list[Job]:
         if len(prompts) * req.n > self.capacity:
             raise APIError(400, f"{len(prompts) * req.n} choices requested; this server holds at most "
                                 f"{self.capacity} requests (--max-num-seqs + --max-queue)", param="n")
         kw = {**self.defaults, **req.generation_kwargs()}
+        if structured is not None:
+            try:  # compiled here so that a stream can still answer 400 (the engine reuses the compiled grammar)
+                self.llm.engine.structured_backend().compile(structured)
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), param=e.param) from None
+            kw["structured"] = structured
         logprobs = bool(req.logprobs) if isinstance(req, ChatCompletionRequest) else req.logprobs is not None
         base = uuid.uuid4().hex[:16]
         jobs = []
@@ -316,8 +362,8 @@ class OpenAIServing:
                 async for index, out in events:
                     st = states[index]
                     st.add(out)
-                    if out.text_delta or out.finished or (fmt.logprobs and out.new_token_ids):
-                        yield sse(fmt.chunk(index, st, out))
+                    for chunk in fmt.chunks(index, st, out):
+                        yield sse(chunk)
                     if diffusing and out.snapshot is not None:
                         yield sse(fmt.diffusing(DiffusingFrame(index=index, **self._render(out.snapshot))))
             if include_usage:
@@ -372,10 +418,17 @@ class _Format:
 
 
 class ChatFormat(_Format):
+    """Chat responses; with tools, each choice's output goes through a ToolParser (special tokens kept,
+    since a tool tag may be one) and comes back as content plus tool_calls."""
+
     id_prefix = "chatcmpl"
 
-    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest):
+    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest, plan: ChatPlan | None = None):
         super().__init__(serving, (req.top_logprobs or 0) if req.logprobs else None)
+        self.tools = plan.parse if plan is not None else None
+        self.parallel = plan.parallel if plan is not None else True
+        self._parsers: dict[int, ToolParser] = {}
+        self._decoders: dict[int, IncrementalDecoder] = {}
 
     def _logprobs(self, ids: list[int], lps: list[float]) -> ChoiceLogprobs | None:
         if self.logprobs is None:
@@ -393,11 +446,38 @@ class ChatFormat(_Format):
     def opening(self, indices: list[int]) -> list[ChatCompletionChunk]:
         return [self._chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))]) for i in indices]
 
-    def chunk(self, index: int, st: ChoiceState, out: StepOutput) -> ChatCompletionChunk:
+    def chunks(self, index: int, st: ChoiceState, out: StepOutput) -> list[ChatCompletionChunk]:
+        if self.tools is not None:
+            return self._tool_chunks(index, out)
+        if not (out.text_delta or out.finished or (self.logprobs and out.new_token_ids)):
+            return []
         delta = Delta(content=out.text_delta) if out.text_delta or not out.finished else Delta()
-        return self._chunk([ChatChunkChoice(index=index, delta=delta,
-                                            logprobs=self._logprobs(out.new_token_ids, out.new_logprobs or []),
-                                            finish_reason=out.finish_reason if out.finished else None)])
+        return [self._chunk([ChatChunkChoice(index=index, delta=delta,
+                                             logprobs=self._logprobs(out.new_token_ids, out.new_logprobs or []),
+                                             finish_reason=out.finish_reason if out.finished else None)])]
+
+    def _tool_chunks(self, index: int, out: StepOutput) -> list[ChatCompletionChunk]:
+        """Content deltas, then per call a first delta (index, id, type, name, arguments "") and argument
+        fragments, then exactly one finish chunk (`tool_calls` when a call was made)."""
+        parser = self._parsers.setdefault(index, ToolParser(self.tools, self.parallel))
+        decoder = self._decoders.setdefault(index, IncrementalDecoder(self.tok, skip_special_tokens=False))
+        content, deltas = parser.feed(decoder.push(out.new_token_ids))
+        if out.finished:
+            tail, more = parser.finish()
+            content, deltas = content + tail, deltas + more
+        pieces = [Delta(content=content)] if content else []
+        pieces += [Delta(tool_calls=[DeltaToolCall(
+            index=d.index, id=d.id, type="function" if d.id else None,
+            function=DeltaFunction(name=d.name, arguments=d.arguments))]) for d in deltas]
+        logprobs = self._logprobs(out.new_token_ids, out.new_logprobs or [])
+        if logprobs is not None and out.new_token_ids and not pieces:
+            pieces = [Delta()]
+        chunks = [self._chunk([ChatChunkChoice(index=index, delta=d, logprobs=logprobs if i == 0 else None)])
+                  for i, d in enumerate(pieces)]
+        if out.finished:
+            reason = "tool_calls" if parser.calls and out.finish_reason == "stop" else out.finish_reason
+            chunks.append(self._chunk([ChatChunkChoice(index=index, delta=Delta(), finish_reason=reason)]))
+        return chunks
 
     def diffusing(self, frame: DiffusingFrame) -> ChatCompletionChunk:
         return self._chunk([], diffusing=frame)
@@ -406,11 +486,21 @@ class ChatFormat(_Format):
         return self._chunk([], usage=usage)
 
     def response(self, states: dict[int, ChoiceState], usage: Usage) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=st.text),
-                              logprobs=self._logprobs(st.token_ids, st.logprobs), finish_reason=st.finish_reason)
-                   for i, st in sorted(states.items())]
+        choices = [self._choice(i, st) for i, st in sorted(states.items())]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=usage)
+
+    def _choice(self, index: int, st: ChoiceState) -> ChatChoice:
+        logprobs = self._logprobs(st.token_ids, st.logprobs)
+        if self.tools is None:
+            return ChatChoice(index=index, message=AssistantMessage(content=st.text), logprobs=logprobs,
+                              finish_reason=st.finish_reason)
+        text = self.tok.decode(st.token_ids, skip_special_tokens=False)
+        content, calls = parse_tool_calls(text, self.tools, self.parallel)
+        message = AssistantMessage(content=content if content or calls else "", tool_calls=[
+            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls] or None)
+        reason = "tool_calls" if calls and st.finish_reason == "stop" else st.finish_reason
+        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason)
 
 
 class CompletionFormat(_Format):
@@ -440,6 +530,11 @@ class CompletionFormat(_Format):
 
     def opening(self, indices: list[int]) -> list[CompletionChunk]:
         return [self._chunk([CompletionChoice(index=i, text=self._prefix(i))]) for i in indices if self._prefix(i)]
+
+    def chunks(self, index: int, st: ChoiceState, out: StepOutput) -> list[CompletionChunk]:
+        if out.text_delta or out.finished or (self.logprobs and out.new_token_ids):
+            return [self.chunk(index, st, out)]
+        return []
 
     def chunk(self, index: int, st: ChoiceState, out: StepOutput) -> CompletionChunk:
         offset = len(self._prefix(index)) + len(st.text) - len(out.text_delta)

@@ -1,0 +1,197 @@
+"""Grammar enforcement inside the denoising loop.
+
+A grammar matcher reads left to right; a diffusion model proposes every masked position of its
+block at once and commits them in any order. The two are reconciled by treating the model's
+parallel proposals as drafts, verified left to right like speculative decoding drafts:
+
+  1. The leftmost uncommitted position is proposed under the grammar's token mask (its logits
+     outside the mask are -inf), so it is always valid.
+  2. The policy (threshold, entropy bound, ...) runs unchanged on all rows and marks the drafts
+     it is confident in. The run of marked drafts that starts at the leftmost position is checked
+     by the matcher; its longest accepted prefix is committed at once.
+  3. If the matcher refuses a draft the policy wanted, that position is resampled under the mask
+     (as in step 1) and committed too; everything right of it stays masked for the next forward,
+     which then sees the corrected prefix.
+  4. Bytes the grammar forces (`{"name": "` of a schema, `</tool_call>`, the rest of an enum value)
+     are committed as tokens without asking the model (jump-forward decoding, as in SGLang).
+  5. Budget: within the last CLOSE_WINDOW positions of the canvas (more for grammars whose shortest
+     output is long), a commit is kept only if the grammar can still be completed in the room left
+     (checked by a short greedy completion); otherwise it is rolled back and the completion itself
+     is committed. So a weak model cannot run JSON past max_tokens: the output closes in time.
+
+Commits therefore always extend the committed prefix without holes, every committed token has
+been consumed by the matcher (the output is a prefix of the language, and complete when the
+grammar's end-of-sequence is committed), and a step commits as many tokens as the policy's
+confident prefix plus forced bytes. Out-of-order confident tokens right of a non-confident one are
+not kept; they are usually proposed again with more context on the next forward.
+
+Related designs: DINGO (arXiv 2505.23061) runs a DP over the whole block for regular constraints;
+Mündler et al. (arXiv 2508.10111) keep out-of-order commits and decide CFG∩regular emptiness.
+Both are heavier per step; this one costs one mask per step plus cheap token validations.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from unmask.decoding import BlockState, PolicyConfig, SamplingParams, decide, propose
+
+CLOSE_WINDOW = 96   # canvas positions from the end within which commits are budget-checked
+LOOKAHEAD = 16      # allowed tokens tried when the budget closer has to choose one
+CLOSE_FUEL = 64     # token masks one closing search may compute
+_PROBE = "a"        # a token valid here but never outside a JSON string: we are inside a string
+
+
+class Constraint:
+    """One request's grammar state. The matcher has consumed exactly the committed output prefix."""
+
+    def __init__(self, matcher, backend):
+        self.m = matcher
+        self.backend = backend
+        self.vocab = backend.vocab_size
+        self.stops = set(backend.stop_ids)
+        self.eos = backend.stop_ids[0]
+        self._bits = torch.zeros((backend.lltok.vocab_size + 31) // 32, dtype=torch.int32)
+        self._shifts = torch.arange(32, dtype=torch.int32)
+        probe = backend.tok.encode(_PROBE)
+        self._probe = probe[0] if len(probe) == 1 else None
+        self.window: int | None = None  # budget-checked tail of the canvas; set on the first step
+        self._fuel = CLOSE_FUEL
+        self.forced = 0      # tokens committed from forced bytes (stats)
+        self.resampled = 0   # drafts the grammar refused and that were resampled under the mask
+
+    # ------------------------------------------------------------------ masks
+    def allowed(self, matcher=None) -> Tensor:
+        """bool [V]: tokens the grammar accepts next. A plain torch unpack of llguidance's bitmask."""
+        m = matcher or self.m
+        m.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        if m.is_error():
+            raise RuntimeError(f"grammar matcher failed: {m.get_error()}")
+        bits = (self._bits.unsqueeze(1) >> self._shifts) & 1   # [words, 32], bit j of word w = token 32w + j
+        return bits.view(-1)[: self.vocab].bool()
+
+    def _mask_row(self, row: Tensor) -> None:
+        row.masked_fill_(~self.allowed().to(row.device), float("-inf"))
+
+    # ------------------------------------------------------------------ one step
+    def step(self, logits: Tensor, offsets: Tensor, cfg: PolicyConfig, block: BlockState,
+             sampling: SamplingParams, generator: torch.Generator | None, room: int) -> tuple[list[int], list[float]]:
+        """Tokens (and their probabilities) for the leftmost masked positions of the block, in order.
+
+        logits [M, V]: rows of the still-masked positions, the first being the position right after
+        the committed prefix; room: canvas positions left from there. Returns 1..M tokens.
+        """
+        m, rows = self.m, logits.shape[0]
+        if self.window is None:  # a grammar whose shortest output is long needs its budget checks earlier
+            shortest = self.closing_path(room)
+            self.window = max(CLOSE_WINDOW, 2 * len(shortest) + 8) if shortest is not None else CLOSE_WINDOW
+        self._mask_row(logits[0])
+        d = decide(cfg, logits, offsets, block, sampling, generator)
+        commit, tokens, probs = d.commit.tolist(), d.tokens.tolist(), d.probs.tolist()
+        run = [tokens[0]]
+        for i in range(1, rows):
+            if not commit[i] or run[-1] in self.stops:
+                break
+            run.append(tokens[i])
+        n = m.validate_tokens(run)
+        out, p = run[:n], probs[:n]
+        m.consume_tokens(out)
+        if n < len(run):  # a draft the policy was sure of and the grammar refuses: resample it under the mask
+            row = logits[n:n + 1].clone()
+            self._mask_row(row[0])
+            prop = propose(row, sampling, generator, need_entropy=False)
+            out.append(int(prop.tokens[0]))
+            p.append(float(prop.probs[0]))
+            m.consume_token(out[-1])
+            self.resampled += 1
+        if not self._ended(out) and len(out) < rows:
+            forced = m.compute_ff_tokens()[: rows - len(out)]
+            if forced:
+                m.consume_tokens(forced)
+                out += forced
+                p += [1.0] * len(forced)
+                self.forced += len(forced)
+        if not self._ended(out) and len(out) < rows and m.is_stopped():
+            m.consume_token(self.eos)  # complete and nothing may follow: end now, not one forward later
+            out.append(self.eos)
+            p.append(1.0)
+        if room - len(out) < self.window and not self._ended(out):
+            out, p = self._fit(out, p, room, rows)
+        return out, p
+
+    def complete(self) -> bool:
+        """The output read so far is a complete member of the grammar's language."""
+        return self.m.is_accepting()
+
+    def _ended(self, out: list[int]) -> bool:
+        return bool(out) and out[-1] in self.stops
+
+    # ------------------------------------------------------------------ budget
+    def _fit(self, out: list[int], p: list[float], room: int, rows: int) -> tuple[list[int], list[float]]:
+        """Keep the longest prefix of `out` after which the grammar can still be completed within `room`."""
+        if self.closing_path(room - len(out)) is not None:
+            return out, p
+        self.m.rollback(len(out))
+        path = self.closing_path(room)
+        if path is None:  # cannot be closed in time whatever we do: keep the model's tokens
+            self.m.consume_tokens(out)
+            return out, p
+        kept = 0
+        while kept < len(out) - 1:  # the full run does not fit; find the longest prefix that does
+            self.m.consume_token(out[kept])
+            if self.closing_path(room - kept - 1) is None:
+                self.m.rollback(1)
+                break
+            kept += 1
+        if kept:
+            return out[:kept], p[:kept]
+        path = (path + [self.eos])[:rows]  # nothing of the model's fits: commit the completion itself
+        self.m.consume_tokens(path)
+        return path, [1.0] * len(path)
+
+    def closing_path(self, limit: int) -> list[int] | None:
+        """A short token sequence that completes the grammar from here (at most `limit` tokens), or None."""
+        self._fuel = CLOSE_FUEL
+        return self._greedy(self.m.deep_copy(), limit, lookahead=True)
+
+    def _greedy(self, c, limit: int, lookahead: bool) -> list[int] | None:
+        """Greedy completion of matcher `c` (consumed as it goes): forced bytes; else a closing character
+        (`"` first inside a string, else `}` `]` `"` `0`); else one of the allowed tokens, chosen with
+        `lookahead` as the one whose own greedy completion is shortest (among the LOOKAHEAD lowest ids).
+        Exact where nothing is left to choose, short and terminating for JSON."""
+        path: list[int] = []
+        closers = self.backend.closers
+        while not c.is_accepting():
+            if len(path) >= limit:
+                return None
+            forced = c.compute_ff_tokens()
+            if forced:
+                c.consume_tokens(forced)
+                path += forced
+                continue
+            in_string = self._probe is not None and c.validate_tokens([self._probe]) == 1
+            for t in closers["string" if in_string else "value"]:
+                if c.validate_tokens([t]) == 1:
+                    c.consume_token(t)
+                    path.append(t)
+                    break
+            else:
+                self._fuel -= 1
+                if self._fuel < 0:  # a grammar the greedy closer cannot finish: give up, cheaply
+                    return None
+                ok = [t for t in self.allowed(c).nonzero().flatten().tolist() if t not in self.stops][:LOOKAHEAD]
+                if not ok:
+                    return None
+                if not lookahead or len(ok) == 1:
+                    c.consume_token(ok[0])
+                    path.append(ok[0])
+                    continue
+                best: list[int] | None = None
+                for t in ok:
+                    branch = c.deep_copy()
+                    branch.consume_token(t)
+                    rest = self._greedy(branch, limit - len(path) - 1 if best is None else len(best) - 1, False)
+                    if rest is not None and (best is None or 1 + len(rest) < len(best)):
+                        best = [t] + rest
+                return None if best is None else path + best
+        return path if len(path) <= limit else None
