@@ -23,13 +23,15 @@ _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5
 
 
 class KVCache:
-    """Per-request K/V for every layer, grown geometrically; positions are absolute."""
+    """Per-request K/V for every layer, grown geometrically; positions are absolute.
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, capacity: int = 256, v_head_dim: int | None = None):
-        self.num_layers = num_layers
-        self.shape = (num_kv_heads, head_dim)
-        self.v_head_dim = v_head_dim or head_dim
+    `shapes` gives each layer's (kv heads, head dim): uniform for most families, mixed where
+    sliding and global layers differ (DiffusionGemma)."""
+
+    def __init__(self, shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device | str,
+                 capacity: int = 256):
+        self.shapes = shapes
+        self.num_layers = len(shapes)
         self.dtype, self.device = dtype, device
         self.capacity = 0
         self.k: list[Tensor] = []
@@ -41,9 +43,8 @@ class KVCache:
         if need <= self.capacity:
             return
         cap = max(need, 2 * self.capacity, 64)
-        h, d = self.shape
-        new_k = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        new_v = [torch.empty(h, cap, self.v_head_dim, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_k = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for h, d in self.shapes]
+        new_v = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for h, d in self.shapes]
         for i in range(len(self.k)):
             new_k[i][:, : self.length] = self.k[i][:, : self.length]
             new_v[i][:, : self.length] = self.v[i][:, : self.length]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unmask.errors import UnsupportedModelError
-from unmask.models.attention import AttentionBatch, Segment, sdpa
+from unmask.models.attention import AttentionBatch, KVCache, Segment, sdpa
 from unmask.models.layers import activation
 from unmask.models.registry import Family, StateDict, register
 
@@ -465,47 +465,6 @@ class GemmaBackbone(nn.Module):
         self.self_conditioning = SelfConditioning(a)
 
 
-# ---------------------------------------------------------------------------------------- cache
-
-class GemmaKVCache:
-    """Per-request K/V with per-layer shapes (sliding and full layers differ in heads and head_dim).
-
-    Same members as `attention.KVCache` (k, v, length, reserve, truncate, num_layers, nbytes).
-    Sliding layers keep every position too (simple, exact); only the last W - 1 are ever read.
-    """
-
-    def __init__(self, shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device | str,
-                 capacity: int = 256):
-        self.shapes = shapes
-        self.num_layers = len(shapes)
-        self.dtype, self.device = dtype, torch.device(device)
-        self.capacity = 0
-        self.k: list[Tensor] = []
-        self.v: list[Tensor] = []
-        self.length = 0
-        self._grow(capacity)
-
-    def _grow(self, need: int) -> None:
-        if need <= self.capacity:
-            return
-        cap = max(need, 2 * self.capacity, 64)
-        new_k = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for h, d in self.shapes]
-        new_v = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for h, d in self.shapes]
-        for i in range(len(self.k)):
-            new_k[i][:, : self.length] = self.k[i][:, : self.length]
-            new_v[i][:, : self.length] = self.v[i][:, : self.length]
-        self.k, self.v, self.capacity = new_k, new_v, cap
-
-    def reserve(self, end: int) -> None:
-        self._grow(end)
-
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-
 # ---------------------------------------------------------------------------------------- the model
 
 @dataclass
@@ -635,9 +594,10 @@ class DiffusionGemmaLM(nn.Module):
         cap = self.cfg.softcap
         return torch.tanh(out / cap) * cap if cap else out
 
-    def new_cache(self, capacity: int = 256) -> GemmaKVCache:
+    def new_cache(self, capacity: int = 256) -> KVCache:
         a, p = self.cfg, self.lm_head.weight
-        return GemmaKVCache(list(zip(a.kv_heads, a.head_dims)), p.dtype, p.device, capacity)
+        # sliding layers keep every position too (simple, exact); only the last W - 1 are read
+        return KVCache(list(zip(a.kv_heads, a.head_dims)), p.dtype, p.device, capacity)
 
 
 # ---------------------------------------------------------------------------------------- checkpoint names

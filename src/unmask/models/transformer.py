@@ -150,4 +150,4 @@ class DiffusionTransformer(nn.Module):
     def new_cache(self, capacity: int = 256) -> KVCache:
         c = self.cfg
         p = self.lm_head.weight
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, p.dtype, p.device, capacity)
+        return KVCache([(c.num_kv_heads, c.head_dim)] * c.num_layers, p.dtype, p.device, capacity)
