@@ -60,10 +60,17 @@ class Engine:
         vocab = self.spec.arch.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        total = len(prompt_ids) + params.max_tokens
+        if params.suffix_ids or params.infill_lengths:  # masked-span infilling (unmask.engine.infill)
+            if self.traits.attention != "bidirectional" or self.spec.family.sequence_class is not None:
+                raise InvalidRequestError(f"a masked span between a prefix and a suffix needs a bidirectional "
+                                          f"masked-diffusion family, not {self.spec.family.name}", "suffix")
+            if params.suffix_ids and (min(params.suffix_ids) < 0 or max(params.suffix_ids) >= vocab):
+                raise InvalidRequestError(f"suffix token ids must be in [0, {vocab})", "suffix")
+        total = len(prompt_ids) + params.max_tokens + len(params.suffix_ids)
         if total > self.traits.max_context:
+            suffix = f" plus the suffix ({len(params.suffix_ids)})" if params.suffix_ids else ""
             raise ContextLengthError(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} tokens, "
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}){suffix} is {total} tokens, "
                 f"over this model's context of {self.traits.max_context}", "max_tokens")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
@@ -74,7 +81,12 @@ class Engine:
                     request_id: str | None = None) -> Sequence:
         params = params or GenerationParams()
         self.check_request(prompt_ids, params)
-        seq = (self.spec.family.sequence_class or Sequence)(list(prompt_ids), params, self.traits)
+        seq_class = self.spec.family.sequence_class or Sequence
+        if params.infill_lengths and params.structured is None:
+            from unmask.engine.infill import InfillSequence  # probes the candidate span lengths first
+
+            seq_class = InfillSequence
+        seq = seq_class(list(prompt_ids), params, self.traits)
         if request_id is not None:
             seq.request_id = request_id
         if params.structured is not None:

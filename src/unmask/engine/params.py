@@ -40,6 +40,10 @@ class GenerationParams:
     uniform_draws: str = "reference"           # "reference": the reference's random stream; "lean": only used draws
     # structured output (unmask.structured): the output must match this grammar, enforced while decoding
     structured: StructuredSpec | None = None
+    # infilling (unmask.engine.infill), bidirectional families: tokens after the generated span, visible
+    # at every step, and candidate span lengths probed in one batched forward (None: the span is max_tokens)
+    suffix_ids: list[int] = field(default_factory=list)
+    infill_lengths: list[int] | None = None
 
     def __post_init__(self):
         def bad(msg: str, param: str):
@@ -83,6 +87,13 @@ class GenerationParams:
         if self.structured is not None and self.ignore_eos:
             bad("ignore_eos cannot be combined with a structured-output constraint (it ends at its grammar's end)",
                 "ignore_eos")
+        if self.infill_lengths is not None:
+            if (not isinstance(self.infill_lengths, (list, tuple)) or not self.infill_lengths
+                    or not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= self.max_tokens
+                               for n in self.infill_lengths)):
+                bad(f"infill_lengths must be a non-empty list of integers in [1, max_tokens={self.max_tokens}], "
+                    f"got {self.infill_lengths!r}", "infill_lengths")
+            self.infill_lengths = sorted(set(self.infill_lengths))
         try:
             self.policy_config()
         except ValueError as e:

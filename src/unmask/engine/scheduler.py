@@ -36,9 +36,10 @@ class Scheduler:
         budget = self.max_batch_tokens
         plans = []
         for seq in self.running:
-            plan = seq.plan(max(budget, seq.B))
-            budget -= plan.segment.length
-            plans.append(plan)
+            planned = seq.plan(max(budget, seq.B))
+            for plan in planned if isinstance(planned, list) else [planned]:  # infill probes feed several canvases
+                budget -= plan.segment.length
+                plans.append(plan)
         return plans
 
     def release_finished(self) -> list[Sequence]:

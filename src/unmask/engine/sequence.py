@@ -81,15 +81,21 @@ class Sequence:
         self.P = len(self.prompt_ids)
         self.B = p.block_size or t.block_size
         self.end = self.P + p.max_tokens              # canvas never grows past this
+        self.S = len(p.suffix_ids)                    # infilling: suffix tokens after the span, at [end, end+S)
         self.bidirectional = t.attention == "bidirectional"
-        self.cache_mode = ("none" if p.cache == "auto" else p.cache) if self.bidirectional else "exact"
+        if self.S and not self.bidirectional:
+            raise ValueError("a suffix after the generated span needs a bidirectional family")
+        exact = p.cache == "auto" or self.S > 0       # infills always decode exactly (the whole canvas each step)
+        self.cache_mode = ("none" if exact else p.cache) if self.bidirectional else "exact"
         self.stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(t.stop_ids))
         self.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else torch.seed() % 2**62)
         self.policy = p.policy_config()
         self.sampling = p.sampling()
         if self.bidirectional:
             self.block_start = self.P                 # LLaDA semi-AR: blocks count from the answer start
-            self.seq = torch.full((self.end,), t.mask_id, dtype=torch.long)
+            self.seq = torch.full((self.end + self.S,), t.mask_id, dtype=torch.long)
+            if self.S:
+                self.seq[self.end:] = torch.tensor(p.suffix_ids, dtype=torch.long)
         else:
             self.block_start = (self.P // self.B) * self.B  # absolute alignment (SDAR, LLaDA2, Fast-dLLM v2)
             self.seq = torch.full((self.end,), t.mask_id, dtype=torch.long)
@@ -126,7 +132,7 @@ class Sequence:
         first_step = self.block.step == 0
         targets = self.masked_positions()
         if self.cache_mode == "none":
-            return self._make_plan(0, self.end, write=0, targets=targets)
+            return self._make_plan(0, self.end + self.S, write=0, targets=targets)
         if first_step:  # refresh: full canvas, store what later steps read
             write = self.end if self.cache_mode == "dual" else self.block_start - s
             return self._make_plan(0, self.end, write=write, targets=targets)

@@ -26,7 +26,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from unmask.errors import UnmaskError
 from unmask.server.metrics import Metrics
-from unmask.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from unmask.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, EditRequest, FIMCompletionRequest
 from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
 
 logger = logging.getLogger("unmask.server")
@@ -56,6 +56,7 @@ def load_serving(app: FastAPI, args: ServerArgs) -> None:
         from unmask.engine.async_engine import AsyncEngine
         from unmask.engine.llm import LLM
         from unmask.server.serving import OpenAIServing, ServingConfig
+        from unmask.server.serving_edit import EditServing
 
         t0 = time.perf_counter()
         llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
@@ -66,7 +67,9 @@ def load_serving(app: FastAPI, args: ServerArgs) -> None:
                             max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                             default_max_tokens=args.default_max_tokens, force_include_usage=args.force_include_usage)
         app.state.metrics.attach(llm.engine)
-        app.state.serving = OpenAIServing(llm, engine, app.state.metrics, cfg)
+        serving = OpenAIServing(llm, engine, app.state.metrics, cfg)
+        app.state.editing = EditServing(serving)
+        app.state.serving = serving
         logger.info("model %s loaded in %.1f s; ready", args.served_model_name, time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - any load failure stops the server with one line
         app.state.load_error = str(e) if isinstance(e, UnmaskError) else f"{type(e).__name__}: {e}"
@@ -85,6 +88,11 @@ def serving(request: Request):
     return s
 
 
+def editing(request: Request):
+    serving(request)  # 503 while loading
+    return request.app.state.editing
+
+
 def respond(result: BaseModel | AsyncIterator[str]) -> Response:
     if isinstance(result, BaseModel):
         return Response(result.model_dump_json(), media_type="application/json")
@@ -99,7 +107,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
+    if body.suffix:  # fill in the middle
+        return respond(await editing(request).fim(body, request.is_disconnected))
     return respond(await serving(request).completion(body, request.is_disconnected))
+
+
+@router.post("/v1/fim/completions")
+async def fim_completions(body: FIMCompletionRequest, request: Request) -> Response:
+    return respond(await editing(request).fim(body, request.is_disconnected))
+
+
+@router.post("/v1/apply/completions")
+async def apply_completions(body: EditRequest, request: Request) -> Response:
+    return respond(await editing(request).apply(body, request.is_disconnected))
+
+
+@router.post("/v1/edit/completions")
+async def edit_completions(body: EditRequest, request: Request) -> Response:
+    return respond(await editing(request).next_edit(body, request.is_disconnected))
 
 
 @router.get("/v1/models")
@@ -179,6 +204,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
 
     app = FastAPI(title="unmask", lifespan=lifespan)
     app.state.serving = None
+    app.state.editing = None
     app.state.load_error = None
     app.state.metrics = Metrics()
     app.state.on_fatal = on_fatal

@@ -229,6 +229,8 @@ class CompletionRequest(GenerationRequest):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # fill in the middle (docs/editor.md): candidate span lengths for bidirectional families
+    infill_lengths: list[int] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: one string or token list per entry."""
@@ -238,13 +240,45 @@ class CompletionRequest(GenerationRequest):
         return list(p)
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.suffix:
-            return "suffix", "suffix (fill in the middle) is not supported on /v1/completions"
+        if self.suffix and self.echo:
+            return "echo", "echo is not supported together with suffix (fill in the middle)"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", "best_of other than n is not supported"
         if self.echo and self.logprobs is not None:
             return "echo", "echo with logprobs is not supported (prompt logprobs are not computed)"
         return _common_unsupported(self)
+
+
+class FIMCompletionRequest(CompletionRequest):
+    """POST /v1/fim/completions: `prompt` is the text before the cursor, `suffix` the text after it;
+    the answer's `choices[].text` is the middle. Same fields and response as /v1/completions."""
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported on /v1/fim/completions"
+        return super().unsupported()
+
+
+class EditRequest(ChatCompletionRequest):
+    """POST /v1/apply/completions and /v1/edit/completions: one user message holding the tagged
+    sections (docs/editor.md); the answer is the merged / rewritten code in choices[0].message.content."""
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.n != 1:
+            return "n", "edit endpoints return one choice; n must be 1"
+        for name in ("tools", "tool_choice", "response_format", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name, f"{name} is not supported on edit endpoints"
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported on edit endpoints"
+        if self.ignore_eos:
+            return "ignore_eos", "ignore_eos is not supported on edit endpoints (edits end where the model ends them)"
+        return _common_unsupported(self)
+
+    def user_content(self) -> str | None:
+        """The text of the one user message (None if there is not exactly one)."""
+        users = [m.to_template()["content"] for m in self.messages if m.role == "user"]
+        return users[0] if len(users) == 1 else None
 
 
 def _common_unsupported(req) -> tuple[str, str] | None:
@@ -366,6 +400,17 @@ class ChatCompletionChunk(ResponseModel):
     usage: Usage | None = None
     # ---- unmask extension
     diffusing: DiffusingFrame | None = None
+
+
+class EditCompletionResponse(ResponseModel):
+    """Next-edit answer: the chat shape with object `edit.completion` (as the closed diffusion API)."""
+
+    id: str
+    object: Literal["edit.completion"] = "edit.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
 
 
 class CompletionLogprobs(ResponseModel):
