@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test serve bench model clean
+.PHONY: setup test serve bench bench-quick model clean
 
 setup: $(STAMP)
 
@@ -26,8 +26,24 @@ test: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/unmask serve
 
+# Benchmark suite (bench/suite.py): regenerates docs/benchmarks.md, docs/benchmarks.json, docs/bench/*.png.
+# MODEL=DIR (default: the built-in model), THREADS=N (default: all cores; 1 on a busy machine), TWIN=DIR,
+# BENCH_ARGS=... (e.g. --sections cost). The full run decodes the AR twin from runs/ar-twin/model, which
+# `$(BIN)/python scripts/train_ar_twin.py --out runs/ar-twin` trains (about as long as `make model`).
+BENCH_OPTS = $(if $(MODEL),--model $(MODEL)) $(if $(THREADS),--threads $(THREADS)) $(if $(TWIN),--twin $(TWIN)) $(BENCH_ARGS)
+
 bench: $(STAMP)
-	$(BIN)/python bench/decode.py
+	test -f data/corpus/heldout.jsonl || $(BIN)/unmask corpus
+	@test -n "$(TWIN)" -o -d runs/ar-twin/model || echo "note: no AR twin in runs/ar-twin/model; section 3 will say so" \
+		"(train it with: $(BIN)/python scripts/train_ar_twin.py --out runs/ar-twin)"
+	$(BIN)/python bench/suite.py $(BENCH_OPTS)
+
+# A few minutes, no network: tiny settings, and a CI-sized AR twin trained on the spot.
+bench-quick: $(STAMP)
+	test -f data/corpus/heldout.jsonl || $(BIN)/unmask corpus
+	$(BIN)/python scripts/train_ar_twin.py --quick --out build/ar-twin-quick $(if $(MODEL),--reference $(MODEL)) \
+		$(if $(THREADS),--threads $(THREADS)) > build/ar-twin-quick.log 2>&1 || (cat build/ar-twin-quick.log; exit 1)
+	$(BIN)/python bench/suite.py --quick $(if $(TWIN),,--twin build/ar-twin-quick/model) $(BENCH_OPTS)
 
 # Rebuild the built-in model from scratch on this machine (about 2 h on 2 CPU cores; see docs/model-card.md).
 model: $(STAMP)

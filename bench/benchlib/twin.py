@@ -1,0 +1,169 @@
+"""Decoders for the autoregressive twin (scripts/train_ar_twin.py): transformers, and llama.cpp if present.
+
+Each decoder has the engine's task interface: `run(prompt_ids, max_tokens, stop_newline) -> Result`,
+greedy, stopping at the twin's EOS ids or, for single-line tasks, after the first token whose text
+contains a newline (the engine stops on the stop string "\n" the same way).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: int
+    forwards: int
+    seconds: float
+
+
+def twin_info(path: Path) -> dict:
+    meta = path / "ar_twin.json"
+    info = json.loads(meta.read_text()) if meta.is_file() else {}
+    budget = path.parent / "budget.json"
+    if budget.is_file():
+        info["budget_detail"] = json.loads(budget.read_text())
+    cfg = json.loads((path / "config.json").read_text())
+    info["architecture"] = (cfg.get("architectures") or ["?"])[0]
+    return info
+
+
+class HFTwin:
+    """`model.generate` with its KV cache (DynamicCache), greedy."""
+
+    name = "ar_twin_generate"
+
+    def __init__(self, path: Path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self.path = path
+        self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
+                                                          dtype=torch.float32).eval()
+        self.params = sum(p.numel() for p in self.model.parameters())
+        gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
+        eos = gen.get("eos_token_id", self.model.config.eos_token_id)
+        self.eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.pad = gen.get("pad_token_id", self.eos[0] if self.eos else 0)
+        # tokens whose text contains a newline: a single-line answer ends with the first of them
+        nl = [i for i in range(len(self.tok)) if "\n" in self.tok.decode([i])]
+        self.newline_ids = torch.tensor(nl, dtype=torch.long)
+
+    def _stop(self):
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        ids = self.newline_ids
+
+        class Newline(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.isin(input_ids[:, -1], ids)
+
+        return StoppingCriteriaList([Newline()])
+
+    def _finish(self, new: list[int], seconds: float, forwards: int) -> Result:
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new = new[:i]
+                break
+        text = self.tok.decode(new, skip_special_tokens=True)
+        return Result(text, len(new), forwards, seconds)
+
+    @torch.no_grad()
+    def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool) -> Result:
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        t0 = time.perf_counter()
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                  do_sample=False, use_cache=True, eos_token_id=self.eos, pad_token_id=self.pad,
+                                  stopping_criteria=self._stop() if stop_newline else None)
+        seconds = time.perf_counter() - t0
+        new = out[0, len(prompt_ids):].tolist()
+        return self._finish(new, seconds, len(new))
+
+
+class HFTwinLoop(HFTwin):
+    """The same model in a plain greedy loop over its KV cache: the model's cost without generate()'s
+    per-call machinery (logits processors, criteria, config resolution)."""
+
+    name = "ar_twin_loop"
+
+    @classmethod
+    def sharing(cls, other: HFTwin) -> "HFTwinLoop":
+        import inspect
+
+        obj = cls.__new__(cls)
+        obj.__dict__.update(other.__dict__)
+        # transformers renamed `past_key_values` to `cache` (5.x deprecation)
+        names = inspect.signature(type(obj.model).forward).parameters
+        obj._cache_kw = "cache" if "cache" in names else "past_key_values"
+        return obj
+
+    @torch.no_grad()
+    def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool) -> Result:
+        from transformers import DynamicCache
+
+        nl = set(self.newline_ids.tolist()) if stop_newline else set()
+        eos = set(self.eos)
+        kw = self._cache_kw
+        t0 = time.perf_counter()
+        cache = DynamicCache()
+        x = torch.tensor([prompt_ids], dtype=torch.long)
+        new: list[int] = []
+        for _ in range(max_tokens):
+            out = self.model(input_ids=x, use_cache=True, logits_to_keep=1, **{kw: cache})
+            t = int(out.logits[0, -1].argmax())
+            new.append(t)
+            if t in eos or t in nl:
+                break
+            x = torch.tensor([[t]], dtype=torch.long)
+        seconds = time.perf_counter() - t0
+        return self._finish(new, seconds, len(new))
+
+
+class LlamaCppTwin:
+    """The twin converted to GGUF, run by llama-cpp-python (greedy)."""
+
+    name = "ar_twin_llama_cpp"
+
+    def __init__(self, gguf: Path, hf: HFTwin, threads: int):
+        from llama_cpp import Llama  # ImportError when llama-cpp-python is not installed
+
+        self.llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False,
+                         logits_all=False)
+        self.hf = hf  # decoding the text and the stop sets use the same tokenizer
+
+    def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool) -> Result:
+        nl = set(self.hf.newline_ids.tolist()) if stop_newline else set()
+        eos = set(self.hf.eos)
+        t0 = time.perf_counter()
+        self.llm.reset()
+        new: list[int] = []
+        for t in self.llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
+            new.append(int(t))
+            if t in eos or t in nl or len(new) >= max_tokens:
+                break
+        seconds = time.perf_counter() - t0
+        return self.hf._finish(new, seconds, len(new))
+
+
+def llama_cpp_status(twin_dir: Path | None, gguf: Path | None) -> tuple[Path | None, str]:
+    """(gguf path or None, why not) for the llama.cpp decoder."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None, ("llama-cpp-python is not installed: PyPI has only its source distribution (no prebuilt "
+                      "wheel), and building llama.cpp from source does not fit this machine's budget")
+    if gguf is None and twin_dir is not None:
+        cands = sorted(twin_dir.glob("*.gguf"))
+        gguf = cands[0] if cands else None
+    if gguf is None or not gguf.is_file():
+        return None, ("no GGUF file of the twin: convert it with llama.cpp's convert_hf_to_gguf.py "
+                      "and pass --twin-gguf")
+    return gguf, ""

@@ -1,0 +1,387 @@
+"""Train the autoregressive twin of the default diffusion model, at the same compute, in Qwen3 format.
+
+    python scripts/train_ar_twin.py --out runs/ar-twin            # the full twin (about as long as `make model`)
+    python scripts/train_ar_twin.py --quick --out build/ar-twin-quick   # a tiny run that proves the pipeline
+
+The twin is an ordinary causal LM (transformers `Qwen3ForCausalLM`: the same layout as unmask's own
+family, q/k norms included, so the parameter count is identical) with the reference model's
+tokenizer, width, depth, heads, MLP size and tied embeddings. It sees the same data in the same order:
+the reference recipe's packed pre-training rows of `data/corpus` (same seed, same `BatchIterator`),
+then the same packed SFT rows of `data/sft/train.jsonl` with the loss on the same answer tokens.
+Optimizer, schedule shape, bf16 autocast, weight decay, clipping and initialisation are the trainer's.
+
+Compute matching (`--budget flops`, the default). Training FLOPs per row = 3 x forward (backward = 2x
+forward), forward = 2 x multiply-adds:
+  diffusion  6 * N_body * 2L  +  6 * D * V * E[masked]  +  3 * layers * 4 * (2L)^2 * H*dh
+             (the [x_t ; x_0] input doubles the rows; only masked rows reach the LM head, E[masked] =
+             E[p] * eligible = 0.5 * eligible; the [2L, 2L] block-diffusion mask runs dense in SDPA)
+  AR         6 * N_body * L   +  6 * D * V * eligible   +  3 * layers * 4 * L^2 * H*dh / 2
+             (causal attention: the kernel skips the upper triangle; only loss rows reach the head)
+N_body = the transformer blocks' matrix parameters (embeddings are lookups). Each phase of the twin gets
+round(reference phase FLOPs / twin FLOPs per step) steps at the reference batch and row length, and
+its warmup is scaled by the same factor. `--budget tokens` instead gives the twin exactly the
+reference's steps (the same data tokens, about half the compute). The accounting is written to
+OUT/budget.json and printed.
+
+Outputs: OUT/pretrain/model (after pre-training), OUT/model (final, after SFT): Hugging Face
+directories that `AutoModelForCausalLM.from_pretrained` loads offline, with the tokenizer files.
+Checkpoints go to OUT/<phase>/checkpoint.pt every --save-every steps; --resume continues a killed run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+from unmask.models.loader import load_spec  # noqa: E402
+from unmask.tokenizer import Tokenizer  # noqa: E402
+from unmask.train.data import BatchIterator, TokenRows, eval_batches, load_pretraining, pack_documents  # noqa: E402
+from unmask.train.sft import SFTEncoder, load_sft  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+# ---------------------------------------------------------------------------------------------- accounting
+
+@dataclass(frozen=True)
+class Shape:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    max_position: int
+    rope_theta: float
+    rms_eps: float
+    tie: bool
+
+    @property
+    def body_params(self) -> int:
+        d, h, kv, dh, i = self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate
+        return self.layers * (d * h * dh + 2 * d * kv * dh + h * dh * d + 3 * d * i)
+
+
+def diffusion_flops_per_row(s: Shape, seq_len: int, eligible: float) -> float:
+    n = 2 * seq_len
+    return (6 * s.body_params * n + 6 * s.hidden * s.vocab * 0.5 * eligible
+            + 3 * s.layers * 4 * n * n * s.heads * s.head_dim)
+
+
+def ar_flops_per_row(s: Shape, seq_len: int, eligible: float) -> float:
+    return (6 * s.body_params * seq_len + 6 * s.hidden * s.vocab * eligible
+            + 3 * s.layers * 4 * seq_len * seq_len * s.heads * s.head_dim / 2)
+
+
+@dataclass
+class Phase:
+    name: str
+    ref_steps: int
+    ref_warmup: int
+    lr: float
+    batch: int
+    seq_len: int
+    eligible: float = 0.0      # loss-eligible tokens per row (mean over the phase's rows)
+    ref_flops: float = 0.0
+    twin_flops_per_step: float = 0.0
+    steps: int = 0
+    warmup: int = 0
+
+    def plan(self, shape: Shape, budget: str) -> None:
+        self.ref_flops = self.ref_steps * self.batch * diffusion_flops_per_row(shape, self.seq_len, self.eligible)
+        self.twin_flops_per_step = self.batch * ar_flops_per_row(shape, self.seq_len, self.eligible)
+        self.steps = (max(1, round(self.ref_flops / self.twin_flops_per_step)) if budget == "flops"
+                      else self.ref_steps)
+        self.warmup = round(self.ref_warmup * self.steps / self.ref_steps)
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+def shape_from(ref_dir: Path) -> tuple[Shape, dict, dict]:
+    spec = load_spec(ref_dir)
+    a = spec.arch
+    shape = Shape(a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim,
+                  a.intermediate_size, a.max_position, a.rope_theta, a.rms_eps, a.tie_embeddings)
+    return shape, spec.config, spec.generation_config
+
+
+def build_twin(shape: Shape, ref_config: dict, seed: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, max_position_embeddings=shape.max_position, rms_norm_eps=shape.rms_eps,
+        rope_theta=shape.rope_theta, tie_word_embeddings=shape.tie, attention_bias=False, hidden_act="silu",
+        bos_token_id=ref_config.get("bos_token_id"), eos_token_id=ref_config.get("eos_token_id"),
+        pad_token_id=ref_config.get("pad_token_id"), use_cache=True,
+    )
+    model = Qwen3ForCausalLM(cfg)
+    # unmask's init (train/model_init.init_weights): N(0, 0.02), residual writers / sqrt(2 layers), unit norms
+    g = torch.Generator().manual_seed(seed)
+    resid = 0.02 / math.sqrt(2 * shape.layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                std = resid if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def loss_sum(model, ids: torch.Tensor, lm: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sum of next-token CE over positions j+1 with loss_mask[j+1]; only those rows reach the LM head."""
+    hidden = model.model(input_ids=ids).last_hidden_state  # [B, L, D]
+    b, j = lm[:, 1:].nonzero(as_tuple=True)
+    logits = model.lm_head(hidden[b, j]).float()
+    return F.cross_entropy(logits, ids[b, j + 1], reduction="sum"), int(b.numel())
+
+
+def export(model, out: Path, tokenizer_dir: Path, generation_config: dict, meta: dict) -> Path:
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for f in TOKENIZER_FILES:
+        if (tokenizer_dir / f).is_file():
+            shutil.copy2(tokenizer_dir / f, tmp / f)
+    gen = {k: generation_config[k] for k in ("eos_token_id", "bos_token_id", "pad_token_id") if k in generation_config}
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (tmp / "ar_twin.json").write_text(json.dumps(meta, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- loop
+
+def run_phase(model, phase: Phase, rows: TokenRows, eval_rows: TokenRows | None, out: Path, args) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                            lr=phase.lr, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:  # unmask.train.trainer.lr_lambda, min_lr_ratio 0.1
+        if step < phase.warmup:
+            return (step + 1) / phase.warmup
+        done = min(1.0, (step - phase.warmup) / max(1, phase.steps - phase.warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    batches = BatchIterator(len(rows), phase.batch, args.seed)
+    step, losses, evals, train_s = 0, [], [], 0.0
+    ckpt = out / "checkpoint.pt"
+    if args.resume and ckpt.is_file():
+        st = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if st["phase"] != asdict(phase):
+            sys.exit(f"{ckpt}: was taken with {st['phase']}, this run plans {asdict(phase)}")
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        batches.load_state_dict(st["data"])
+        step, losses, evals, train_s = st["step"], st["losses"], st["evals"], st["train_s"]
+        print(f"{phase.name}: resumed at step {step}", flush=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32)
+    first, first_s = step, train_s
+
+    def evaluate() -> float:
+        model.eval()
+        tot, n = 0.0, 0
+        with torch.no_grad(), autocast:
+            for idx in eval_batches(len(eval_rows), phase.batch, args.eval_batches):
+                ids, lm = eval_rows.batch(idx)
+                s, c = loss_sum(model, ids, lm)
+                tot, n = tot + float(s), n + c
+        model.train()
+        return tot / max(n, 1)
+
+    def save() -> None:
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"phase": asdict(phase), "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(), "data": batches.state_dict(), "step": step,
+                    "losses": losses, "evals": evals, "train_s": train_s}, tmp)
+        os.replace(tmp, ckpt)
+
+    model.train()
+    print(f"{phase.name}: {phase.steps} steps x {phase.batch} rows x {phase.seq_len}, warmup {phase.warmup}, "
+          f"lr {phase.lr:g}, {len(rows):,} rows", flush=True)
+    while step < phase.steps:
+        t0 = time.perf_counter()
+        ids, lm = rows.batch(next(batches))
+        n_elig = max(1, int(lm[:, 1:].sum()))
+        with autocast:
+            s, _ = loss_sum(model, ids, lm)
+        loss = s / n_elig
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        losses.append(float(loss.detach()))
+        train_s += time.perf_counter() - t0
+        tps = phase.batch * phase.seq_len * (step - first) / max(train_s - first_s, 1e-9)
+        if step % args.log_every == 0 or step == phase.steps:
+            eta = time.strftime("%H:%M:%S", time.gmtime((phase.steps - step) * phase.batch * phase.seq_len / tps))
+            print(f"step {step}/{phase.steps} loss {float(loss):.4f} lr {sched.get_last_lr()[0]:.2e} "
+                  f"{tps:,.0f} tok/s eta {eta}", flush=True)
+        if eval_rows is not None and args.eval_every and (step % args.eval_every == 0 or step == phase.steps):
+            evals.append((step, evaluate()))
+            print(f"step {step}: eval loss {evals[-1][1]:.4f}", flush=True)
+        if (args.save_every and step % args.save_every == 0) or step == phase.steps:
+            save()
+    return {"steps": step, "final_loss": losses[-1] if losses else None, "evals": evals, "train_s": train_s,
+            "tokens_per_s": phase.batch * phase.seq_len * step / max(train_s, 1e-9)}
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("runs/ar-twin"))
+    ap.add_argument("--reference", type=Path, default=None,
+                    help="diffusion model whose shape the twin copies (default: the built-in model, else runs/pretrain/model)")
+    ap.add_argument("--corpus", type=Path, default=Path("data/corpus"))
+    ap.add_argument("--tokenizer", type=Path, default=Path("data/tokenizer"))
+    ap.add_argument("--sft", type=Path, default=Path("data/sft/train.jsonl"))
+    ap.add_argument("--sft-eval", type=Path, default=Path("data/sft/heldout.jsonl"))
+    ap.add_argument("--budget", choices=("flops", "tokens"), default="flops")
+    # the reference recipe (Makefile `model`): what the diffusion model was trained with
+    ap.add_argument("--ref-pretrain-steps", type=int, default=570)
+    ap.add_argument("--ref-pretrain-warmup", type=int, default=60)
+    ap.add_argument("--ref-pretrain-lr", type=float, default=1.5e-3)
+    ap.add_argument("--ref-sft-steps", type=int, default=330)
+    ap.add_argument("--ref-sft-warmup", type=int, default=20)
+    ap.add_argument("--ref-sft-lr", type=float, default=5e-4)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--skip-sft", action="store_true", help="pre-training only (OUT/model = the pre-trained twin)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI-sized: 40 documents, 4 rows x 128 tokens, reference recipe 6 + 4 steps")
+    ap.add_argument("--dry-run", action="store_true", help="print the budget and exit")
+    args = ap.parse_args()
+    if args.quick:
+        args.batch_size, args.seq_len = 4, 128
+        args.ref_pretrain_steps, args.ref_pretrain_warmup, args.ref_sft_steps, args.ref_sft_warmup = 6, 2, 4, 1
+        args.eval_every, args.eval_batches, args.save_every, args.log_every = 0, 1, 0, 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+
+    from unmask.defaults import default_model_path
+
+    ref = args.reference or next((p for p in (default_model_path(), ROOT / "runs/pretrain/model") if p.is_dir()), None)
+    if ref is None:
+        sys.exit("no reference model: pass --reference DIR (a diffusion model whose shape the twin copies)")
+    shape, ref_config, ref_gen = shape_from(ref)
+    tok = Tokenizer(args.tokenizer)
+    hf = tok.hf
+    sep = tok.token_id("<|endoftext|>")
+    sep = sep if sep is not None else hf.eos_token_id
+    if len(hf) > shape.vocab:
+        sys.exit(f"tokenizer {args.tokenizer} has {len(hf)} tokens, the reference vocabulary {shape.vocab}")
+
+    # the same rows as the reference run
+    if args.quick:
+        from unmask.train.corpus import read_documents
+
+        docs = [d for _, d in zip(range(40), read_documents(args.corpus / "train.jsonl"))]
+        rows = pack_documents((tok.encode(d.text) for d in docs), args.seq_len, sep)
+        held = [d for _, d in zip(range(4), read_documents(args.corpus / "heldout.jsonl"))]
+        eval_rows = pack_documents((tok.encode(d.text) for d in held), args.seq_len, sep)
+    else:
+        rows, eval_rows = load_pretraining(args.corpus, tok, args.seq_len, sep, args.out / "tokens")
+    ref_spec = load_spec(ref)
+    enc = SFTEncoder(tok, ref_spec.eos_id, ref_spec.stop_ids)  # as `finetune` builds it from the reference
+    sft_rows = sft_eval = None
+    if not args.skip_sft:
+        sft_path = args.sft
+        if args.quick:  # the first 200 records
+            args.out.mkdir(parents=True, exist_ok=True)
+            sft_path = args.out / "sft-quick.jsonl"
+            with open(args.sft) as fh:
+                sft_path.write_text("".join(line for _, line in zip(range(200), fh)))
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "skipped N records longer than seq_len": the reference skips them too
+            sft_rows, _ = load_sft(sft_path, enc, args.seq_len, "skip", pack=True)
+            if args.sft_eval.is_file() and not args.quick:
+                sft_eval, _ = load_sft(args.sft_eval, enc, args.seq_len, "skip", pack=True)
+
+    phases = [Phase("pretrain", args.ref_pretrain_steps, args.ref_pretrain_warmup, args.ref_pretrain_lr,
+                    args.batch_size, args.seq_len, eligible=float(args.seq_len))]
+    if sft_rows is not None:
+        elig = float(sft_rows.loss_mask.float().sum(1).mean())
+        phases.append(Phase("sft", args.ref_sft_steps, args.ref_sft_warmup, args.ref_sft_lr, args.batch_size,
+                            args.seq_len, eligible=elig))
+    for ph in phases:
+        ph.plan(shape, args.budget)
+    budget = {
+        "budget": args.budget, "reference": str(ref), "shape": asdict(shape), "body_params": shape.body_params,
+        "diffusion_flops_per_row": {ph.name: diffusion_flops_per_row(shape, ph.seq_len, ph.eligible) for ph in phases},
+        "ar_flops_per_row": {ph.name: ar_flops_per_row(shape, ph.seq_len, ph.eligible) for ph in phases},
+        "phases": [asdict(ph) for ph in phases],
+        "reference_total_flops": sum(ph.ref_flops for ph in phases),
+        "twin_total_flops": sum(ph.steps * ph.twin_flops_per_step for ph in phases),
+        "reference_data_tokens": sum(ph.ref_steps * ph.batch * ph.seq_len for ph in phases),
+        "twin_data_tokens": sum(ph.steps * ph.batch * ph.seq_len for ph in phases),
+        "quick": args.quick,
+    }
+    print(f"reference {ref}: {shape.body_params / 1e6:.2f}M body parameters, vocab {shape.vocab}")
+    for ph in phases:
+        ratio = budget["diffusion_flops_per_row"][ph.name] / budget["ar_flops_per_row"][ph.name]
+        print(f"  {ph.name}: diffusion {ph.ref_steps} steps = {ph.ref_flops:.3g} FLOPs; a twin row costs 1/{ratio:.2f} "
+              f"of a diffusion row -> twin {ph.steps} steps (warmup {ph.warmup}), {ph.eligible:.0f} loss tokens/row")
+    print(f"  total: reference {budget['reference_total_flops']:.3g} FLOPs, twin {budget['twin_total_flops']:.3g} "
+          f"FLOPs; data tokens {budget['reference_data_tokens']:,} vs {budget['twin_data_tokens']:,}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "budget.json").write_text(json.dumps(budget, indent=2) + "\n")
+    if args.dry_run:
+        return
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(args.seed)
+    model = build_twin(shape, ref_config, args.seed)
+    meta = {"kind": "autoregressive twin", "of": str(ref), "budget": args.budget, "quick": args.quick,
+            "command": " ".join([Path(sys.executable).name, *sys.argv]), "phases": {}}
+    pre_dir = args.out / "pretrain"
+    res = run_phase(model, phases[0], rows, eval_rows, pre_dir, args)
+    meta["phases"]["pretrain"] = res
+    final = export(model, pre_dir / "model", args.tokenizer, ref_gen, meta)
+    if sft_rows is not None:
+        res = run_phase(model, phases[1], sft_rows, sft_eval, args.out / "sft", args)
+        meta["phases"]["sft"] = res
+    meta["wall_s"] = time.perf_counter() - t_start
+    final = export(model, args.out / "model", args.tokenizer, ref_gen, meta)
+    print(f"done in {meta['wall_s']:.0f} s: {final} (Qwen3ForCausalLM)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
