@@ -114,13 +114,17 @@ class AttentionBatch:
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None) -> Tensor:
-    """q [H, Lq, D], k/v [Hkv, Lk, D] -> [H, Lq, Dv]; grouped-query heads share K/V."""
+    """q [H, Lq, D], k/v [Hkv, Lk, D] -> [H, Lq, Dv]; grouped-query heads share K/V.
+
+    Called with a leading batch dimension: on CPU, 3-D inputs with a mask take SDPA's math path
+    (scores materialised), 4-D inputs its flash kernel (measured at Lq 2K, Lk 8K, 8 heads:
+    1.2 GB and 1.58 s vs 63 MB and 0.37 s)."""
     hq, hk = q.shape[0], k.shape[0]
     if hq != hk and not _SDPA_HAS_GQA:
         k = k.repeat_interleave(hq // hk, dim=0)
         v = v.repeat_interleave(hq // hk, dim=0)
     kwargs = {"enable_gqa": True} if hq != hk and _SDPA_HAS_GQA else {}
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **kwargs)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale, **kwargs)[0]
 
 
 # SDPA's CPU flash kernel materialises a boolean mask as a float [Lq, Lk] tensor: cap it at 128 MB by
