@@ -382,6 +382,8 @@ class Experts(nn.Module):
             try:
                 return self._grouped(x, idx, w, n, k)
             except (RuntimeError, NotImplementedError):
+                # this torch build has no grouped-GEMM kernel for these dtypes/devices: use the
+                # per-expert loop below from now on (same result, measured slower)
                 self.grouped = False
         out = torch.zeros_like(x)
         for e in idx.unique().tolist():
