@@ -425,3 +425,32 @@ def test_sft_packing_fills_rows_and_keeps_each_answer_terminated():
     row0 = packed.ids[0].tolist()
     assert row0[:9] == [7, 7, 7, 5, 7, 7, 7, 7, 5] and row0[9:] == [2, 2, 2]
     assert packed.loss_mask[0].tolist() == [False] * 3 + [True] + [False] * 4 + [True] + [True] * 3
+
+
+def test_mix_rows_adds_text_rows_at_the_asked_share():
+    from unmask.train.data import TokenRows
+    from unmask.train.trainer import mix_rows
+
+    sft = TokenRows(torch.zeros(6, 8, dtype=torch.int32), torch.tensor([[False] * 4 + [True] * 4] * 6))
+    text = TokenRows(torch.arange(40, dtype=torch.int32).view(5, 8) + 100)
+    mixed = mix_rows(sft, text, 0.25, seed=0)  # 6 SFT rows -> 2 text rows is a quarter
+    assert mixed.ids.shape == (8, 8)
+    assert torch.equal(mixed.ids[:6], sft.ids) and torch.equal(mixed.loss_mask[:6], sft.loss_mask)
+    assert mixed.loss_mask[6:].all()
+    starts = sorted(int(r[0]) for r in mixed.ids[6:])
+    assert len(set(starts)) == 2 and all((s - 100) % 8 == 0 for s in starts)  # whole distinct text rows
+    assert torch.equal(mix_rows(sft, text, 0.25, seed=0).ids, mixed.ids)  # seeded
+    assert len(mix_rows(sft, text, 0.9, seed=0)) == 6 + 5  # capped by the text available
+
+
+def test_finetune_with_text_mix_trains_on_both(tmp_path, tokdir, corpus):
+    src = tmp_path / "src"
+    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)
+    data = tmp_path / "sft.jsonl"
+    data.write_text((json.dumps(CHAT) + "\n") * 6)
+    res = finetune(tiny_cfg(tmp_path / "run", total_steps=2, seq_len=96, block_sizes=None, mix_fraction=0.5), src,
+                   data, mix_text=corpus)
+    assert res.steps == 2 and all(math.isfinite(x) for x in res.losses)
+    assert any((res.out_dir / "tokens").iterdir())  # the corpus was tokenized for the mix
+    with pytest.raises(Exception, match="mix_fraction must be in"):
+        tiny_cfg(tmp_path / "bad", mix_fraction=1.0)

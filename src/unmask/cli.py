@@ -156,6 +156,8 @@ def finetune(
     block_sizes: Optional[str] = typer.Option(None), eval_every: int = typer.Option(100),
     save_every: int = typer.Option(100), on_error: str = typer.Option("raise", help="Malformed JSONL lines: raise | skip."),
     pack: bool = typer.Option(False, help="Pack several short records per row instead of padding each."),
+    mix_text: Optional[Path] = typer.Option(None, help="Corpus of plain text to replay among the chat rows."),
+    mix_fraction: float = typer.Option(0.25, help="Share of rows taken from --mix-text."),
     resume: bool = typer.Option(False),
 ):
     """Supervised fine-tuning on chat JSONL (loss on assistant tokens only)."""
@@ -166,7 +168,11 @@ def finetune(
         cfg = _train_config(out, steps, batch_size, seq_len, lr, warmup, resume, eval_every, save_every, seed,
                             lora_rank=lora_rank, block_sizes=block_sizes, on_error=on_error)
         cfg.sft_pack = pack
-        res = run_finetune(cfg, model, data, eval_path=eval_data)
+        if mix_text is not None:
+            if not 0.0 < mix_fraction < 1.0:
+                fail(f"--mix-fraction must be between 0 and 1 (exclusive), got {mix_fraction}")
+            cfg.mix_fraction = mix_fraction
+        res = run_finetune(cfg, model, data, eval_path=eval_data, mix_text=mix_text)
     except UnmaskError as e:
         fail(str(e))
     typer.echo(f"done: {res.steps} steps, final model in {res.model_dir}")

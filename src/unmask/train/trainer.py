@@ -39,7 +39,7 @@ class TrainConfigError(UnmaskError, ValueError):
     """Training settings that contradict each other or the machine."""
 
 # settings a resumed run must share with the checkpoint for its batches and noise to line up
-_RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "model")
+_RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "model", "sft_pack", "mix_fraction")
 
 
 @dataclass
@@ -70,6 +70,7 @@ class TrainConfig:
     export_dtype: str = "auto"         # "auto": float32 for a fresh model, else the source checkpoint's dtype
     on_error: Literal["skip", "raise"] = "raise"  # malformed SFT lines
     sft_pack: bool = False             # several short SFT records per row (see sft.build_sft_rows)
+    mix_fraction: float = 0.0          # fine-tuning: share of rows that are plain corpus text (loss on all tokens)
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
     model: ModelShape = field(default_factory=ModelShape)  # fresh pre-training model only
 
@@ -83,6 +84,8 @@ class TrainConfig:
                 raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise TrainConfigError("warmup_steps must be >= 0")
+        if not 0.0 <= self.mix_fraction < 1.0:
+            raise TrainConfigError(f"mix_fraction must be in [0, 1), got {self.mix_fraction}")
         if self.batch_size % self.grad_accum:
             raise TrainConfigError(f"batch_size {self.batch_size} is not divisible by grad_accum {self.grad_accum}")
 
@@ -206,8 +209,9 @@ def _noise_gen(seed: int, step: int, salt: int = 0) -> torch.Generator:
 
 
 def _check_resume(saved: dict, cfg: TrainConfig) -> None:
-    now = asdict(cfg)
-    diff = [k for k in _RESUME_KEYS if _norm(saved.get(k)) != _norm(now.get(k))]
+    now, defaults = asdict(cfg), asdict(TrainConfig())
+    # a key missing from an older checkpoint had its default value then
+    diff = [k for k in _RESUME_KEYS if _norm(saved.get(k, defaults[k])) != _norm(now.get(k))]
     if diff:
         raise CheckpointError(f"cannot resume: {', '.join(f'{k} was {saved.get(k)!r}, now {now.get(k)!r}' for k in diff)}")
 
@@ -405,11 +409,13 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
 
 
 def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *, eval_path: str | Path | None = None,
-             on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+             mix_text: str | Path | None = None, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
     """Supervised fine-tuning of any supported checkpoint on chat / FIM JSONL (see `unmask.train.sft`).
 
     Loss on assistant turns (and FIM middles) plus the EOS padding after them; prompts are never
     noised. The export in out_dir/model keeps the family's own format and tokenizer files.
+    `mix_text` (a corpus as `train` takes it) with `cfg.mix_fraction` > 0 replays plain text rows
+    among the chat rows, so that fine-tuning does not erase raw-text completion.
     """
     ctx = _prepare(cfg)
     try:
@@ -418,11 +424,28 @@ def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *,
         enc = SFTEncoder(tok, tm.eos_id, tm.stop_ids)
         rows, _ = load_sft(jsonl_path, enc, cfg.seq_len, cfg.on_error, cfg.sft_pack)
         eval_rows = load_sft(eval_path, enc, cfg.seq_len, cfg.on_error, cfg.sft_pack)[0] if eval_path else None
+        if mix_text is not None and cfg.mix_fraction > 0:
+            ids = _special_ids(tok)
+            sep = ids["endoftext"] if ids["endoftext"] is not None else tm.eos_id
+            text, _ = load_pretraining(Path(mix_text), tok, cfg.seq_len, sep, Path(cfg.out_dir) / "tokens",
+                                       log=print if ctx.main else (lambda _: None))
+            rows = mix_rows(rows, text, cfg.mix_fraction, cfg.seed)
         _check_vocab(tm, rows)
         sizes = cfg.block_sizes or tuple(tm.config.get("train_block_sizes") or [tm.block_size])
         return run(cfg, _maybe_lora(tm, cfg), _objective(tm, sizes), rows, eval_rows, None, ctx, on_step)
     finally:
         _finish(ctx)
+
+
+def mix_rows(sft: TokenRows, text: TokenRows, fraction: float, seed: int) -> TokenRows:
+    """SFT rows plus enough plain-text rows (drawn without replacement, seeded) that they make up
+    `fraction` of the result; text rows are loss-eligible everywhere. Capped by the text available."""
+    want = round(len(sft) * fraction / (1.0 - fraction))
+    take = torch.randperm(len(text), generator=torch.Generator().manual_seed(seed))[: min(want, len(text))]
+    ids = torch.cat([sft.ids, text.ids[take].to(sft.ids.dtype)])
+    sft_mask = sft.loss_mask if sft.loss_mask is not None else torch.ones_like(sft.ids, dtype=torch.bool)
+    mask = torch.cat([sft_mask, torch.ones(len(take), text.seq_len, dtype=torch.bool)])
+    return TokenRows(ids, mask)
 
 
 def _special_ids(tok) -> dict[str, int | None]:
