@@ -163,7 +163,8 @@ class OpenAIServing:
                     messages = history_as_text(messages, tool_format(self.spec.family.name))
                 return ChatPlan(messages, None, content, None)
             plan = plan_chat(messages, req.tools, req.tool_choice, req.parallel_tool_calls, content,
-                             self.spec.family.name, self._template_renders_tools(), special_tags(self.tok))
+                             self.spec.family.name, self._template_renders_tools(),
+                             special_tags(self.tok, tool_format(self.spec.family.name)))
             for spec in plan.param_specs or []:  # a schema error names its tool
                 self.llm.engine.structured_backend().compile(spec)
         except InvalidRequestError as e:

@@ -8,6 +8,8 @@ call. The families differ only in whitespace inside the tags:
   sdar, dream, fast_dllm_v2 (Qwen chat)  <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
   llada, llada2, others                  as Qwen, taught by the fallback prompt (their templates
                                          render no tools; LLaDA2's own format is unverified)
+  diffusion_gemma (Gemma 4 chat)         <|tool_call>call:f{city:<|"|>Paris<|"|>}<tool_call|>, not JSON:
+                                         see `unmask.structured.gemma4`; arguments are returned as JSON
 
 The parser accepts either spacing. It reads text decoded with special tokens kept (in unmask-tiny
 `<tool_call>` is a special token that `skip_special_tokens` would delete).
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unmask.errors import InvalidRequestError
+from unmask.structured import gemma4
 from unmask.structured.spec import StructuredSpec, styled_schema
 
 
@@ -41,11 +44,14 @@ class ToolFormat:
     separator: str = "\n"    # between parallel calls
     response_open: str = "<tool_response>"
     response_close: str = "</tool_response>"
+    syntax: str = "json"     # the call body: hermes JSON, or "gemma4" (call:NAME{key:value})
 
 
 HERMES = ToolFormat("hermes")
 UNMASK = ToolFormat("hermes-compact", inner="")
-FORMATS = {"unmask": UNMASK}   # every other family: HERMES
+GEMMA4 = ToolFormat("gemma4", open_tag="<|tool_call>", close_tag="<tool_call|>", inner="", separator="",
+                    response_open="<|tool_response>", response_close="<tool_response|>", syntax="gemma4")
+FORMATS = {"unmask": UNMASK, "diffusion_gemma": GEMMA4}   # every other family: HERMES
 
 
 def tool_format(family: str) -> ToolFormat:
@@ -106,7 +112,7 @@ def _call_schema(fn: dict) -> dict:
 def special_tags(tokenizer, fmt: ToolFormat = HERMES) -> dict[str, int]:
     """The format's tags that are single special tokens of `tokenizer` (a grammar must name those by id)."""
     out = {}
-    for tag in (fmt.open_tag, fmt.close_tag):
+    for tag in (fmt.open_tag, fmt.close_tag) + ((gemma4.QUOTE,) if fmt.syntax == "gemma4" else ()):
         i = tokenizer.token_id(tag)
         added = tokenizer.hf.added_tokens_decoder.get(i) if i is not None else None
         if added is not None and added.special:
@@ -126,15 +132,24 @@ def call_grammar(fmt: ToolFormat, functions: list[dict], name: str | None, paral
     """Lark grammar (llguidance dialect) of one call of `name`, or of 1+ calls (1 without `parallel`) of
     any function; with `content` (a Lark rule body), that content is the other alternative."""
     chosen = [f for f in functions if name is None or f["name"] == name]
-    calls = f"call ({json.dumps(fmt.separator)} call)*" if name is None and parallel else "call"
+    sep = f"{json.dumps(fmt.separator)} " if fmt.separator else ""
+    calls = f"call ({sep}call)*" if name is None and parallel else "call"
     lines = ["%llguidance {}", "start: calls" + (" | content" if content else ""), f"calls: {calls}"]
     if content:
         lines.append(f"content: {content}")
     inner = f" {json.dumps(fmt.inner)} " if fmt.inner else " "
     lines.append(f"call: {_literal(fmt.open_tag, special)}{inner}body{inner}{_literal(fmt.close_tag, special)}")
     lines.append("body: " + " | ".join(f"fn_{i}" for i in range(len(chosen))))
-    for i, fn in enumerate(chosen):
-        lines.append(f"fn_{i}: %json " + json.dumps(_call_schema(fn), ensure_ascii=False))
+    if fmt.syntax == "gemma4":
+        writer = gemma4.GrammarWriter(_literal(gemma4.QUOTE, special))
+        for i, fn in enumerate(chosen):
+            params = fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+            head = json.dumps(f"{gemma4.CALL_PREFIX}{fn['name']}", ensure_ascii=False)
+            lines.append(f"fn_{i}: {head} {writer.object(params)}")
+        lines += writer.rules + writer.terminals()
+    else:
+        for i, fn in enumerate(chosen):
+            lines.append(f"fn_{i}: %json " + json.dumps(_call_schema(fn), ensure_ascii=False))
     return "\n".join(lines) + "\n"
 
 
@@ -153,6 +168,8 @@ def parameter_specs(functions: list[dict]) -> list[StructuredSpec]:
 FALLBACK_INTRO = "You can call the following tools. Each line is the JSON definition of one tool:\n"
 FALLBACK_RULE = ('To call a tool, answer with {open}{{"name": <tool name>, "arguments": <arguments as a JSON object>}}'
                  "{close}, one block per call, and nothing else in that message.")
+FALLBACK_RULE_GEMMA4 = ("To call a tool, answer with {open}call:<tool name>{{key:value,...}}{close}, strings written "
+                        "between two " + gemma4.QUOTE + ", one block per call, and nothing else in that message.")
 
 
 def fallback_messages(messages: list[dict[str, Any]], functions: list[dict], fmt: ToolFormat) -> list[dict[str, Any]]:
@@ -163,7 +180,8 @@ def fallback_messages(messages: list[dict[str, Any]], functions: list[dict], fmt
     messages holding `<tool_response>...</tool_response>` blocks.
     """
     text = FALLBACK_INTRO + "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in functions) + \
-        FALLBACK_RULE.format(open=fmt.open_tag + fmt.inner, close=fmt.inner + fmt.close_tag)
+        (FALLBACK_RULE_GEMMA4 if fmt.syntax == "gemma4" else FALLBACK_RULE).format(
+            open=fmt.open_tag + fmt.inner, close=fmt.inner + fmt.close_tag)
     out = [dict(m) for m in messages]
     if out and out[0]["role"] == "system":
         out[0]["content"] = f"{out[0].get('content') or ''}\n\n{text}".lstrip()
@@ -198,6 +216,8 @@ def history_as_text(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dic
 def format_call(fmt: ToolFormat, call: dict) -> str:
     fn = call.get("function", call)
     args = fn.get("arguments", {})
+    if fmt.syntax == "gemma4":
+        return gemma4.format_call(fn.get("name"), args, fmt.open_tag, fmt.close_tag)
     args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
     return f'{fmt.open_tag}{fmt.inner}{{"name": {json.dumps(fn.get("name"), ensure_ascii=False)}, ' \
            f'"arguments": {args}}}{fmt.inner}{fmt.close_tag}'
@@ -324,19 +344,26 @@ class ToolParser:
         self._ws, self._started = pending[len(kept):], True
         return out
 
+    def _name(self, body: str) -> str | None:
+        if self.fmt.syntax == "gemma4":
+            return gemma4.call_name(body)
+        m = _NAME.search(body)
+        if m is None:
+            return None
+        try:
+            return json.loads(f'"{m.group(1)}"')
+        except ValueError:  # an invalid escape: keep the raw text
+            return m.group(1)
+
     def _progress(self, body: str, closed: bool) -> list[ToolCallDelta]:
         b, deltas = self._block, []
         if b.call is None and not b.dropped:
-            m = _NAME.search(body)
-            if m is None:
+            name = self._name(body)
+            if name is None:
                 return []
             if self.calls and not self.parallel:
                 b.dropped = True
                 return []
-            try:
-                name = json.loads(f'"{m.group(1)}"')
-            except ValueError:  # an invalid escape: keep the raw text
-                name = m.group(1)
             b.call = ParsedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name)
             self._ws = ""   # whitespace before a call is not content
             self.calls.append(b.call)
@@ -344,6 +371,13 @@ class ToolParser:
         if b.call is None:
             return deltas
         index = self.calls.index(b.call)
+        if self.fmt.syntax == "gemma4":
+            # the body is not JSON: its arguments go out once, converted, when the block closes (a
+            # prefix of the conversion could later change, e.g. a bare word becoming a number)
+            if closed and not b.call.arguments:
+                b.call.arguments = gemma4.call_arguments(body) or "{}"
+                deltas.append(ToolCallDelta(index, arguments=b.call.arguments))
+            return deltas
         a = _ARGS.search(body)
         if a is not None:
             raw = body[a.end():]
