@@ -179,6 +179,38 @@ def test_renoise_keeps_accepted_and_draws_the_rest():
     assert out[0, 1] == noise[0, 1] and out[0, 3] == noise[0, 3]
 
 
+def test_lean_draws_sample_the_distribution_and_noise_the_rest():
+    v, c = 6, 4000
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0, 0.0])
+    probs = p.expand(1, c, v)
+    accepted = torch.ones(1, c, dtype=torch.bool)
+    accepted[0, ::2] = False                     # every other position is re-noised
+    out = U.lean_next(probs, accepted, v, [torch.Generator().manual_seed(0)])
+    kept = out[0, 1::2]
+    freq = torch.bincount(kept, minlength=v).float() / kept.numel()
+    assert (freq - p).abs().max() < 0.03 and freq[3:].sum() == 0  # zero-probability tokens never drawn
+    noise = out[0, ::2]
+    assert noise.min() >= 0 and noise.max() < v and (torch.bincount(noise, minlength=v) > 250).all()
+    # each row draws c uniforms then c noise ids from its own generator
+    g = torch.Generator().manual_seed(0)
+    u, ids = torch.rand(c, generator=g), torch.randint(0, v, (c,), generator=g)
+    assert torch.equal(noise, ids[::2])
+    assert torch.equal(kept, torch.searchsorted(p.cumsum(0), u[1::2] * p.sum(), right=True))
+
+
+def test_lean_batch_equals_each_row_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 8, 20) * 3
+    canvas = torch.randint(0, 20, (3, 8))
+    cfgs = [U.UniformConfig(max_steps=8, draws="lean", entropy_bound=b) for b in (0.1, 1.0, 5.0)]
+    batch = U.denoise_batch(logits, canvas, [8, 5, 2], cfgs, [None] * 3,
+                            [torch.Generator().manual_seed(s) for s in (1, 2, 3)])
+    for i in range(3):
+        alone = U.denoise_step(logits[i:i + 1], canvas[i:i + 1], [8, 5, 2][i], cfgs[i], None,
+                               torch.Generator().manual_seed(i + 1))
+        assert torch.equal(batch[i].canvas, alone.canvas) and torch.equal(batch[i].accepted, alone.accepted)
+
+
 def test_stable_and_confident_hand_made():
     low = torch.zeros(1, 3)
     d1, d2 = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 4]])

@@ -30,8 +30,9 @@ DEFAULTS = {"max_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
 
 
 # "reference" reproduces the reference's random stream (multinomial over every position, uniform noise over
-# every position); "lean" samples only the accepted positions and draws noise only for the others: the same
-# distribution over outputs, a different stream, and no [C, V] exponential draw per step.
+# every position); "lean" draws one uniform and one noise id per position and samples by inverting the CDF:
+# the same distribution over outputs, a different stream, and no [C, V] exponential draw per step (torch's
+# multinomial races V exponentials per row: ~220 us for [16, 512] on one CPU core against ~13 us here).
 DRAWS = ("reference", "lean")
 
 
@@ -142,26 +143,35 @@ def _probs_and_entropy(processed: Tensor, lean: bool) -> tuple[Tensor, Tensor]:
     return probs, -(torch.clamp(logp, min=torch.finfo(logp.dtype).min) * probs).sum(-1)
 
 
-def _next_row(probs: Tensor, canvas: Tensor, accepted: Tensor, vocab: int, generator: torch.Generator | None,
-              lean: bool) -> Tensor:
-    """One request's next canvas [C] from its probs [C, V], current canvas [C] and acceptance [C]."""
+def _reference_row(probs: Tensor, canvas: Tensor, accepted: Tensor, vocab: int,
+                   generator: torch.Generator | None) -> Tensor:
+    """One request's next canvas [C] in the reference's draw order: multinomial over every position, then
+    uniform noise over every position."""
     dev = probs.device
-    if lean:
-        out = torch.empty_like(canvas)
-        k = int(accepted.sum())
-        if k:
-            src = probs[accepted]
-            if generator is not None and generator.device != dev:
-                src = src.to(generator.device)
-            out[accepted] = torch.multinomial(src, 1, generator=generator).to(dev)[:, 0]
-        if k < canvas.numel():
-            out[~accepted] = uniform_tokens((canvas.numel() - k,), vocab, generator, dev)
-        return out
     src = probs if generator is None or generator.device == dev else probs.to(generator.device)
     sampled = torch.multinomial(src, num_samples=1, generator=generator).to(dev)[:, 0]
     kept = torch.where(accepted, sampled, canvas)
     noise = uniform_tokens((1, canvas.numel()), vocab, generator, dev)[0]
     return torch.where(~accepted, noise, kept)
+
+
+def lean_next(probs: Tensor, accepted: Tensor, vocab: int, generators: list[torch.Generator | None]) -> Tensor:
+    """Next canvases [B, C] for probs [B, C, V]: accepted positions sample their distribution, the others get
+    uniform noise. Each row draws C uniforms then C noise ids from its own generator; the sampling itself
+    (inverse CDF: the first token whose cumulative probability exceeds u * total) is one batched pass."""
+    b, c, _ = probs.shape
+    dev = probs.device
+    u = torch.empty(b, c, dtype=torch.float32)
+    noise = torch.empty(b, c, dtype=torch.long)
+    for i, g in enumerate(generators):
+        src = g.device if g is not None else "cpu"
+        u[i] = torch.rand(c, generator=g, device=src).cpu()
+        noise[i] = torch.randint(0, vocab, (c,), generator=g, device=src).cpu()
+    cdf = probs.float().cumsum(dim=-1)
+    # u < 1, so u * total < cdf[-1] and the index stays in range; a zero-probability token is never chosen
+    target = (u.to(dev) * cdf[..., -1])[..., None]
+    sampled = torch.searchsorted(cdf, target, right=True)[..., 0]
+    return torch.where(accepted, sampled, noise.to(dev))
 
 
 def denoise_step(logits: Tensor, canvas: Tensor, remaining: int, cfg: UniformConfig, history: Tensor | None,
@@ -176,7 +186,7 @@ def denoise_step(logits: Tensor, canvas: Tensor, remaining: int, cfg: UniformCon
     draft = torch.argmax(processed, dim=-1)
     if lean:
         accepted = entropy_bound_mask(entropy, cfg.entropy_bound)
-        nxt = torch.stack([_next_row(probs[i], canvas[i], accepted[i], v, generator, True) for i in range(b)])
+        nxt = lean_next(probs, accepted, v, [generator] * b)
     else:
         src = probs.view(-1, v)
         if generator is not None and generator.device != probs.device:
@@ -217,7 +227,10 @@ def denoise_batch(logits: Tensor, canvas: Tensor, remaining: list[int], cfgs: li
     bound = torch.tensor([g.entropy_bound for g in cfgs], dtype=f32, device=dev)
     keep = torch.cumsum(h, dim=-1) - h <= bound[:, None]
     accepted = torch.scatter(torch.zeros_like(keep), -1, order, keep)
-    nxt = torch.stack([_next_row(probs[i], canvas[i], accepted[i], v, g, lean) for i, g in enumerate(generators)])
+    if lean:
+        nxt = lean_next(probs, accepted, v, generators)
+    else:
+        nxt = torch.stack([_reference_row(probs[i], canvas[i], accepted[i], v, g) for i, g in enumerate(generators)])
     conf = torch.tensor([g.confidence_threshold for g in cfgs], dtype=f32, device=dev)
     confident = torch.mean(entropy, dim=-1) < conf
     stable, new_hist = _stability_batch(draft, histories, [g.stability_threshold for g in cfgs])
