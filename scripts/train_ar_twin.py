@@ -7,7 +7,9 @@ The twin is an ordinary causal LM (transformers `Qwen3ForCausalLM`: the same lay
 family, q/k norms included, so the parameter count is identical) with the reference model's
 tokenizer, width, depth, heads, MLP size and tied embeddings. It sees the same data in the same order:
 the reference recipe's packed pre-training rows of `data/corpus` (same seed, same `BatchIterator`),
-then the same packed SFT rows of `data/sft/train.jsonl` with the loss on the same answer tokens.
+then the same packed SFT rows of `data/sft/train.jsonl` with the loss on the same answer tokens, mixed
+with the same share of plain-text rows. The recipe's pre-training runs (a first run, then a continuation
+from its model) become one schedule of their summed budget for the twin.
 Optimizer, schedule shape, bf16 autocast, weight decay, clipping and initialisation are the trainer's.
 
 Compute matching (`--budget flops`, the default). Training FLOPs per row = 3 x forward (backward = 2x
@@ -50,6 +52,7 @@ from unmask.models.loader import load_spec  # noqa: E402
 from unmask.tokenizer import Tokenizer  # noqa: E402
 from unmask.train.data import BatchIterator, TokenRows, eval_batches, load_pretraining, pack_documents  # noqa: E402
 from unmask.train.sft import SFTEncoder, load_sft  # noqa: E402
+from unmask.train.trainer import mix_rows  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -263,12 +266,16 @@ def main() -> None:
     ap.add_argument("--sft-eval", type=Path, default=Path("data/sft/heldout.jsonl"))
     ap.add_argument("--budget", choices=("flops", "tokens"), default="flops")
     # the reference recipe (Makefile `model`): what the diffusion model was trained with
-    ap.add_argument("--ref-pretrain-steps", type=int, default=570)
+    ap.add_argument("--ref-pretrain-steps", default="570,1100",
+                    help="steps of each pre-training run of the recipe (comma-separated; the twin runs their "
+                         "summed budget as one schedule)")
     ap.add_argument("--ref-pretrain-warmup", type=int, default=60)
     ap.add_argument("--ref-pretrain-lr", type=float, default=1.5e-3)
     ap.add_argument("--ref-sft-steps", type=int, default=330)
     ap.add_argument("--ref-sft-warmup", type=int, default=20)
     ap.add_argument("--ref-sft-lr", type=float, default=5e-4)
+    ap.add_argument("--ref-sft-mix", type=float, default=0.25,
+                    help="share of plain-text rows in the SFT phase (finetune --mix-fraction)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--skip-sft", action="store_true", help="pre-training only (OUT/model = the pre-trained twin)")
@@ -286,7 +293,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.batch_size, args.seq_len = 4, 128
-        args.ref_pretrain_steps, args.ref_pretrain_warmup, args.ref_sft_steps, args.ref_sft_warmup = 6, 2, 4, 1
+        args.ref_pretrain_steps, args.ref_pretrain_warmup, args.ref_sft_steps, args.ref_sft_warmup = "6", 2, 4, 1
         args.eval_every, args.eval_batches, args.save_every, args.log_every = 0, 1, 0, 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -330,10 +337,13 @@ def main() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "skipped N records longer than seq_len": the reference skips them too
             sft_rows, _ = load_sft(sft_path, enc, args.seq_len, "skip", pack=True)
+            if args.ref_sft_mix > 0:  # the same mixed rows as `finetune --mix-text` builds (same seed)
+                sft_rows = mix_rows(sft_rows, rows, args.ref_sft_mix, args.seed)
             if args.sft_eval.is_file() and not args.quick:
                 sft_eval, _ = load_sft(args.sft_eval, enc, args.seq_len, "skip", pack=True)
 
-    phases = [Phase("pretrain", args.ref_pretrain_steps, args.ref_pretrain_warmup, args.ref_pretrain_lr,
+    ref_pre_steps = sum(int(x) for x in str(args.ref_pretrain_steps).split(","))
+    phases = [Phase("pretrain", ref_pre_steps, args.ref_pretrain_warmup, args.ref_pretrain_lr,
                     args.batch_size, args.seq_len, eligible=float(args.seq_len))]
     if sft_rows is not None:
         elig = float(sft_rows.loss_mask.float().sum(1).mean())
