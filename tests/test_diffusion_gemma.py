@@ -523,6 +523,21 @@ def test_snapshots_show_the_draft(native):
     assert frames[-1][:8] == seq.output_ids[:8]
 
 
+def test_logit_bias_steers_the_canvas(native):
+    """+100 on one token: every canvas position drafts it, confidently, alone or batched."""
+    eng = _engine(native)
+    seqs = [eng.add_request(list(range(3, 12)), GenerationParams(max_tokens=16, steps=4, seed=s, ignore_eos=True,
+                                                                 logit_bias={7: 100.0}, uniform_draws=d))
+            for s, d in ((1, "reference"), (2, "lean"), (3, "lean"))]
+    eng.run_to_completion()
+    assert all(s.output_ids == [7] * 16 for s in seqs)
+    alone = _engine(native)
+    seq = alone.add_request(list(range(3, 12)), GenerationParams(max_tokens=8, steps=4, seed=1, ignore_eos=True,
+                                                                 logit_bias={7: -100.0}, frequency_penalty=2.0))
+    alone.run_to_completion()
+    assert len(seq.output_ids) == 8 and 7 not in seq.output_ids
+
+
 # ---------------------------------------------------------------------------------------- requests and errors
 
 def test_image_prompt_is_refused(native):

@@ -225,6 +225,18 @@ def test_completions_non_streamed_and_streamed_agree(client):
     assert tokens.usage.prompt_tokens == 4 and tokens.choices[0].text
 
 
+def test_logit_bias_and_penalties(client):
+    args = {"model": "tiny-sdar", "prompt": [40, 41, 42, 43], "max_tokens": 6, "temperature": 0.0,
+            "extra_body": {"ignore_eos": True}}
+    forced = client.completions.create(**args, logit_bias={"45": 100}, logprobs=1)
+    assert forced.choices[0].logprobs.tokens and all(t == forced.choices[0].logprobs.tokens[0]
+                                                     for t in forced.choices[0].logprobs.tokens)
+    assert len(forced.choices[0].logprobs.tokens) == 6
+    plain = client.completions.create(**args)
+    penalised = client.completions.create(**args, presence_penalty=2.0, frequency_penalty=2.0)
+    assert penalised.usage.completion_tokens == plain.usage.completion_tokens == 6
+
+
 def test_stop_strings(client):
     full = chat(client, max_tokens=40).choices[0].message.content
     stop = full[12:15]
@@ -437,6 +449,10 @@ def test_cors(restricted, server):
     ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": CHAT, "policy": "no-such-policy"}, "policy"),
     ({"messages": CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"messages": CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"messages": CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": CHAT, "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
       "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"messages": CHAT, "response_format": {"type": "yaml"}}, "response_format"),

@@ -66,6 +66,9 @@ class Engine:
                                           f"masked-diffusion family, not {self.spec.family.name}", "suffix")
             if params.suffix_ids and (min(params.suffix_ids) < 0 or max(params.suffix_ids) >= vocab):
                 raise InvalidRequestError(f"suffix token ids must be in [0, {vocab})", "suffix")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias token id {max(params.logit_bias)} is outside this model's "
+                                      f"vocabulary [0, {vocab})", "logit_bias")
         total = len(prompt_ids) + params.max_tokens + len(params.suffix_ids)
         if total > self.traits.max_context:
             suffix = f" plus the suffix ({len(params.suffix_ids)})" if params.suffix_ids else ""

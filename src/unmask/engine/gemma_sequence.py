@@ -25,6 +25,7 @@ import os
 import torch
 from torch import Tensor
 
+from unmask.decoding.logit_adjust import Adjuster
 from unmask.decoding.uniform import DEFAULTS, StepResult, UniformConfig, denoise_batch, denoise_step, uniform_tokens
 from unmask.engine.params import GenerationParams
 from unmask.engine.sequence import ModelTraits, Stats, Status, StepPlan, _ids
@@ -105,6 +106,8 @@ class GemmaSequence:
         self.final_end = self.P
         self.logprobs = torch.zeros(params.max_tokens) if params.logprobs else None
         self.canvases_done = 0
+        adjust = params.logit_adjust()   # applied to every step's logits; counts grow by finished canvases
+        self.adjuster = Adjuster(adjust) if adjust.active else None
         self._prepared: StepResult | None = None  # this step's result when computed batched (prepare_batch)
         self._reset_canvas()
 
@@ -166,6 +169,9 @@ class GemmaSequence:
             if len(members) < 2:
                 continue
             seqs = [s for s, _ in members]
+            for s, lg in members:
+                if s.adjuster is not None:
+                    s.adjuster.adjust(lg.view(s.C, -1))
             results = denoise_batch(torch.stack([lg.view(s.C, -1) for s, lg in members]),
                                     torch.cat([s.canvas for s in seqs]), [s.remaining for s in seqs],
                                     [s.cfg for s in seqs], [s.history for s in seqs], [s.generator for s in seqs])
@@ -179,6 +185,8 @@ class GemmaSequence:
         step: StepResult | None = self._prepared
         self._prepared = None
         if step is None:
+            if self.adjuster is not None:
+                self.adjuster.adjust(logits.view(self.C, -1))
             step = denoise_step(logits.view(1, self.C, -1), self.canvas, self.remaining, self.cfg, self.history,
                                 self.generator)
         self.stats.denoise_steps += 1
@@ -195,6 +203,8 @@ class GemmaSequence:
         self.canvases_done += 1
         end = min(hi, self.limit)
         new = self.tokens[lo:end].tolist()
+        if self.adjuster is not None:
+            self.adjuster.commit(self.tokens[lo:end])
         if self.logprobs is not None:
             lp = torch.log_softmax(processed[0].float(), dim=-1).gather(1, self.draft[0][:, None])[:, 0]
             self.logprobs[lo - self.P:end - self.P] = lp[: end - lo].cpu()

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from unmask.decoding import PolicyConfig, SamplingParams
+from unmask.decoding.logit_adjust import LogitAdjust, validate as validate_adjust
 from unmask.errors import InvalidRequestError
 from unmask.structured.spec import StructuredSpec
 
@@ -32,6 +33,10 @@ class GenerationParams:
     include_stop_str: bool = False
     snapshots: bool = False             # emit the active block each step (the `diffusing` view)
     logprobs: bool = False
+    # OpenAI logit adjustments (unmask.decoding.logit_adjust): token id -> bias, and output-count penalties
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # uniform-noise families (DiffusionGemma); None: the checkpoint's generation_config, else the reference defaults
     t_min: float | None = None                 # temperature at the last denoising step
     t_max: float | None = None                 # temperature at the first denoising step
@@ -98,11 +103,18 @@ class GenerationParams:
             self.policy_config()
         except ValueError as e:
             bad(str(e), "policy")
+        problem = validate_adjust(self.logit_bias, self.presence_penalty, self.frequency_penalty)
+        if problem:
+            bad(problem, problem.split(" ", 1)[0])
 
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(name=self.policy, threshold=self.threshold, steps=self.steps, factor=self.factor,
                             entropy_bound=0.35 if self.entropy_bound is None else self.entropy_bound,
                             tokens_per_step=self.tokens_per_step)
+
+    def logit_adjust(self) -> LogitAdjust:
+        bias = tuple(sorted((int(t), float(v)) for t, v in (self.logit_bias or {}).items() if v))
+        return LogitAdjust(bias, float(self.presence_penalty), float(self.frequency_penalty))
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from unmask.decoding import BlockState, decide
+from unmask.decoding.logit_adjust import Adjuster
 from unmask.engine.params import GenerationParams
 from unmask.models.attention import KVCache, Segment
 
@@ -91,6 +92,8 @@ class Sequence:
         self.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else torch.seed() % 2**62)
         self.policy = p.policy_config()
         self.sampling = p.sampling()
+        adjust = p.logit_adjust()
+        self.adjuster = Adjuster(adjust) if adjust.active else None
         if self.bidirectional:
             self.block_start = self.P                 # LLaDA semi-AR: blocks count from the answer start
             self.seq = torch.full((self.end + self.S,), t.mask_id, dtype=torch.long)
@@ -167,6 +170,8 @@ class Sequence:
         if plan.targets.numel() == 0:
             return []
         offsets = plan.targets - self.block_start
+        if self.adjuster is not None:
+            self.adjuster.adjust(logits)
         logits[:, self.traits.mask_id] = float("-inf")  # never propose the mask itself (dInfer does the same)
         if self.constraint is not None:
             return self._apply_constrained(plan, logits, offsets)
@@ -177,6 +182,8 @@ class Sequence:
             commit[0] = True
         pos = plan.targets[commit]
         self.seq[pos] = d.tokens[commit]
+        if self.adjuster is not None:
+            self.adjuster.commit(d.tokens[commit])
         if self.logprobs is not None:
             self.logprobs[pos - self.P] = d.probs[commit].clamp_min(1e-30).log()
         self.stats.denoise_steps += 1
@@ -193,6 +200,8 @@ class Sequence:
                                              self.generator, room=self.end - self.final_end)
         pos = plan.targets[: len(tokens)]
         self.seq[pos] = torch.tensor(tokens, dtype=torch.long)
+        if self.adjuster is not None:
+            self.adjuster.commit(self.seq[pos])
         if self.logprobs is not None:
             self.logprobs[pos - self.P] = torch.tensor(probs).clamp_min(1e-30).log()
         self.stats.denoise_steps += 1

@@ -4,8 +4,8 @@ Fields follow the order of OpenAI's API reference; unmask's own extensions are f
 end of each model. Requests accept unknown fields (`extra="allow"`, listed by `ignored_fields`) so
 that clients sending newer OpenAI fields keep working, but types are strict: `"5"` is not an
 integer. Fields that would change the meaning of a request and that unmask does not implement
-(penalties, logit_bias, ...) are declared so that `unsupported()` can reject them with a 400
-instead of silently ignoring them. Tools and structured outputs are checked and compiled by
+(best_of other than n, echo with logprobs, ...) are declared so that `unsupported()` can reject them
+with a 400 instead of silently ignoring them. Tools and structured outputs are checked and compiled by
 unmask.structured (an unenforceable schema is a 400 naming the feature).
 """
 from __future__ import annotations
@@ -104,6 +104,11 @@ class GenerationRequest(RequestModel):
                 kw[name] = getattr(self, name)
         kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw["ignore_eos"] = self.ignore_eos
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name, None):
+                kw[name] = getattr(self, name)
+        if getattr(self, "logit_bias", None):
+            kw["logit_bias"] = token_bias(self.logit_bias)
         return kw
 
 
@@ -186,7 +191,7 @@ class ChatCompletionRequest(GenerationRequest):
         """(param, reason) of the first field set to something unmask cannot honour."""
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs: true"
-        return _common_unsupported(self)
+        return None
 
 
 # ---------------------------------------------------------------------------------------- completions
@@ -246,7 +251,7 @@ class CompletionRequest(GenerationRequest):
             return "best_of", "best_of other than n is not supported"
         if self.echo and self.logprobs is not None:
             return "echo", "echo with logprobs is not supported (prompt logprobs are not computed)"
-        return _common_unsupported(self)
+        return None
 
 
 class FIMCompletionRequest(CompletionRequest):
@@ -273,7 +278,7 @@ class EditRequest(ChatCompletionRequest):
             return "logprobs", "logprobs are not supported on edit endpoints"
         if self.ignore_eos:
             return "ignore_eos", "ignore_eos is not supported on edit endpoints (edits end where the model ends them)"
-        return _common_unsupported(self)
+        return None
 
     def user_content(self) -> str | None:
         """The text of the one user message (None if there is not exactly one)."""
@@ -281,13 +286,16 @@ class EditRequest(ChatCompletionRequest):
         return users[0] if len(users) == 1 else None
 
 
-def _common_unsupported(req) -> tuple[str, str] | None:
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name):
-            return name, f"{name} is not supported; send 0 or leave it out"
-    if req.logit_bias:
-        return "logit_bias", "logit_bias is not supported"
-    return None
+def token_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) -> {id: bias}; GenerationParams checks the ranges."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = float(value)
+        except (TypeError, ValueError):
+            out[key] = value  # rejected with its key named by GenerationParams
+    return out
+
 
 
 # ---------------------------------------------------------------------------------------- responses

@@ -1,0 +1,86 @@
+"""Per-request logit adjustments of the OpenAI API: `logit_bias`, `presence_penalty`, `frequency_penalty`.
+
+    logits[j] += bias[j] - frequency_penalty * count[j] - presence_penalty * (count[j] > 0)
+
+as OpenAI documents them, with count[j] = how often token j occurs in the request's output so far. For a
+diffusion model "so far" means the output tokens committed before this step (in any earlier block or
+step), so tokens committed together in one step do not penalise each other. Tensors only: a sequence
+owns one `Adjuster`, calls `adjust` on each step's logits before the policy sees them and `commit` with
+the tokens it committed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+BIAS_LIMIT = 100.0      # OpenAI: values from -100 to 100
+PENALTY_LIMIT = 2.0     # OpenAI: -2.0 to 2.0
+
+
+@dataclass(frozen=True)
+class LogitAdjust:
+    bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.bias) or self.penalised
+
+
+def validate(bias: dict[int, float] | None, presence: float, frequency: float) -> str | None:
+    """Why these settings are out of range (param: message), or None."""
+    for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
+            return f"{name} must be in [-2, 2], got {v}"
+    for tok, v in (bias or {}).items():
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            return f"logit_bias keys must be token ids (non-negative integers), got {tok!r}"
+        if not -BIAS_LIMIT <= v <= BIAS_LIMIT:
+            return f"logit_bias values must be in [-100, 100], got {v} for token {tok}"
+    return None
+
+
+class Adjuster:
+    """One request's adjustment state: the bias as tensors and the counts of committed output tokens."""
+
+    def __init__(self, spec: LogitAdjust):
+        self.spec = spec
+        self.bias_ids = torch.tensor([t for t, _ in spec.bias], dtype=torch.long)
+        self.bias_values = torch.tensor([v for _, v in spec.bias], dtype=torch.float32)
+        self.counts: Tensor | None = None   # [V], allocated at the first step (the logits give V)
+        self._pending: list[Tensor] = []
+
+    def adjust(self, logits: Tensor) -> Tensor:
+        """In place on [M, V] logits (every row is a position of this request); returns them."""
+        if self.bias_ids.numel():
+            if self.bias_ids.device != logits.device:
+                self.bias_ids, self.bias_values = self.bias_ids.to(logits.device), self.bias_values.to(logits.device)
+            logits[:, self.bias_ids] += self.bias_values.to(logits.dtype)
+        if self.spec.penalised:
+            if self.counts is None or self.counts.device != logits.device:
+                self.counts = (torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+                               if self.counts is None else self.counts.to(logits.device))
+                for t in self._pending:
+                    self.commit(t)
+                self._pending = []
+            s = self.spec
+            penalty = s.frequency_penalty * self.counts + s.presence_penalty * (self.counts > 0).float()
+            logits -= penalty.to(logits.dtype)
+        return logits
+
+    def commit(self, tokens: Tensor) -> None:
+        """Count newly committed output tokens."""
+        if not self.spec.penalised or not tokens.numel():
+            return
+        if self.counts is None:
+            self._pending.append(tokens.reshape(-1).cpu())
+            return
+        t = tokens.reshape(-1).to(self.counts.device)
+        self.counts.index_add_(0, t, torch.ones(t.numel(), dtype=self.counts.dtype, device=t.device))

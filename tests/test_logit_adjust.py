@@ -1,0 +1,84 @@
+"""logit_bias / presence_penalty / frequency_penalty: the arithmetic, the engine hook, the server fields."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unmask.decoding.logit_adjust import Adjuster, LogitAdjust, validate
+from unmask.engine.llm import LLM
+from unmask.engine.params import GenerationParams
+from unmask.errors import InvalidRequestError
+
+
+def test_adjust_arithmetic():
+    a = Adjuster(LogitAdjust(bias=((1, 5.0), (3, -2.0)), presence_penalty=0.5, frequency_penalty=0.25))
+    a.commit(torch.tensor([2, 2, 3]))          # before the first step: held until V is known
+    out = a.adjust(torch.zeros(2, 5))
+    # token 1: +5; token 2: count 2 -> -0.5 - 0.5; token 3: -2 - 0.5 - 0.25
+    assert out.tolist() == [[0.0, 5.0, -1.0, -2.75, 0.0]] * 2
+    a.commit(torch.tensor([0]))
+    assert a.adjust(torch.zeros(1, 5)).tolist() == [[-0.75, 5.0, -1.0, -2.75, 0.0]]
+    assert validate({3: 100.0}, 2.0, -2.0) is None
+    assert "presence_penalty must be in [-2, 2]" in validate(None, 2.5, 0.0)
+    assert "logit_bias values must be in [-100, 100]" in validate({3: 101.0}, 0.0, 0.0)
+    assert "logit_bias keys must be token ids" in validate({"x": 1.0}, 0.0, 0.0)
+
+
+def test_params_reject_out_of_range_with_the_param_named():
+    for kw, param in ((dict(frequency_penalty=-3.0), "frequency_penalty"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+                      (dict(logit_bias={1: 200.0}), "logit_bias")):
+        with pytest.raises(InvalidRequestError) as e:
+            GenerationParams(**kw)
+        assert e.value.param == param
+
+
+@pytest.fixture(scope="module")
+def llms(family_dirs):
+    return {name: LLM(family_dirs[name]) for name in ("sdar", "dream")}
+
+
+@pytest.mark.parametrize("family", ["sdar", "dream"])
+def test_logit_bias_forces_and_bans_tokens(llms, family):
+    llm = llms[family]
+    prompt = list(range(5, 15))
+    base = GenerationParams(max_tokens=8, ignore_eos=True, block_size=4)
+    plain = llm.generate(prompt, base)[0].token_ids
+    forced = llm.generate(prompt, GenerationParams(max_tokens=8, ignore_eos=True, block_size=4,
+                                                   logit_bias={42: 100.0}))[0].token_ids
+    assert forced == [42] * 8
+    banned = GenerationParams(max_tokens=8, ignore_eos=True, block_size=4, logit_bias={t: -100.0 for t in set(plain)})
+    out = llm.generate(prompt, banned)[0].token_ids
+    assert len(out) == 8 and not set(out) & set(plain)
+    with pytest.raises(InvalidRequestError, match="outside this model's vocabulary"):
+        llm.generate(prompt, GenerationParams(max_tokens=4, logit_bias={10**6: 1.0}))
+
+
+def test_penalties_see_exactly_the_committed_output(llms, monkeypatch):
+    """Each step's logits lose frequency * count + presence * [count > 0] of the output committed before it."""
+    from unmask.decoding import logit_adjust
+
+    llm = llms["sdar"]
+    seen = []
+    original = logit_adjust.Adjuster.adjust
+
+    def spy(self, logits):
+        before = logits.clone()
+        after = original(self, logits)
+        seen.append((before, after.clone(), self.counts.clone()))
+        return after
+
+    monkeypatch.setattr(logit_adjust.Adjuster, "adjust", spy)
+    params = GenerationParams(max_tokens=12, ignore_eos=True, block_size=4, policy="topk", tokens_per_step=1,
+                              presence_penalty=1.5, frequency_penalty=0.75)
+    seq = llm.engine.add_request(list(range(5, 15)), params)
+    committed = []
+    while not seq.finish_reason:
+        n = len(seen)
+        llm.engine.step()
+        for before, after, counts in seen[n:]:
+            expected = torch.bincount(torch.tensor(committed, dtype=torch.long), minlength=before.shape[1]).float()
+            assert torch.equal(counts, expected)
+            assert torch.allclose(after, before - 0.75 * expected - 1.5 * (expected > 0).float())
+        out = seq.seq[seq.P:seq.end]
+        committed = out[out != llm.spec.mask_id].tolist()
+    assert len(seen) == 12 and len(committed) == 12
