@@ -401,9 +401,10 @@ class Experts(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         y = _grouped_mm(self.act(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
         y = y * w.reshape(-1)[order, None]
-        out = torch.empty_like(y)
-        out[order] = y
-        return out.view(n, k, -1).sum(dim=1).to(x.dtype)
+        # back to (token, slot) order with a gather: `out[order] = y` takes CPU's index_put path, measured
+        # ~150 us for 32 rows of 64 against a few us here
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return y[inverse].view(n, k, -1).sum(dim=1).to(x.dtype)
 
 
 class GemmaLayer(nn.Module):
