@@ -160,3 +160,21 @@ def test_chat_plan_for_diffusion_gemma_parses_gemma4_calls():
                      "diffusion_gemma", False, {})
     assert plan.structured.kind == "lark" and '"call:get_time"' in plan.structured.value
     assert "<|tool_call>call:<tool name>" in plan.messages[0]["content"]  # fallback prompt in Gemma syntax
+
+
+def test_history_arguments_reach_templates_as_objects():
+    from unmask.server.protocol import ChatMessage
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}
+    msg = ChatMessage(role="assistant", content=None, tool_calls=[call]).to_template()
+    assert msg["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}
+    assert call["function"]["arguments"] == '{"tz": "UTC"}'  # the request itself is not modified
+    odd = {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "not json"}}
+    assert ChatMessage(role="assistant", tool_calls=[odd]).to_template()["tool_calls"][0] == odd
+
+
+def test_history_with_unreadable_arguments_is_a_request_error():
+    from unmask.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="arguments must be a JSON object"):
+        format_call(GEMMA4, {"function": {"name": "f", "arguments": "[1, 2"}})

@@ -10,6 +10,7 @@ unmask.structured (an unenforceable schema is a 400 naming the feature).
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar, Literal
 
@@ -142,7 +143,23 @@ class ChatMessage(RequestModel):
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(self, key) is not None:
                 msg[key] = getattr(self, key)
+        if self.tool_calls:
+            msg["tool_calls"] = [_arguments_as_object(c) for c in self.tool_calls]
         return msg
+
+
+def _arguments_as_object(call: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI clients send `function.arguments` as JSON text; chat templates (Gemma 4's among them) iterate
+    it as a mapping, so a text that parses to an object is handed over parsed (as vLLM does). Other text
+    is left as it is."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
 class ChatCompletionRequest(GenerationRequest):

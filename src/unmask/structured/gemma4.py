@@ -18,6 +18,8 @@ import json
 import re
 from typing import Any
 
+from unmask.errors import InvalidRequestError
+
 QUOTE = '<|"|>'
 CALL_PREFIX = "call:"
 _NAME = re.compile(r"call:([^{}\s<]+)\{")
@@ -133,9 +135,13 @@ def call_arguments(body: str) -> str | None:
 
 
 def format_call(name: str, arguments: dict | str, open_tag: str, close_tag: str) -> str:
-    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    try:
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        args = None
     if not isinstance(args, dict):
-        args = {}
+        raise InvalidRequestError(f"tool call {name!r}: arguments must be a JSON object, got {arguments!r}",
+                                  "messages")
     return f"{open_tag}{CALL_PREFIX}{name}{dumps(args)}{close_tag}"
 
 
