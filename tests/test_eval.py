@@ -43,3 +43,12 @@ def test_evaluate_scores_exact_match_and_tokens_per_forward():
     r = evaluate(FakeLLM(["x = 1  ", "y = 3"]), tasks, "one_token_per_forward")
     assert r.accuracy == 0.5 and r.n == 2
     assert r.tokens == 8 and r.forwards == 4 and r.tokens_per_forward == 2.0
+    assert r.edit_similarity == (1.0 + 0.8) / 2  # "y = 3" vs "y = 2": 4 of 5 characters match
+
+
+def test_edit_similarity_hand_made():
+    from unmask.evaluation import edit_similarity
+
+    assert edit_similarity("", "") == 1.0 and edit_similarity("abc", "") == 0.0
+    assert edit_similarity("return a + b", "return a + b") == 1.0
+    assert edit_similarity("abcd", "abce") == 0.75

@@ -214,13 +214,14 @@ def evaluate_cmd(
         task_sets = [next_line_tasks(docs, limit)]
         if sft_heldout.is_file():
             task_sets.append(infill_tasks(read_jsonl(sft_heldout), limit))
-        typer.echo(f"{'task':<10} {'policy':<24} {'n':>4} {'exact':>7} {'tok/fwd':>8} {'tok/s':>8}")
+        typer.echo(f"{'task':<10} {'policy':<24} {'n':>4} {'exact':>7} {'edit sim':>8} {'tok/fwd':>8} {'tok/s':>8}")
         for tasks in task_sets:
             for name in names:
                 r = evaluate(llm, tasks, name, block_size=block_size)
                 results["tasks"].append({**r.__dict__, "tokens_per_forward": r.tokens_per_forward,
                                          "tokens_per_s": r.tokens_per_s})
-                typer.echo(f"{r.task:<10} {name:<24} {r.n:>4} {r.accuracy:>7.1%} {r.tokens_per_forward:>8.2f} "
+                typer.echo(f"{r.task:<10} {name:<24} {r.n:>4} {r.accuracy:>7.1%} {r.edit_similarity:>8.2f} "
+                           f"{r.tokens_per_forward:>8.2f} "
                            f"{r.tokens_per_s:>8.1f}")
     except UnmaskError as e:
         fail(str(e))

@@ -3,10 +3,13 @@
 Tasks come from the corpus's held-out files (split by file, never seen in training):
   next_line  the file up to the start of a code line -> that line (exact match, stop at newline)
   infill     <|fim_prefix|>P<|fim_suffix|>S<|fim_middle|> -> the single-line span between them
-Each task set runs under several policies; reported: accuracy, tokens per forward, tokens/s.
+Each task set runs under several policies; reported: exact-match accuracy, edit similarity (the mean
+difflib ratio between answer and target, 0..1: CodeXGLUE's line-completion "ES" up to scale, which
+separates a near miss from nonsense where exact match is 0 for both), tokens per forward, tokens/s.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import time
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ class PolicyResult:
     tokens: int
     forwards: int
     seconds: float
+    edit_similarity: float = 0.0
 
     @property
     def tokens_per_forward(self) -> float:
@@ -89,10 +93,18 @@ def evaluate(llm: LLM, tasks: list[Task], policy: str, max_tokens: int = 48, **o
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - t0
-    correct = sum(o.text.rstrip() == t.target for o, t in zip(outs, tasks))
+    answers = [o.text.rstrip() for o in outs]
+    correct = sum(a == t.target for a, t in zip(answers, tasks))
+    similarity = sum(edit_similarity(a, t.target) for a, t in zip(answers, tasks))
     return PolicyResult(task=tasks[0].kind if tasks else "", policy=policy, accuracy=correct / max(len(tasks), 1),
                         n=len(tasks), tokens=sum(len(o.token_ids) for o in outs),
-                        forwards=sum(o.forwards for o in outs), seconds=seconds)
+                        forwards=sum(o.forwards for o in outs), seconds=seconds,
+                        edit_similarity=similarity / max(len(tasks), 1))
+
+
+def edit_similarity(answer: str, target: str) -> float:
+    """difflib's ratio of matching characters, 2 * matches / (len(a) + len(b)); 1.0 for two empty strings."""
+    return difflib.SequenceMatcher(None, answer, target, autojunk=False).ratio()
 
 
 def masked_token_loss(llm: LLM, docs, block_size: int, seq_len: int = 512, max_rows: int = 32, seed: int = 0) -> float:
