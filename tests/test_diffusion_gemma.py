@@ -523,6 +523,20 @@ def test_snapshots_show_the_draft(native):
     assert frames[-1][:8] == seq.output_ids[:8]
 
 
+def test_top_logprobs_of_a_canvas(native):
+    eng = _engine(native)
+    seq = eng.add_request(list(range(3, 12)), GenerationParams(max_tokens=12, steps=4, seed=1, logprobs=True,
+                                                               top_logprobs=3))
+    lps, tops = [], []
+    while eng.has_unfinished():
+        for out in eng.step():
+            lps += out.new_logprobs or []
+            tops += out.new_top_logprobs or []
+    assert len(tops) == len(seq.output_ids) == 12
+    for tok, lp, top in zip(seq.output_ids, lps, tops):  # the canvas answer is the argmax draft
+        assert len(top) == 3 and top[0][0] == tok and top[0][1] == pytest.approx(lp, abs=1e-5)
+
+
 def test_logit_bias_steers_the_canvas(native):
     """+100 on one token: every canvas position drafts it, confidently, alone or batched."""
     eng = _engine(native)

@@ -1,4 +1,6 @@
 """The step engine against a naive full-recompute loop, batching invariance, stopping, bad input."""
+import math
+
 import pytest
 import torch
 
@@ -154,6 +156,30 @@ def test_logprobs_are_probabilities(models):
         for out in eng.step():
             lps += out.new_logprobs or []
     assert len(lps) == 8 and all(lp <= 0.0 for lp in lps)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_top_logprobs_are_the_drawing_distribution(models, temperature):
+    """The k most likely tokens of the distribution each token was drawn from; greedy: the token is first."""
+    model, spec = models["sdar"]
+    eng = Engine(model, spec)
+    seq = eng.add_request(PROMPTS[0], GenerationParams(max_tokens=8, block_size=4, logprobs=True, top_logprobs=4,
+                                                        temperature=temperature, seed=3))
+    lps, tops = [], []
+    while eng.has_unfinished():
+        for out in eng.step():
+            lps += out.new_logprobs or []
+            tops += out.new_top_logprobs or []
+    assert len(tops) == 8 and all(len(t) == 4 for t in tops)
+    for tok, lp, top in zip(seq.output_ids, lps, tops):
+        values = [v for _, v in top]
+        assert values == sorted(values, reverse=True) and sum(math.exp(v) for v in values) <= 1 + 1e-5
+        if temperature == 0.0:
+            assert top[0][0] == tok and top[0][1] == pytest.approx(lp, abs=1e-5)
+        elif tok in dict(top):  # the drawn token's own logprob comes from the same distribution
+            assert dict(top)[tok] == pytest.approx(lp, abs=1e-5)
+    with pytest.raises(InvalidRequestError, match="top_logprobs requires logprobs"):
+        GenerationParams(top_logprobs=2)
 
 
 def test_abort_frees_slot(models):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -269,19 +270,30 @@ def test_seed_reproducibility(client):
 
 
 def test_logprobs(client):
-    r = chat(client, logprobs=True, top_logprobs=1)
+    r = chat(client, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     assert "".join(t.token for t in content) == r.choices[0].message.content
-    for t in content:
-        assert t.logprob <= 0 and [(x.token, x.logprob) for x in t.top_logprobs] == [(t.token, t.logprob)]
+    for t in content:  # greedy: the committed token is the most likely one
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
+        lps = [x.logprob for x in t.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and sum(math.exp(x) for x in lps) <= 1 + 1e-5
+    one = chat(client, logprobs=True).choices[0].logprobs.content  # top_logprobs left out: no alternatives
+    assert all(t.top_logprobs == [] for t in one)
+    done = client.completions.create(model="tiny-sdar", prompt="Once upon a time", max_tokens=6, logprobs=2,
+                                     temperature=0.0)
+    lp = done.choices[0].logprobs
+    assert all(len(top) <= 2 and top.get(tok) == pytest.approx(v, abs=1e-5)
+               for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
     _, _, chunks = stream_chat(client, logprobs=True)
     streamed = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert streamed == pytest.approx([t.logprob for t in content])
     comp = client.completions.create(model="tiny-sdar", prompt="abc", max_tokens=8, temperature=0.0, logprobs=1)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 8
-    assert "".join(lp.tokens) == comp.choices[0].text and lp.top_logprobs[0] == {lp.tokens[0]: lp.token_logprobs[0]}
+    assert "".join(lp.tokens) == comp.choices[0].text and list(lp.top_logprobs[0]) == [lp.tokens[0]]
+    assert lp.top_logprobs[0][lp.tokens[0]] == pytest.approx(lp.token_logprobs[0], abs=1e-5)
 
 
 def test_diffusing_frames_are_marked_and_not_billed(client):

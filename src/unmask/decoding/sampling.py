@@ -133,3 +133,16 @@ def _empty(x: Tensor) -> Proposal:
     f = x.new_empty(0)
     return Proposal(tokens=torch.empty(0, dtype=torch.long, device=x.device), probs=f, entropy=f.clone(),
                     margin=f.clone(), logprobs=f.clone())
+
+
+def top_logprobs(rows: Tensor, k: int, temperature: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(ids [M, k], log-probabilities [M, k]) of the k most likely tokens of each row of logits [M, V].
+
+    The distribution is the one the token was drawn from before truncation: softmax(logits / T) when
+    sampling, softmax(logits) when greedy; top-k / top-p are not applied, so the alternatives a truncated
+    sampler could not pick still show with their probability (as OpenAI's alternatives do)."""
+    x = rows.float()
+    if temperature > 0:
+        x = x / temperature
+    values, ids = torch.log_softmax(x, dim=-1).topk(min(k, x.shape[-1]), dim=-1)
+    return ids, values

@@ -182,16 +182,18 @@ class Engine:
         return outputs
 
     def _output(self, seq: Sequence, new: list[int], delta: str) -> StepOutput:
-        lp = None
+        lp = top = None
+        start = seq.final_end - len(new) - seq.P
         if seq.logprobs is not None and new:
-            start = seq.final_end - len(new) - seq.P
             lp = seq.logprobs[start:start + len(new)].tolist()
+        if seq.top is not None and new:
+            top = seq.top.slice(start, len(new))
         return StepOutput(
             request_id=seq.request_id, new_token_ids=new, text_delta=delta,
             finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.P, num_generated=seq.num_generated, forwards=seq.stats.forwards,
             snapshot=seq.snapshot() if seq.params.snapshots and not seq.finish_reason else None,
-            new_logprobs=lp,
+            new_logprobs=lp, new_top_logprobs=top,
         )
 
     def run_to_completion(self) -> None:

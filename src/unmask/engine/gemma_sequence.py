@@ -28,7 +28,7 @@ from torch import Tensor
 from unmask.decoding.logit_adjust import Adjuster
 from unmask.decoding.uniform import DEFAULTS, StepResult, UniformConfig, denoise_batch, denoise_step, uniform_tokens
 from unmask.engine.params import GenerationParams
-from unmask.engine.sequence import ModelTraits, Stats, Status, StepPlan, _ids
+from unmask.engine.sequence import ModelTraits, Stats, Status, StepPlan, _ids, new_top_store
 from unmask.errors import InvalidRequestError
 from unmask.models.attention import Segment
 
@@ -105,6 +105,7 @@ class GemmaSequence:
         self.cached = 0               # positions whose encoder K/V are in the cache
         self.final_end = self.P
         self.logprobs = torch.zeros(params.max_tokens) if params.logprobs else None
+        self.top = new_top_store(params)
         self.canvases_done = 0
         adjust = params.logit_adjust()   # applied to every step's logits; counts grow by finished canvases
         self.adjuster = Adjuster(adjust) if adjust.active else None
@@ -208,6 +209,8 @@ class GemmaSequence:
         if self.logprobs is not None:
             lp = torch.log_softmax(processed[0].float(), dim=-1).gather(1, self.draft[0][:, None])[:, 0]
             self.logprobs[lo - self.P:end - self.P] = lp[: end - lo].cpu()
+        if self.top is not None:  # processed = logits / T at this step: T is already applied
+            self.top.record(torch.arange(lo - self.P, end - self.P), processed[0][: end - lo], 0.0)
         for i, t in enumerate(new):
             if t in self.stops:
                 self.final_end = lo + i

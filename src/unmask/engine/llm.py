@@ -40,14 +40,18 @@ class LLM:
         seqs = [self.engine.add_request(self.encode(p), sp) for p, sp in zip(batch, plist)]
         texts = {s.request_id: "" for s in seqs}
         logprobs: dict[str, list[float]] = {s.request_id: [] for s in seqs}
+        tops: dict[str, list] = {s.request_id: [] for s in seqs}
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.request_id in texts:
                     texts[out.request_id] += out.text_delta
                     if out.new_logprobs:
                         logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.new_top_logprobs:
+                        tops[out.request_id].extend(out.new_top_logprobs)
         return [RequestOutput(
             request_id=s.request_id, prompt_ids=s.prompt_ids, token_ids=s.output_ids,
             text=texts[s.request_id], finish_reason=s.finish_reason, forwards=s.stats.forwards,
             logprobs=logprobs[s.request_id] if s.params.logprobs else None,
+            top_logprobs=tops[s.request_id] if s.params.top_logprobs else None,
         ) for s in seqs]

@@ -16,6 +16,7 @@ class StepOutput:
     forwards: int                     # forwards this request took part in so far
     snapshot: list[int] | None = None  # committed prefix + active block with masks (diffusing view)
     new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob), most likely first
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RequestOutput:
     finish_reason: str | None
     forwards: int
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def tokens_per_forward(self) -> float:

@@ -33,6 +33,7 @@ class GenerationParams:
     include_stop_str: bool = False
     snapshots: bool = False             # emit the active block each step (the `diffusing` view)
     logprobs: bool = False
+    top_logprobs: int = 0               # with logprobs: the k most likely alternatives at each output position
     # OpenAI logit adjustments (unmask.decoding.logit_adjust): token id -> bias, and output-count penalties
     logit_bias: dict[int, float] | None = None
     presence_penalty: float = 0.0
@@ -103,6 +104,10 @@ class GenerationParams:
             self.policy_config()
         except ValueError as e:
             bad(str(e), "policy")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            bad(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            bad("top_logprobs requires logprobs", "top_logprobs")
         problem = validate_adjust(self.logit_bias, self.presence_penalty, self.frequency_penalty)
         if problem:
             bad(problem, problem.split(" ", 1)[0])

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from unmask.decoding import BlockState, decide
 from unmask.decoding.logit_adjust import Adjuster
+from unmask.decoding.sampling import top_logprobs
 from unmask.engine.params import GenerationParams
 from unmask.models.attention import KVCache, Segment
 
@@ -44,6 +45,27 @@ class ModelTraits:
     # the checkpoint's config.json / generation_config.json, for families with their own sequence class
     config: dict = field(default_factory=dict, compare=False)
     generation_config: dict = field(default_factory=dict, compare=False)
+
+
+class TopStore:
+    """The k most likely tokens and their log-probabilities at each output position (`top_logprobs`)."""
+
+    def __init__(self, n: int, k: int):
+        self.ids = torch.zeros(n, k, dtype=torch.long)
+        self.logprobs = torch.zeros(n, k)
+
+    def record(self, index: Tensor, rows: Tensor, temperature: float) -> None:
+        if rows.shape[0]:
+            ids, lps = top_logprobs(rows, self.ids.shape[1], temperature)
+            self.ids[index.cpu()], self.logprobs[index.cpu()] = ids.cpu(), lps.cpu()
+
+    def slice(self, start: int, n: int) -> list[list[tuple[int, float]]]:
+        ids, lps = self.ids[start:start + n].tolist(), self.logprobs[start:start + n].tolist()
+        return [list(zip(i, lp)) for i, lp in zip(ids, lps)]
+
+
+def new_top_store(p: GenerationParams) -> TopStore | None:
+    return TopStore(p.max_tokens, p.top_logprobs) if p.logprobs and p.top_logprobs else None
 
 
 @dataclass
@@ -108,6 +130,7 @@ class Sequence:
         self.final_end = self.P      # generated text is final up to here
         self.stop_at: int | None = None
         self.logprobs = torch.zeros(p.max_tokens) if p.logprobs else None
+        self.top = new_top_store(p)
         self.block = BlockState(initial_masked=self._masked_in_block())
 
     # ------------------------------------------------------------------ planning
@@ -186,6 +209,8 @@ class Sequence:
             self.adjuster.commit(d.tokens[commit])
         if self.logprobs is not None:
             self.logprobs[pos - self.P] = d.probs[commit].clamp_min(1e-30).log()
+        if self.top is not None:
+            self.top.record(pos - self.P, logits[commit], self.sampling.temperature)
         self.stats.denoise_steps += 1
         return self._advance()
 
@@ -204,6 +229,8 @@ class Sequence:
             self.adjuster.commit(self.seq[pos])
         if self.logprobs is not None:
             self.logprobs[pos - self.P] = torch.tensor(probs).clamp_min(1e-30).log()
+        if self.top is not None:  # the constrained distribution: the constraint masked these rows in place
+            self.top.record(pos - self.P, logits[: len(tokens)], self.sampling.temperature)
         self.stats.denoise_steps += 1
         new = self._advance()
         if self.finish_reason == "length" and self.constraint.complete():

@@ -72,6 +72,7 @@ class ChoiceState:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     num_generated: int = 0
 
@@ -79,6 +80,7 @@ class ChoiceState:
         self.text += out.text_delta
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
+        self.top_logprobs += out.new_top_logprobs or []
         self.num_generated = out.num_generated
         if out.finished:
             self.finish_reason = out.finish_reason
@@ -219,6 +221,7 @@ class OpenAIServing:
                 raise APIError(400, str(e), param=e.param) from None
             kw["structured"] = structured
         logprobs = bool(req.logprobs) if isinstance(req, ChatCompletionRequest) else req.logprobs is not None
+        top_k = (req.top_logprobs or 0) if isinstance(req, ChatCompletionRequest) else (req.logprobs or 0)
         base = uuid.uuid4().hex[:16]
         jobs = []
         for p, ids in enumerate(prompts):
@@ -227,6 +230,7 @@ class OpenAIServing:
                 seed = None if req.seed is None else (req.seed + j) % 2**63
                 try:
                     params = GenerationParams(max_tokens=max_tokens, seed=seed, logprobs=logprobs,
+                                              top_logprobs=top_k if logprobs else 0,
                                               snapshots=req.diffusing and req.stream, **kw)
                 except InvalidRequestError as e:
                     raise APIError(400, str(e), param=e.param) from None
@@ -417,6 +421,13 @@ class _Format:
     def token_strings(self, ids: list[int]) -> list[str]:
         return [self.tok.decode([t], skip_special_tokens=False) for t in ids]
 
+    def alternatives(self, tops: list | None, i: int) -> list[tuple[str, float]]:
+        """The k most likely tokens at output position i as (text, logprob), most likely first."""
+        if not self.logprobs or not tops or i >= len(tops):
+            return []
+        pairs = tops[i][: self.logprobs]
+        return list(zip(self.token_strings([t for t, _ in pairs]), [lp for _, lp in pairs]))
+
 
 class ChatFormat(_Format):
     """Chat responses; with tools, each choice's output goes through a ToolParser (special tokens kept,
@@ -431,14 +442,13 @@ class ChatFormat(_Format):
         self._parsers: dict[int, ToolParser] = {}
         self._decoders: dict[int, IncrementalDecoder] = {}
 
-    def _logprobs(self, ids: list[int], lps: list[float]) -> ChoiceLogprobs | None:
+    def _logprobs(self, ids: list[int], lps: list[float], tops: list | None) -> ChoiceLogprobs | None:
         if self.logprobs is None:
             return None
         content = []
-        for s, lp in zip(self.token_strings(ids), lps):
-            b = list(s.encode())
-            top = [TopLogprob(token=s, logprob=lp, bytes=b)] if self.logprobs else []
-            content.append(TokenLogprob(token=s, logprob=lp, bytes=b, top_logprobs=top))
+        for i, (s, lp) in enumerate(zip(self.token_strings(ids), lps)):
+            top = [TopLogprob(token=a, logprob=alp, bytes=list(a.encode())) for a, alp in self.alternatives(tops, i)]
+            content.append(TokenLogprob(token=s, logprob=lp, bytes=list(s.encode()), top_logprobs=top))
         return ChoiceLogprobs(content=content)
 
     def _chunk(self, choices: list[ChatChunkChoice], **kw) -> ChatCompletionChunk:
@@ -454,7 +464,8 @@ class ChatFormat(_Format):
             return []
         delta = Delta(content=out.text_delta) if out.text_delta or not out.finished else Delta()
         return [self._chunk([ChatChunkChoice(index=index, delta=delta,
-                                             logprobs=self._logprobs(out.new_token_ids, out.new_logprobs or []),
+                                             logprobs=self._logprobs(out.new_token_ids, out.new_logprobs or [],
+                                                                     out.new_top_logprobs),
                                              finish_reason=out.finish_reason if out.finished else None)])]
 
     def _tool_chunks(self, index: int, out: StepOutput) -> list[ChatCompletionChunk]:
@@ -470,7 +481,7 @@ class ChatFormat(_Format):
         pieces += [Delta(tool_calls=[DeltaToolCall(
             index=d.index, id=d.id, type="function" if d.id else None,
             function=DeltaFunction(name=d.name, arguments=d.arguments))]) for d in deltas]
-        logprobs = self._logprobs(out.new_token_ids, out.new_logprobs or [])
+        logprobs = self._logprobs(out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs)
         if logprobs is not None and out.new_token_ids and not pieces:
             pieces = [Delta()]
         chunks = [self._chunk([ChatChunkChoice(index=index, delta=d, logprobs=logprobs if i == 0 else None)])
@@ -492,7 +503,7 @@ class ChatFormat(_Format):
                                       usage=usage)
 
     def _choice(self, index: int, st: ChoiceState) -> ChatChoice:
-        logprobs = self._logprobs(st.token_ids, st.logprobs)
+        logprobs = self._logprobs(st.token_ids, st.logprobs, st.top_logprobs)
         if self.tools is None:
             return ChatChoice(index=index, message=AssistantMessage(content=st.text), logprobs=logprobs,
                               finish_reason=st.finish_reason)
@@ -515,7 +526,7 @@ class CompletionFormat(_Format):
     def _prefix(self, index: int) -> str:
         return self.echo[index // self.n]
 
-    def _logprobs(self, ids: list[int], lps: list[float], offset: int) -> CompletionLogprobs | None:
+    def _logprobs(self, ids: list[int], lps: list[float], offset: int, tops: list | None) -> CompletionLogprobs | None:
         if self.logprobs is None:
             return None
         tokens = self.token_strings(ids)
@@ -523,7 +534,8 @@ class CompletionFormat(_Format):
         for s in tokens:
             offsets.append(offset)
             offset += len(s)
-        top = [{s: lp} for s, lp in zip(tokens, lps)] if self.logprobs else None
+        # legacy shape: one {token text: logprob} object per position (texts that decode alike merge)
+        top = [dict(self.alternatives(tops, i)) for i in range(len(tokens))] if self.logprobs else None
         return CompletionLogprobs(tokens=tokens, token_logprobs=list(lps), top_logprobs=top, text_offset=offsets)
 
     def _chunk(self, choices: list[CompletionChoice], **kw) -> CompletionChunk:
@@ -540,7 +552,8 @@ class CompletionFormat(_Format):
     def chunk(self, index: int, st: ChoiceState, out: StepOutput) -> CompletionChunk:
         offset = len(self._prefix(index)) + len(st.text) - len(out.text_delta)
         return self._chunk([CompletionChoice(index=index, text=out.text_delta,
-                                             logprobs=self._logprobs(out.new_token_ids, out.new_logprobs or [], offset),
+                                             logprobs=self._logprobs(out.new_token_ids, out.new_logprobs or [], offset,
+                                                                     out.new_top_logprobs),
                                              finish_reason=out.finish_reason if out.finished else None)])
 
     def diffusing(self, frame: DiffusingFrame) -> CompletionChunk:
@@ -551,7 +564,8 @@ class CompletionFormat(_Format):
 
     def response(self, states: dict[int, ChoiceState], usage: Usage) -> CompletionResponse:
         choices = [CompletionChoice(index=i, text=self._prefix(i) + st.text,
-                                    logprobs=self._logprobs(st.token_ids, st.logprobs, len(self._prefix(i))),
+                                    logprobs=self._logprobs(st.token_ids, st.logprobs, len(self._prefix(i)),
+                                                            st.top_logprobs),
                                     finish_reason=st.finish_reason)
                    for i, st in sorted(states.items())]
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)

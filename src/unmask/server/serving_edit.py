@@ -76,7 +76,8 @@ class EditServing:
             for j in range(req.n):
                 seed = None if req.seed is None else (req.seed + j) % 2**63
                 params = self._params(ip, req.infill_lengths, max_tokens=max_tokens, seed=seed,
-                                      logprobs=req.logprobs is not None, snapshots=req.diffusing and req.stream, **kw)
+                                      logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
+                                      snapshots=req.diffusing and req.stream, **kw)
                 jobs.append(Job(p * req.n + j, f"{base}-{p * req.n + j}", ip.prompt_ids, params))
         fmt = CompletionFormat(s, req, [""] * len(prompts))
         return await s._run(fmt, jobs, req, counted, is_disconnected, t0)
