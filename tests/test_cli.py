@@ -25,12 +25,26 @@ def test_generate_is_deterministic_with_seed(family_dirs):
     assert invoke(*args).stdout == invoke(*args).stdout
 
 
+def test_generate_takes_penalties(family_dirs, monkeypatch):
+    """The flags reach GenerationParams (the arithmetic is tested in test_logit_adjust.py)."""
+    from unmask.engine import llm as llm_module
+
+    seen = []
+    original = llm_module.LLM.generate
+    monkeypatch.setattr(llm_module.LLM, "generate", lambda self, ids, p: seen.append(p) or original(self, ids, p))
+    r = invoke("generate", "--model", str(family_dirs["sdar"]), "--max-tokens", "8", "--block-size", "4",
+               "--frequency-penalty", "0.5", "--presence-penalty", "1.5", "hi")
+    assert r.exit_code == 0 and r.stdout.startswith("hi")
+    assert (seen[0].frequency_penalty, seen[0].presence_penalty) == (0.5, 1.5)
+
+
 @pytest.mark.parametrize("args, message", [
     (("--model", "/no/such/dir"), "error: model directory '/no/such/dir' not found"),
     (("--policy", "bogus"), "error: name: unknown decoding policy 'bogus'"),
     (("--max-tokens", "0"), "error: max_tokens must be a positive integer"),
     (("--threshold", "1.5"), "error: threshold must be in (0, 1]"),
     (("--max-tokens", "5000"), "over this model's context of 4096"),
+    (("--presence-penalty", "3"), "error: presence_penalty must be in [-2, 2], got 3.0"),
 ])
 def test_bad_input_is_one_line(family_dirs, args, message):
     base = [] if "--model" in args else ["--model", str(family_dirs["sdar"])]
