@@ -45,12 +45,16 @@ bench-quick: $(STAMP)
 		$(if $(THREADS),--threads $(THREADS)) > build/ar-twin-quick.log 2>&1 || (cat build/ar-twin-quick.log; exit 1)
 	$(BIN)/python bench/suite.py --quick $(if $(TWIN),,--twin build/ar-twin-quick/model) $(BENCH_OPTS)
 
-# Rebuild the built-in model from scratch on this machine (about 2 h on 2 CPU cores; see docs/model-card.md).
+# Rebuild the built-in model from scratch on this machine (about 4 h on 2 idle CPU cores; see docs/model-card.md):
+# pre-training, a continuation with a fresh warmup + cosine, then SFT with a quarter of plain-text rows.
 model: $(STAMP)
 	$(BIN)/unmask corpus
 	$(BIN)/unmask train --out runs/pretrain --steps 570 --warmup 60 --lr 1.5e-3 --eval-every 100 --save-every 50
-	$(BIN)/unmask finetune --model runs/pretrain/model --data data/sft/train.jsonl --eval-data data/sft/heldout.jsonl \
-		--out runs/sft --steps 330 --warmup 20 --lr 5e-4 --pack --eval-every 100 --save-every 50
+	$(BIN)/unmask train --init-from runs/pretrain/model --out runs/pretrain2 --steps 1100 --warmup 30 --lr 1e-3 \
+		--eval-every 100 --save-every 25
+	$(BIN)/unmask finetune --model runs/pretrain2/model --data data/sft/train.jsonl --eval-data data/sft/heldout.jsonl \
+		--out runs/sft --steps 400 --warmup 20 --lr 5e-4 --pack --mix-text data/corpus --mix-fraction 0.25 \
+		--eval-every 100 --save-every 50
 	rm -rf src/unmask/assets/unmask-tiny && cp -r runs/sft/model src/unmask/assets/unmask-tiny
 
 clean:

@@ -271,7 +271,7 @@ def main() -> None:
                          "summed budget as one schedule)")
     ap.add_argument("--ref-pretrain-warmup", type=int, default=60)
     ap.add_argument("--ref-pretrain-lr", type=float, default=1.5e-3)
-    ap.add_argument("--ref-sft-steps", type=int, default=330)
+    ap.add_argument("--ref-sft-steps", type=int, default=400)
     ap.add_argument("--ref-sft-warmup", type=int, default=20)
     ap.add_argument("--ref-sft-lr", type=float, default=5e-4)
     ap.add_argument("--ref-sft-mix", type=float, default=0.25,
