@@ -1,8 +1,8 @@
 """Speed vs quality per decoding policy on the held-out tasks, beside the autoregressive twin.
 
 Tasks: `unmask.evaluation` next-line completion (held-out stdlib files) and single-line infill (held-out
-FIM records), exact match after stopping at the first newline, greedy, max 48 tokens: the model card's
-evaluation. Every request runs alone (batch 1) through the offline API with the prefix cache off, so
+FIM records), exact match of the first answer line (`Task.answer`: next-line answers open with the
+newline that ends the prompt's line), greedy, max 48 tokens: the model card's evaluation. Every request runs alone (batch 1) through the offline API with the prefix cache off, so
 each one pays its own prefill, as the twin's `generate` does.
 
 Interleaving: for each task, every variant runs once, in an order rotated by one per task and per
@@ -94,7 +94,7 @@ def run_section(llm, variants: list[Variant], tasks: list, rounds: int, log) -> 
     def one(v: Variant, i: int) -> tuple[str, int, int, float]:
         t = tasks[i]
         if v.decoder is not None:
-            r = v.decoder.run(prompts[i], MAX_TOKENS, stop_newline=True)
+            r = v.decoder.run(prompts[i], MAX_TOKENS, stop_newline=not t.lead)
             return r.text, r.tokens, r.forwards, r.seconds
         params = GenerationParams(max_tokens=MAX_TOKENS, stop=list(t.stop), **v.engine)
         t0 = time.perf_counter()
@@ -111,7 +111,7 @@ def run_section(llm, variants: list[Variant], tasks: list, rounds: int, log) -> 
         for i, task in enumerate(tasks):
             for n in _rotate(names, i + r):
                 text, tokens, forwards, seconds = one(by_name[n], i)
-                text = text.split("\n", 1)[0].rstrip()
+                text = task.answer(text)
                 ty = tallies[r][n][task.kind]
                 ty.correct += text == task.target
                 ty.n += 1

@@ -1,7 +1,10 @@
 """Held-out evaluation of a model: next-line completion and infill exact match, per decoding policy.
 
 Tasks come from the corpus's held-out files (split by file, never seen in training):
-  next_line  the file up to the start of a code line -> that line (exact match, stop at newline)
+  next_line  the file up to the end of the line before a code line -> a newline, then that line (exact match
+             of the first line after the newline). The prompt stops before the newline because this
+             tokenizer merges a newline with the next line's indentation ("\n   " is one token): a prompt
+             ending in a bare "\n" token is a boundary the model never saw in training
   infill     <|fim_prefix|>P<|fim_suffix|>S<|fim_middle|> -> the single-line span between them
 Each task set runs under several policies; reported: exact-match accuracy, edit similarity (the mean
 difflib ratio between answer and target, 0..1: CodeXGLUE's line-completion "ES" up to scale, which
@@ -24,6 +27,13 @@ class Task:
     prompt: str
     target: str
     stop: tuple[str, ...]
+    lead: str = ""   # text the answer opens with, not scored (next_line: the newline ending the prompt's line)
+
+    def answer(self, text: str) -> str:
+        """The scored part of a generated text: after the lead, up to the first newline, right-stripped."""
+        if self.lead and text.startswith(self.lead):
+            text = text[len(self.lead):]
+        return text.split("\n", 1)[0].rstrip()
 
 
 @dataclass
@@ -64,7 +74,8 @@ def next_line_tasks(docs, limit: int = 200, context_chars: int = 1200) -> list[T
             if i < 5 or not 8 <= len(body) <= 80 or body.startswith("#") or body.startswith(('"""', "'''")):
                 continue
             if _chosen(f"{doc.relpath}:{i}", 0.05):
-                tasks.append(Task("next_line", doc.text[max(0, start - context_chars):start], line.rstrip(), ("\n",)))
+                prompt = doc.text[max(0, start - 1 - context_chars):start - 1]  # without the newline
+                tasks.append(Task("next_line", prompt, line.rstrip(), (), lead="\n"))
     return tasks[:limit]
 
 
@@ -93,7 +104,7 @@ def evaluate(llm: LLM, tasks: list[Task], policy: str, max_tokens: int = 48, **o
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - t0
-    answers = [o.text.rstrip() for o in outs]
+    answers = [t.answer(o.text) for o, t in zip(outs, tasks)]
     correct = sum(a == t.target for a, t in zip(answers, tasks))
     similarity = sum(edit_similarity(a, t.target) for a, t in zip(answers, tasks))
     return PolicyResult(task=tasks[0].kind if tasks else "", policy=policy, accuracy=correct / max(len(tasks), 1),
