@@ -46,7 +46,8 @@ bench-quick: $(STAMP)
 	$(BIN)/python bench/suite.py --quick $(if $(TWIN),,--twin build/ar-twin-quick/model) $(BENCH_OPTS)
 
 # Rebuild the built-in model from scratch on this machine (about 4 h on 2 idle CPU cores; see docs/model-card.md):
-# pre-training, a continuation with a fresh warmup + cosine, then SFT with a quarter of plain-text rows.
+# pre-training, a continuation with a fresh warmup + cosine, then SFT with a quarter of plain-text rows;
+# the shipped generation_config recommends frequency_penalty 0.5 (docs/model-card.md).
 model: $(STAMP)
 	$(BIN)/unmask corpus
 	$(BIN)/unmask train --out runs/pretrain --steps 570 --warmup 60 --lr 1.5e-3 --eval-every 100 --save-every 50
@@ -56,6 +57,8 @@ model: $(STAMP)
 		--out runs/sft --steps 400 --warmup 20 --lr 5e-4 --pack --mix-text data/corpus --mix-fraction 0.25 \
 		--eval-every 100 --save-every 50
 	rm -rf src/unmask/assets/unmask-tiny && cp -r runs/sft/model src/unmask/assets/unmask-tiny
+	$(BIN)/python -c "import json; p = 'src/unmask/assets/unmask-tiny/generation_config.json'; \
+		d = json.load(open(p)); d['frequency_penalty'] = 0.5; open(p, 'w').write(json.dumps(d, indent=2) + '\n')"
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -36,6 +36,11 @@ def test_generate_takes_penalties(family_dirs, monkeypatch):
                "--frequency-penalty", "0.5", "--presence-penalty", "1.5", "hi")
     assert r.exit_code == 0 and r.stdout.startswith("hi")
     assert (seen[0].frequency_penalty, seen[0].presence_penalty) == (0.5, 1.5)
+    # the built-in model recommends a frequency penalty in its generation_config; a flag overrides it
+    assert invoke("generate", "--max-tokens", "4", "hi").exit_code == 0
+    assert (seen[1].frequency_penalty, seen[1].presence_penalty) == (0.5, 0.0)
+    assert invoke("generate", "--max-tokens", "4", "--frequency-penalty", "0", "hi").exit_code == 0
+    assert seen[2].frequency_penalty == 0.0
 
 
 @pytest.mark.parametrize("args, message", [

@@ -82,3 +82,12 @@ def test_penalties_see_exactly_the_committed_output(llms, monkeypatch):
         out = seq.seq[seq.P:seq.end]
         committed = out[out != llm.spec.mask_id].tolist()
     assert len(seen) == 12 and len(committed) == 12
+
+
+def test_server_defaults_take_the_models_penalties():
+    from unmask.server.serving import sampling_defaults
+
+    assert sampling_defaults({"frequency_penalty": 0.5}) == {"frequency_penalty": 0.5}
+    assert sampling_defaults({"do_sample": True, "temperature": 0.7, "presence_penalty": 1}) == {
+        "temperature": 0.7, "presence_penalty": 1}
+    assert sampling_defaults({"temperature": 0.7}) == {}  # greedy unless the model samples

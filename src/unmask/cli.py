@@ -46,8 +46,10 @@ def generate(
     temperature: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0), top_k: int = typer.Option(0),
     seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
-    presence_penalty: float = typer.Option(0.0, help="Subtracted from tokens already in the output (-2..2)."),
-    frequency_penalty: float = typer.Option(0.0, help="Subtracted per earlier occurrence in the output (-2..2)."),
+    presence_penalty: Optional[float] = typer.Option(
+        None, help="Subtracted from tokens already in the output (-2..2; default: the model's generation_config)."),
+    frequency_penalty: Optional[float] = typer.Option(
+        None, help="Subtracted per earlier occurrence in the output (-2..2; default: the model's generation_config)."),
     cache: str = typer.Option("auto", help="Bidirectional families: none | prefix | dual."),
     stop: list[str] = typer.Option([], help="Stop string (repeatable, up to 4)."),
     chat: bool = typer.Option(False, help="Render the prompt as one user turn with the chat template."),
@@ -60,11 +62,17 @@ def generate(
     from unmask.errors import UnmaskError
 
     try:
-        params = _params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                         policy=policy, threshold=threshold, block_size=block_size, steps=steps,
-                         tokens_per_step=tokens_per_step, cache=cache, stop=list(stop),
-                         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+        knobs = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                     policy=policy, threshold=threshold, block_size=block_size, steps=steps,
+                     tokens_per_step=tokens_per_step, cache=cache, stop=list(stop),
+                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+        _params(**knobs)  # bad flags fail before the model loads
         llm = LLM(model, dtype=dtype, device=device)
+        gen = llm.spec.generation_config
+        for key in ("presence_penalty", "frequency_penalty"):  # the model's recommended penalties, unless given
+            if knobs[key] is None and isinstance(gen.get(key), (int, float)):
+                knobs[key] = gen[key]
+        params = _params(**knobs)
         ids = llm.chat_prompt([{"role": "user", "content": prompt}]) if chat else llm.encode(prompt)
         t0 = time.perf_counter()
         out = llm.generate(ids, params)[0]
