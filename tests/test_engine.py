@@ -229,3 +229,17 @@ def test_prefix_cache_reuses_prompt_blocks_exactly(models):
     # a different block size must not hit blocks computed under another mask
     c = eng.add_request(system + [10, 11], GenerationParams(max_tokens=4, block_size=8))
     assert c.cached == 0
+
+
+@pytest.mark.parametrize("stops", [["a", "b"], ["b", "a"], ["yyb", "a"]])
+def test_the_earliest_stop_string_ends_the_text(stops):
+    from unmask.defaults import default_model_path
+    from unmask.engine.detokenizer import TextStream
+    from unmask.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_path())
+    ids = tok.encode("xxa yyb zz")
+    stream = TextStream(tok, stops)
+    assert "".join(stream.push([i]) for i in ids) + stream.flush() == "xx"
+    included = TextStream(tok, stops, include_stop=True)
+    assert included.push(ids) + included.flush() == "xxa"

@@ -36,11 +36,11 @@ class TextStream:
         if text.endswith("\ufffd"):  # a multi-byte character is still incomplete
             return ""
         self.text = text
-        for s in self.stop:
-            i = text.find(s, max(0, self.emitted - len(s)))
-            if i >= 0:
-                cut = i + len(s) if self.include_stop else i
-                self.text, self.stopped = text[:cut], True
+        # the earliest match of any stop string ends the text (not the last string listed that matches)
+        hits = [(i, s) for s in self.stop if (i := text.find(s, max(0, self.emitted - len(s)))) >= 0]
+        if hits:
+            i, s = min(hits, key=lambda h: (h[0], -len(h[1])))
+            self.text, self.stopped = text[:i + len(s) if self.include_stop else i], True
         safe = len(self.text) if self.stopped else max(self.emitted, len(self.text) - self.hold)
         delta, self.emitted = self.text[self.emitted:safe], safe
         return delta
