@@ -243,3 +243,29 @@ def test_the_earliest_stop_string_ends_the_text(stops):
     assert "".join(stream.push([i]) for i in ids) + stream.flush() == "xx"
     included = TextStream(tok, stops, include_stop=True)
     assert included.push(ids) + included.flush() == "xxa"
+
+
+def test_min_tokens_holds_stop_strings_and_stop_tokens(models):
+    from unmask.defaults import default_model_path
+    from unmask.engine.detokenizer import TextStream
+    from unmask.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_path())
+    ids = tok.encode("\n    x = 1\n    y = 2\n")
+    first = tok.decode(ids[:1])
+    assert first.startswith("\n")
+    plain, held = TextStream(tok, ["\n"]), TextStream(tok, ["\n"], min_tokens=1)
+    assert plain.push(ids) + plain.flush() == ""
+    assert held.push(ids) + held.flush() == "\n    x = 1"   # the stop applies after the first token
+    model, spec = models["sdar"]
+    eng = Engine(model, spec)
+    stops = list(spec.stop_ids)
+    # every stop token pushed to the top: without min_tokens the first output token ends the request
+    bias = {t: 100.0 for t in stops}
+    out = [eng.add_request(PROMPTS[0], GenerationParams(max_tokens=8, block_size=4, logit_bias=bias, min_tokens=m))
+           for m in (0, 5)]
+    eng.run_to_completion()
+    assert len(out[0].output_ids) == 0 and out[0].finish_reason == "stop"
+    assert len(out[1].output_ids) == 5 and out[1].finish_reason == "stop"
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        GenerationParams(max_tokens=4, min_tokens=5)

@@ -15,7 +15,7 @@ def test_next_line_tasks_are_deterministic_code_lines():
     for t in a:
         assert t.target in {"import os", "def f(x):", "    y = x + 1", "    return y * 2"}
         assert CODE.find(t.prompt + "\n" + t.target) >= 0  # the prompt is the text before the line's newline
-        assert t.lead == "\n" and t.stop == ()
+        assert t.lead == "\n" and t.stop == ("\n",) and t.min_tokens == 1
         assert t.answer("\n" + t.target + "\nmore") == t.target and t.answer(" x\n" + t.target) == " x"
 
 
@@ -35,12 +35,13 @@ class FakeLLM:
         return [1, 2, 3]
 
     def generate(self, prompts, params):
-        assert all(p.stop == [] and p.policy == "topk" and p.tokens_per_step == 1 for p in params)
+        assert all(p.stop == ["\n"] and p.min_tokens == 1 and p.policy == "topk" and p.tokens_per_step == 1
+                   for p in params)
         return [RequestOutput("r", [1], [7] * 4, text, "stop", forwards=2) for text in self.answers]
 
 
 def test_evaluate_scores_exact_match_and_tokens_per_forward():
-    tasks = [Task("next_line", "p", "x = 1", (), lead="\n"), Task("next_line", "p", "y = 2", (), lead="\n")]
+    tasks = [Task("next_line", "p", "x = 1", ("\n",), lead="\n"), Task("next_line", "p", "y = 2", ("\n",), lead="\n")]
     r = evaluate(FakeLLM(["\nx = 1  \nz = 0", "\ny = 3"]), tasks, "one_token_per_forward")
     assert r.accuracy == 0.5 and r.n == 2
     assert r.tokens == 8 and r.forwards == 4 and r.tokens_per_forward == 2.0

@@ -96,7 +96,7 @@ def run_section(llm, variants: list[Variant], tasks: list, rounds: int, log) -> 
         if v.decoder is not None:
             r = v.decoder.run(prompts[i], MAX_TOKENS, stop_newline=not t.lead)
             return r.text, r.tokens, r.forwards, r.seconds
-        params = GenerationParams(max_tokens=MAX_TOKENS, stop=list(t.stop), **v.engine)
+        params = GenerationParams(max_tokens=MAX_TOKENS, stop=list(t.stop), min_tokens=t.min_tokens, **v.engine)
         t0 = time.perf_counter()
         out = llm.generate([prompts[i]], [params])[0]
         return out.text, len(out.token_ids), out.forwards, time.perf_counter() - t0

@@ -29,6 +29,11 @@ class Task:
     stop: tuple[str, ...]
     lead: str = ""   # text the answer opens with, not scored (next_line: the newline ending the prompt's line)
 
+    @property
+    def min_tokens(self) -> int:
+        """The lead's token must not end the answer: the newline stop applies after the first token."""
+        return 1 if self.lead else 0
+
     def answer(self, text: str) -> str:
         """The scored part of a generated text: after the lead, up to the first newline, right-stripped."""
         if self.lead and text.startswith(self.lead):
@@ -75,7 +80,7 @@ def next_line_tasks(docs, limit: int = 200, context_chars: int = 1200) -> list[T
                 continue
             if _chosen(f"{doc.relpath}:{i}", 0.05):
                 prompt = doc.text[max(0, start - 1 - context_chars):start - 1]  # without the newline
-                tasks.append(Task("next_line", prompt, line.rstrip(), (), lead="\n"))
+                tasks.append(Task("next_line", prompt, line.rstrip(), ("\n",), lead="\n"))
     return tasks[:limit]
 
 
@@ -100,7 +105,8 @@ POLICIES = {
 def evaluate(llm: LLM, tasks: list[Task], policy: str, max_tokens: int = 48, **overrides) -> PolicyResult:
     knobs = {**POLICIES[policy], **overrides}
     prompts = [llm.encode(t.prompt) for t in tasks]
-    params = [GenerationParams(max_tokens=max_tokens, stop=list(t.stop), **knobs) for t in tasks]
+    params = [GenerationParams(max_tokens=max_tokens, stop=list(t.stop), min_tokens=t.min_tokens, **knobs)
+              for t in tasks]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - t0

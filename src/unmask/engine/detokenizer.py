@@ -7,9 +7,12 @@ from unmask.tokenizer import Tokenizer
 class TextStream:
     """Decodes a growing token list; holds back just enough text to never emit part of a stop string."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, include_stop: bool = False):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, include_stop: bool = False,
+                 min_tokens: int = 0):
         self.tok = tokenizer
         self.stop = stop or []
+        self.min_tokens = min_tokens  # stop strings are matched only in the text after the first min_tokens tokens
+        self._search_from: int | None = 0 if min_tokens == 0 else None
         self.include_stop = include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
@@ -36,13 +39,21 @@ class TextStream:
         if text.endswith("\ufffd"):  # a multi-byte character is still incomplete
             return ""
         self.text = text
+        if self._search_from is None:
+            if len(self.ids) < self.min_tokens:
+                return self._release(text)
+            self._search_from = len(self.tok.decode(self.ids[:self.min_tokens]))
         # the earliest match of any stop string ends the text (not the last string listed that matches)
-        hits = [(i, s) for s in self.stop if (i := text.find(s, max(0, self.emitted - len(s)))) >= 0]
+        start = max(self._search_from, self.emitted - max((len(s) for s in self.stop), default=0))
+        hits = [(i, s) for s in self.stop if (i := text.find(s, start)) >= 0]
         if hits:
             i, s = min(hits, key=lambda h: (h[0], -len(h[1])))
             self.text, self.stopped = text[:i + len(s) if self.include_stop else i], True
-        safe = len(self.text) if self.stopped else max(self.emitted, len(self.text) - self.hold)
-        delta, self.emitted = self.text[self.emitted:safe], safe
+        return self._release(self.text)
+
+    def _release(self, text: str) -> str:
+        safe = len(text) if self.stopped else max(self.emitted, len(text) - self.hold)
+        delta, self.emitted = text[self.emitted:safe], safe
         return delta
 
     def flush(self) -> str:

@@ -102,7 +102,8 @@ class Engine:
             if len(keys) * seq.B > seq.cached:
                 self._pending_store[seq.request_id] = keys
         if self.tokenizer is not None:
-            self.streams[seq.request_id] = TextStream(self.tokenizer, params.stop, params.include_stop_str)
+            self.streams[seq.request_id] = TextStream(self.tokenizer, params.stop, params.include_stop_str,
+                                                         params.min_tokens)
         self.scheduler.add(seq)
         return seq
 

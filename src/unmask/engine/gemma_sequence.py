@@ -86,6 +86,9 @@ class GemmaSequence:
             raise InvalidRequestError("top_k / top_p do not apply to DiffusionGemma: its sampler draws from the "
                                       "full distribution at the scheduled temperature (t_min..t_max)",
                                       "top_k" if params.top_k else "top_p")
+        if params.min_tokens:
+            raise InvalidRequestError("min_tokens is not supported for DiffusionGemma (a canvas is accepted whole)",
+                                      "min_tokens")
         images = set(_image_ids(traits.config)) & set(prompt_ids)
         if images:
             raise InvalidRequestError(f"DiffusionGemma image input is not supported (prompt holds image token(s) "

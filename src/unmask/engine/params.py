@@ -29,6 +29,7 @@ class GenerationParams:
     cache: CacheMode = "auto"           # bidirectional families: none (exact) | prefix | dual
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0                 # no stop token or stop string ends the output before this many tokens
     ignore_eos: bool = False
     include_stop_str: bool = False
     snapshots: bool = False             # emit the active block each step (the `diffusing` view)
@@ -104,6 +105,9 @@ class GenerationParams:
             self.policy_config()
         except ValueError as e:
             bad(str(e), "policy")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+                "min_tokens")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
             bad(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}", "top_logprobs")
         if self.top_logprobs and not self.logprobs:

@@ -196,6 +196,11 @@ class Sequence:
         if self.adjuster is not None:
             self.adjuster.adjust(logits)
         logits[:, self.traits.mask_id] = float("-inf")  # never propose the mask itself (dInfer does the same)
+        if self.params.min_tokens and self.stops:  # no stop token inside the first min_tokens outputs
+            early = (plan.targets < self.P + self.params.min_tokens).to(logits.device)
+            if bool(early.any()):
+                banned = torch.tensor(sorted(self.stops), device=logits.device)
+                logits[early.nonzero()[:, 0][:, None], banned[None, :]] = float("-inf")
         if self.constraint is not None:
             return self._apply_constrained(plan, logits, offsets)
         forced_first = self.traits.ar_first_token and self.block.step == 0 and int(offsets[0]) == 0

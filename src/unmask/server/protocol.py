@@ -100,7 +100,8 @@ class GenerationRequest(RequestModel):
         """Fields this request sets; the server fills in max_tokens, seed and its defaults."""
         effort = self.reasoning_effort
         kw = dict(REASONING_EFFORT[EFFORT_ALIASES.get(effort, effort)]) if effort else {}
-        for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "block_size", *UNIFORM_FIELDS):
+        for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "block_size", "min_tokens",
+                     *UNIFORM_FIELDS):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -193,6 +194,7 @@ class ChatCompletionRequest(GenerationRequest):
     steps: int | None = None
     block_size: int | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = Field(None, ge=0)
     entropy_bound: float | None = None
     t_min: float | None = None
     t_max: float | None = None
@@ -240,6 +242,7 @@ class CompletionRequest(GenerationRequest):
     steps: int | None = None
     block_size: int | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = Field(None, ge=0)
     entropy_bound: float | None = None
     t_min: float | None = None
     t_max: float | None = None
