@@ -633,3 +633,153 @@ def test_chat_template_and_server_stream(ckpt):
     assert diffusing and all(p["diffusing"]["masked"] == 0 for p in diffusing)
     finish = [c["finish_reason"] for p in payloads for c in p.get("choices", []) if c.get("finish_reason")]
     assert finish == ["length"]
+
+
+# ---------------------------------------------------------------------------------------- structured output
+
+@pytest.fixture(scope="module")
+def structured_llm(ckpt, tmp_path_factory):
+    """The tiny checkpoint with an end-of-sequence id in generation_config.json, as released checkpoints have
+    (a grammar ends with it); the weights are the same file."""
+    from unmask.engine.llm import LLM
+
+    d = tmp_path_factory.mktemp("dgemma_eos")
+    for f in ckpt.iterdir():
+        if f.name != "generation_config.json":
+            (d / f.name).symlink_to(f)
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [1]}))
+    return LLM(d, dtype="float32")
+
+
+def _chat(llm) -> list[int]:
+    return llm.chat_prompt([{"role": "user", "content": "Answer in the requested format."}])
+
+
+@pytest.mark.parametrize("draws", ["reference", "lean"])
+def test_structured_output_on_the_uniform_canvas(structured_llm, draws):
+    """Every constraint kind holds on a random model (its free output is byte noise), across canvases."""
+    from test_structured import KINDS, checked
+
+    from unmask.structured import StructuredSpec
+
+    llm = structured_llm
+    for kind, value in KINDS:
+        for seed in (0, 1):
+            # one token per byte here: the schema's shortest answer is ~70 tokens
+            params = GenerationParams(max_tokens=128, structured=StructuredSpec(kind, value), seed=seed, steps=6,
+                                      uniform_draws=draws)
+            out = llm.generate(_chat(llm), params)[0]
+            checked(kind, out.text, value)
+            assert out.finish_reason == "stop" and len(out.token_ids) <= 128
+
+
+def test_unconstrained_uniform_output_is_not_json(structured_llm):
+    llm = structured_llm
+    out = llm.generate(_chat(llm), GenerationParams(max_tokens=24, seed=0, steps=6))[0]
+    with pytest.raises(ValueError):
+        json.loads(out.text)
+
+
+@pytest.mark.parametrize("max_tokens", [3, 5, 13])
+def test_structured_json_closes_within_max_tokens(structured_llm, max_tokens):
+    """max_tokens inside a canvas (3, 5) and in the second canvas (13 with canvases of 8)."""
+    from unmask.structured import StructuredSpec
+
+    llm = structured_llm
+    for seed in range(3):
+        params = GenerationParams(max_tokens=max_tokens, structured=StructuredSpec.json_object(), seed=seed,
+                                  steps=4, t_max=2.0)
+        out = llm.generate(_chat(llm), params)[0]
+        assert isinstance(json.loads(out.text), dict), out.text
+        assert len(out.token_ids) <= max_tokens and out.finish_reason == "stop"
+
+
+def test_structured_tokens_replay_and_logprobs(structured_llm):
+    """A fresh matcher accepts the output and its stop token in order; logprobs and top_logprobs cover every
+    output token, the top entry of each being the committed token (greedy under the grammar's mask)."""
+    from test_structured import PERSON
+
+    from unmask.structured import StructuredSpec
+
+    llm = structured_llm
+    spec = StructuredSpec.json_schema(PERSON)
+    seq = llm.engine.add_request(_chat(llm), GenerationParams(max_tokens=128, structured=spec, seed=3, steps=6,
+                                                              logprobs=True, top_logprobs=2))
+    tops = []
+    while llm.engine.has_unfinished():
+        tops += [t for o in llm.engine.step() if o.request_id == seq.request_id for t in (o.new_top_logprobs or [])]
+    assert seq.finish_reason == "stop"
+    ids = seq.output_ids + [1]
+    fresh = llm.engine.structured_backend().constraint(spec).m
+    assert fresh.validate_tokens(ids) == len(ids)
+    assert torch.isfinite(seq.logprobs[: seq.num_generated]).all()
+    assert len(tops) == seq.num_generated
+
+
+def test_structured_request_batched_with_free_ones(structured_llm):
+    """A constrained canvas steps alone while free requests share the batched denoising step: their tokens
+    are those they get alone."""
+    from unmask.structured import StructuredSpec
+
+    llm = structured_llm
+    free = [GenerationParams(max_tokens=16, steps=4, seed=s, ignore_eos=True) for s in (1, 2)]
+    alone = [o.token_ids for o in llm.generate([_chat(llm)] * 2, free)]
+    spec = StructuredSpec("regex", r"[0-9]{3}-[a-z]{2,5}")
+    outs = llm.generate([_chat(llm)] * 3, free + [GenerationParams(max_tokens=16, structured=spec, seed=0)])
+    assert [o.token_ids for o in outs[:2]] == alone
+    import re
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", outs[2].text)
+
+
+def test_forced_tool_call_text_costs_no_forward(structured_llm):
+    """A named call in Gemma 4 syntax is mostly forced text: several tokens per forward on a random model."""
+    from test_structured import WEATHER
+
+    from unmask.structured import StructuredSpec
+    from unmask.structured.tools import GEMMA4, call_grammar, check_tools
+
+    llm = structured_llm
+    grammar = call_grammar(GEMMA4, check_tools([WEATHER]), "get_weather", False, {})
+    # one token per byte, tags and quotes spelt out: the shortest call is ~75 tokens
+    out = llm.generate(_chat(llm), GenerationParams(max_tokens=128, structured=StructuredSpec("lark", grammar),
+                                                    seed=0, steps=6))[0]
+    assert out.text.startswith("<|tool_call>call:get_weather{") and out.text.endswith("}<tool_call|>"), out.text
+    assert len(out.token_ids) / out.forwards > 2.0
+
+
+def test_tool_choice_required_and_json_schema_served(structured_llm):
+    """Through the server layer: tool_choice required gives an OpenAI tool call with schema-valid JSON
+    arguments (parsed from Gemma 4 syntax), and response_format json_schema gives valid JSON content."""
+    import jsonschema
+    from test_structured import PERSON, WEATHER
+
+    from unmask.engine.async_engine import AsyncEngine
+    from unmask.server.metrics import Metrics
+    from unmask.server.protocol import ChatCompletionRequest
+    from unmask.server.serving import OpenAIServing, ServingConfig
+
+    engine = AsyncEngine(structured_llm.engine)
+    serving = OpenAIServing(structured_llm, engine, Metrics(), ServingConfig(model_name="tiny"))
+    user = [{"role": "user", "content": "Weather in Rome?"}]
+    tool_req = ChatCompletionRequest(messages=user, tools=[WEATHER], tool_choice="required", max_tokens=128,
+                                     seed=0, steps=6)
+    json_req = ChatCompletionRequest(messages=user, max_tokens=128, seed=1, steps=6, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+
+    async def run():
+        return await serving.chat(tool_req), await serving.chat(json_req)
+
+    try:
+        tool_resp, json_resp = asyncio.run(run())
+    finally:
+        engine.shutdown(drain=False)
+    tool_choice = tool_resp.choices[0]
+    assert tool_choice.finish_reason == "tool_calls"
+    call = tool_choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    # string lengths are not enforced in Gemma 4 syntax (structured/gemma4.py GrammarWriter); the rest is
+    params = json.loads(json.dumps(WEATHER["function"]["parameters"]))
+    del params["properties"]["city"]["maxLength"]
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    jsonschema.validate(json.loads(json_resp.choices[0].message.content), PERSON)

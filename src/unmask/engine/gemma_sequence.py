@@ -16,6 +16,14 @@ Randomness: one generator per request (seeded by `seed`), on the model's device,
 order: randint [1, C] per canvas, then per step multinomial [C, V] and randint [1, C]. With
 `torch.manual_seed(s)` before the reference's `generate` and `seed=s` here, a batch-1 run draws the same
 numbers. A request's draws never depend on other requests (see docs/diffusion-gemma.md for batches).
+
+Structured output (a grammar constraint: JSON schema, regex, choice, tool calls): the canvas gains a *fixed
+prefix*. Each step the first unfixed position is decoded under the grammar's token mask, and its draft plus
+the run of entropy-accepted drafts after it are verified left to right by the matcher
+(structured/constraint.py) and fixed: they are pinned in the canvas (one-hot logits: never re-noised, zero
+entropy, peaked self-conditioning). When the stop rule fires or the steps run out, the rest of the canvas
+is filled from the drafts the same way (a refused draft is replaced by the best allowed token). So a
+confident canvas still lands in one step, and every token reaches the matcher in order.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import torch
 from torch import Tensor
 
 from unmask.decoding.logit_adjust import Adjuster
+from unmask.decoding.sampling import SamplingParams
 from unmask.decoding.uniform import DEFAULTS, StepResult, UniformConfig, denoise_batch, denoise_step, uniform_tokens
 from unmask.engine.params import GenerationParams
 from unmask.engine.sequence import ModelTraits, Stats, Status, StepPlan, _ids, new_top_store
@@ -69,11 +78,15 @@ def uniform_config(params: GenerationParams, generation_config: dict) -> Uniform
         raise InvalidRequestError(str(e), "steps" if name == "max_steps" else name) from None
 
 
+_GREEDY = SamplingParams()  # a refused draft is replaced by the best allowed token (the draft is an argmax)
+
+
 class GemmaSequence:
     """Same interface as engine.sequence.Sequence (what Engine, Scheduler and the server read)."""
 
     bidirectional = False
     cache_mode = "exact"
+    supports_constraints = True
 
     def __init__(self, prompt_ids: list[int], params: GenerationParams, traits: ModelTraits):
         self.prompt_ids, self.params, self.traits = prompt_ids, params, traits
@@ -82,6 +95,7 @@ class GemmaSequence:
         self.finish_reason: str | None = None
         self.stats = Stats()
         self.cache = None
+        self.constraint = None   # unmask.structured.Constraint, set by the engine for structured requests
         if params.top_k or params.top_p < 1:
             raise InvalidRequestError("top_k / top_p do not apply to DiffusionGemma: its sampler draws from the "
                                       "full distribution at the scheduled temperature (t_min..t_max)",
@@ -121,6 +135,7 @@ class GemmaSequence:
         self.sc_logits: Tensor | None = None   # [1, C, V] processed logits of the last step
         self.history: Tensor | None = None
         self.remaining = self.cfg.max_steps
+        self.fixed: list[int] = []             # constrained decoding: the canvas's verified prefix
 
     # ------------------------------------------------------------------ planning
     def _device(self) -> torch.device:
@@ -167,7 +182,7 @@ class GemmaSequence:
         groups: dict[tuple, list[tuple[GemmaSequence, Tensor]]] = {}
         for plan, lg in zip(plans, logits):
             seq = plan.seq
-            if isinstance(seq, GemmaSequence) and plan.targets.numel():
+            if isinstance(seq, GemmaSequence) and plan.targets.numel() and seq.constraint is None:
                 groups.setdefault((seq.C, lg.device, seq.cfg.draws), []).append((seq, lg))
         for members in groups.values():
             if len(members) < 2:
@@ -186,6 +201,8 @@ class GemmaSequence:
         """One denoising step; returns the newly final tokens (a whole canvas when it ends)."""
         if plan.targets.numel() == 0:
             return []
+        if self.constraint is not None:
+            return self._apply_constrained(logits.view(self.C, -1))
         step: StepResult | None = self._prepared
         self._prepared = None
         if step is None:
@@ -201,7 +218,59 @@ class GemmaSequence:
             return self._finish_canvas(step.processed)
         return []
 
-    def _finish_canvas(self, processed: Tensor) -> list[int]:
+    def _apply_constrained(self, logits: Tensor) -> list[int]:
+        """One denoising step with the fixed prefix pinned and the next position under the grammar's mask."""
+        if self.adjuster is not None:
+            self.adjuster.adjust(logits)
+        k = len(self.fixed)
+        if k:  # pinned: the fixed token alone, so it is drafted, sampled and kept, with zero entropy
+            logits[:k] = float("-inf")
+            logits[torch.arange(k, device=logits.device), torch.tensor(self.fixed, device=logits.device)] = 0.0
+        self.constraint.mask_row(logits[k])
+        step = denoise_step(logits[None], self.canvas, self.remaining, self.cfg, self.history, self.generator)
+        self.stats.denoise_steps += 1
+        self.remaining -= 1
+        self.history, self.sc_logits = step.history, step.processed
+        processed, drafts = step.processed[0], step.draft[0].tolist()
+        accepted = step.accepted[0].tolist()
+        self._fix(processed, drafts, accepted)
+        span = self._span()
+        if len(self.fixed) < span and not self._fixed_stop() and (bool(step.stop[0]) or self.remaining == 0):
+            while len(self.fixed) < span and not self._fixed_stop():  # fill the rest from the drafts
+                self._fix(processed, drafts, [True] * len(drafts))
+        fixed = torch.tensor(self.fixed, dtype=torch.long, device=step.canvas.device)
+        step.canvas[0, :len(self.fixed)] = fixed
+        step.draft[0, :len(self.fixed)] = fixed
+        self.canvas, self.draft = step.canvas, step.draft
+        if len(self.fixed) < span and not self._fixed_stop():
+            return []
+        new = self._finish_canvas(processed, recorded=True)
+        if self.finish_reason == "length" and self.constraint.complete():
+            self.finish_reason = "stop"  # the grammar's output is complete: not truncated
+        return new
+
+    def _span(self) -> int:
+        """Canvas positions that reach the output (all but the part past max_tokens)."""
+        return min(self.C, self.limit - self.block_start)
+
+    def _fixed_stop(self) -> bool:
+        return bool(self.fixed) and self.fixed[-1] in self.constraint.stops
+
+    def _fix(self, processed: Tensor, drafts: list[int], confident: list[bool]) -> None:
+        """Verify the drafts from the first unfixed position on and fix what the grammar accepts (>= 1 token)."""
+        k, span = len(self.fixed), self._span()
+        rows = processed[k:span]
+        probs = torch.softmax(rows.float(), dim=-1).gather(1, torch.tensor(drafts[k:span], device=rows.device)[:, None])
+        tokens, p = self.constraint.verify(rows, drafts[k:span], confident[k:span], probs[:, 0].tolist(), _GREEDY,
+                                           self.generator, room=self.limit - self.block_start - k)
+        self.fixed += tokens
+        lo = self.block_start - self.P + k
+        if self.logprobs is not None:
+            self.logprobs[lo:lo + len(tokens)] = torch.tensor(p).clamp_min(1e-30).log()
+        if self.top is not None:  # rows as decoded: the first one under the grammar's mask
+            self.top.record(torch.arange(lo, lo + len(tokens)), rows[: len(tokens)], 0.0)
+
+    def _finish_canvas(self, processed: Tensor, recorded: bool = False) -> list[int]:
         lo, hi = self.block_start, self.block_start + self.C
         self.tokens[lo:hi] = self.draft[0].cpu()
         self.canvases_done += 1
@@ -209,10 +278,10 @@ class GemmaSequence:
         new = self.tokens[lo:end].tolist()
         if self.adjuster is not None:
             self.adjuster.commit(self.tokens[lo:end])
-        if self.logprobs is not None:
+        if self.logprobs is not None and not recorded:
             lp = torch.log_softmax(processed[0].float(), dim=-1).gather(1, self.draft[0][:, None])[:, 0]
             self.logprobs[lo - self.P:end - self.P] = lp[: end - lo].cpu()
-        if self.top is not None:  # processed = logits / T at this step: T is already applied
+        if self.top is not None and not recorded:  # processed = logits / T at this step: T is already applied
             self.top.record(torch.arange(lo - self.P, end - self.P), processed[0][: end - lo], 0.0)
         for i, t in enumerate(new):
             if t in self.stops:

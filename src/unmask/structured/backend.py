@@ -17,12 +17,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from unmask.errors import InvalidRequestError
+from unmask.structured.gemma4 import QUOTE
 from unmask.structured.spec import StructuredSpec, styled_schema
 from unmask.tokenizer import Tokenizer
 
-# single-character tokens the budget closer tries, in order (constraint.py `closing_path`): inside a
-# string close it first; elsewhere close containers first (`"` then opens and closes an empty string)
-CLOSERS = {"string": ('"', "}", "]", "0"), "value": ("}", "]", '"', "0")}
+# texts the budget closer tries, in order (constraint.py `closing_path`): inside a string close it first;
+# elsewhere close containers first (`"` then opens and closes an empty string). Gemma 4's string quote
+# (structured/gemma4.py) comes before `"`, which is plain text inside its strings; elsewhere it is refused.
+CLOSERS = {"string": (QUOTE, '"', "}", "]", "0"), "value": ("}", "]", '"', QUOTE, "0")}
 COMPILE_CACHE = 256
 
 
@@ -96,8 +98,8 @@ class GuidanceBackend:
                 self.lltok = llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=self.stop_ids)
             except Exception as e:  # noqa: BLE001 - reported per request, the server keeps serving
                 raise InvalidRequestError(f"structured output is not available for this tokenizer: {e}") from None
-        single = {ch: tokenizer.encode(ch) for ch in CLOSERS["string"]}
-        self.closers = {ctx: [single[ch][0] for ch in chars if len(single[ch]) == 1] for ctx, chars in CLOSERS.items()}
+        ids = {text: tokenizer.encode(text) for text in CLOSERS["string"]}
+        self.closers = {ctx: [ids[t] for t in texts if ids[t]] for ctx, texts in CLOSERS.items()}  # token sequences
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, str] = OrderedDict()
 

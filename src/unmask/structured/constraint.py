@@ -70,7 +70,8 @@ class Constraint:
         bits = (self._bits.unsqueeze(1) >> self._shifts) & 1   # [words, 32], bit j of word w = token 32w + j
         return bits.view(-1)[: self.vocab].bool()
 
-    def _mask_row(self, row: Tensor) -> None:
+    def mask_row(self, row: Tensor) -> None:
+        """Logits outside the grammar's next-token mask -> -inf, in place."""
         row.masked_fill_(~self.allowed().to(row.device), float("-inf"))
 
     # ------------------------------------------------------------------ one step
@@ -81,13 +82,22 @@ class Constraint:
         logits [M, V]: rows of the still-masked positions, the first being the position right after
         the committed prefix; room: canvas positions left from there. Returns 1..M tokens.
         """
+        self.mask_row(logits[0])
+        d = decide(cfg, logits, offsets, block, sampling, generator)
+        return self.verify(logits, d.tokens.tolist(), d.commit.tolist(), d.probs.tolist(), sampling, generator,
+                           room)
+
+    def verify(self, logits: Tensor, tokens: list[int], commit: list[bool], probs: list[float],
+               sampling: SamplingParams, generator: torch.Generator | None,
+               room: int) -> tuple[list[int], list[float]]:
+        """Steps 2-5 for drafts already chosen: `tokens[i]` proposed for row i of `logits` [M, V] (row 0 is the
+        position right after the committed prefix), `commit[i]` whether the policy is confident in it.
+        Token 0 is always taken (checked, and resampled under the mask if refused). Returns 1..M tokens,
+        consumed by the matcher. Decoders with their own acceptance rule (uniform noise) call this directly."""
         m, rows = self.m, logits.shape[0]
         if self.window is None:  # a grammar whose shortest output is long needs its budget checks earlier
             shortest = self.closing_path(room)
             self.window = max(CLOSE_WINDOW, 2 * len(shortest) + 8) if shortest is not None else CLOSE_WINDOW
-        self._mask_row(logits[0])
-        d = decide(cfg, logits, offsets, block, sampling, generator)
-        commit, tokens, probs = d.commit.tolist(), d.tokens.tolist(), d.probs.tolist()
         run = [tokens[0]]
         for i in range(1, rows):
             if not commit[i] or run[-1] in self.stops:
@@ -98,7 +108,7 @@ class Constraint:
         m.consume_tokens(out)
         if n < len(run):  # a draft the policy was sure of and the grammar refuses: resample it under the mask
             row = logits[n:n + 1].clone()
-            self._mask_row(row[0])
+            self.mask_row(row[0])
             prop = propose(row, sampling, generator, need_entropy=False)
             out.append(int(prop.tokens[0]))
             p.append(float(prop.probs[0]))
@@ -155,8 +165,8 @@ class Constraint:
         return self._greedy(self.m.deep_copy(), limit, lookahead=True)
 
     def _greedy(self, c, limit: int, lookahead: bool) -> list[int] | None:
-        """Greedy completion of matcher `c` (consumed as it goes): forced bytes; else a closing character
-        (`"` first inside a string, else `}` `]` `"` `0`); else one of the allowed tokens, chosen with
+        """Greedy completion of matcher `c` (consumed as it goes): forced bytes; else a closing text
+        (backend.CLOSERS: a string's quote first inside a string, else `}` `]` `"` `0`); else one of the allowed tokens, chosen with
         `lookahead` as the one whose own greedy completion is shortest (among the LOOKAHEAD lowest ids).
         Exact where nothing is left to choose, short and terminating for JSON."""
         path: list[int] = []
@@ -170,10 +180,10 @@ class Constraint:
                 path += forced
                 continue
             in_string = self._probe is not None and c.validate_tokens([self._probe]) == 1
-            for t in closers["string" if in_string else "value"]:
-                if c.validate_tokens([t]) == 1:
-                    c.consume_token(t)
-                    path.append(t)
+            for ids in closers["string" if in_string else "value"]:
+                if c.validate_tokens(ids) == len(ids):
+                    c.consume_tokens(ids)
+                    path += ids
                     break
             else:
                 self._fuel -= 1
