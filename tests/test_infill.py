@@ -222,6 +222,27 @@ def test_end_signal_picks_the_shortest_span(bidir):
     assert seq.span_length == 4 and seq.output_ids == [] and seq.finish_reason == "stop"
 
 
+def test_length_probe_reads_logit_bias_and_min_tokens(bidir):
+    """The probe scores the distribution the request decodes from: a -100 bias on the end tokens, or
+    min_tokens past a candidate's last position, leaves that candidate no room signal."""
+    model, spec = bidir["llada"]
+    vocab = spec.arch.vocab_size
+    half = list(range(vocab // 2))
+
+    def probe(**kw):
+        eng = Engine(model, spec)
+        seq = eng.add_request(PROMPT, GenerationParams(max_tokens=16, block_size=4, suffix_ids=SUFFIX,
+                                                       infill_lengths=[4, 8, 16], **kw))
+        eng.step()
+        return [s.end_prob for s in seq.probe_stats]
+
+    ends = sorted(set(half) | set(spec.stop_ids))  # the model's own EOS ends a span too
+    assert all(0.05 < p < 0.95 for p in probe(stop_token_ids=half))
+    assert all(p < 1e-6 for p in probe(stop_token_ids=half, logit_bias={t: -100.0 for t in ends}))
+    everything = list(range(vocab))
+    assert [p > 0.99 for p in probe(stop_token_ids=everything, min_tokens=5)] == [False, True, True]
+
+
 def test_filled_span_shorter_than_max_tokens_is_a_stop(bidir):
     model, spec = bidir["llada"]
     eng = Engine(model, spec)

@@ -126,9 +126,15 @@ class InfillSequence(Sequence):
         if not isinstance(plan, ProbePlan):
             return super().apply(plan, logits)
         logits[:, self.traits.mask_id] = float("-inf")
-        logp = logits.float().log_softmax(-1)
+        scored = logits
+        if self.adjuster is not None:  # logit_bias steers the choice too (penalties are 0: no output yet);
+            scored = logits.clone()    # the kept rows are adjusted once, by the first denoising step
+            self.adjuster.adjust(scored)
+        logp = scored.float().log_softmax(-1)
         stops = sorted(t for t in self.stops if t < logp.shape[1])
-        end_prob = float(logp[-1, stops].exp().sum()) if stops else 0.0
+        # an end token at output position length-1 is banned while min_tokens are not yet out
+        end_ok = stops and plan.length - 1 >= self.params.min_tokens
+        end_prob = float(logp[-1, stops].exp().sum()) if end_ok else 0.0
         self.probe_stats.append(ProbeStat(plan.length, end_prob, float(logp.max(-1).values.mean())))
         if choose_length(self.probe_stats) == plan.length:
             self._kept = logits[:plan.n_first].clone()
