@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test serve bench bench-quick model clean
+.PHONY: setup test serve bench bench-quick llama-cpp model clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,11 @@ bench-quick: $(STAMP)
 	$(BIN)/python scripts/train_ar_twin.py --quick --out build/ar-twin-quick $(if $(MODEL),--reference $(MODEL)) \
 		$(if $(THREADS),--threads $(THREADS)) > build/ar-twin-quick.log 2>&1 || (cat build/ar-twin-quick.log; exit 1)
 	$(BIN)/python bench/suite.py --quick $(if $(TWIN),,--twin build/ar-twin-quick/model) $(BENCH_OPTS)
+
+# Optional: llama.cpp beside the AR twin in `make bench` (section 3b). PyPI has only llama-cpp-python's source,
+# so this compiles llama.cpp (CPU, native instructions); the bench then writes the twin as GGUF itself.
+llama-cpp: $(STAMP)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF" $(BIN)/pip install -q -e '.[test,llama]'
 
 # Rebuild the built-in model from scratch on this machine (about 4 h on 2 idle CPU cores; see docs/model-card.md):
 # pre-training, a continuation with a fresh warmup + cosine, then SFT with a quarter of plain-text rows;

@@ -170,11 +170,15 @@ def main() -> None:
             if gguf is not None:
                 try:
                     lc = twin.LlamaCppTwin(gguf, hf, args.threads)
+                    gap = lc.logit_gap(llm.encode(tasks[0].prompt))
+                    if gap > 1e-2:  # not the same network: its tokens/s would compare different models
+                        raise RuntimeError(f"its next-token logits differ from transformers' by {gap:.3g}")
                     variants.append(policies.Variant(lc.name, "AR twin, llama.cpp (GGUF)", decoder=lc,
                                                      cache="KV (llama.cpp)", group="twin"))
-                    tw["llama_cpp"] = "ran"
-                except Exception as e:  # a GGUF the installed llama.cpp cannot load
-                    why = f"llama.cpp failed to load {gguf}: {e}"
+                    tw.update(llama_cpp="ran", llama_cpp_gguf=rel(gguf), llama_cpp_logit_gap=gap,
+                              llama_cpp_version=twin.llama_cpp_version())
+                except Exception as e:  # a GGUF the installed llama.cpp cannot load, or a different network
+                    why = f"llama.cpp failed on {gguf}: {e}"
             if tw.get("llama_cpp") != "ran":
                 tw["llama_cpp"], tw["llama_cpp_reason"] = "skipped", why
         else:

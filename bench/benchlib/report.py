@@ -266,8 +266,12 @@ def _goals(data: dict) -> str:
             st, ev = "met", f"{tw.get('architecture')} at {tw.get('budget')} budget, decoded with `generate`"
         rows.append(["3a", "AR twin (same tokenizer, shape, data, compute; HF format) decoded with transformers generate",
                      st, ev])
+        lc_ran = tw.get("llama_cpp") == "ran"
         rows.append(["3b", "AR twin through llama.cpp (llama-cpp-python, GGUF)",
-                     "met" if tw.get("llama_cpp") == "ran" else "missed", tw.get("llama_cpp_reason") or "ran"])
+                     ("partial" if tw.get("quick") else "met") if lc_ran else "missed",
+                     f"llama-cpp-python {tw.get('llama_cpp_version')}, float32 GGUF, logits within "
+                     f"{tw.get('llama_cpp_logit_gap', float('nan')):.2g} of transformers" if lc_ran
+                     else tw.get("llama_cpp_reason") or "not run"])
     else:
         rows.append(["2, 3", "policy table and AR twin", "not run", "section `policies` was not run"])
     c = secs.get("cost")
@@ -371,7 +375,14 @@ def _twin_text(sec: dict) -> str:
         if ratio and ratio.get("median"):
             lines.append(f"  Interleaved speed ratio twin / `threshold_0.9`: {_mm(ratio, '{:.2f}')}.")
     out.append("\n".join(lines) + "\n")
-    out.append(f"llama.cpp: {'ran' if tw.get('llama_cpp') == 'ran' else 'not run — ' + tw.get('llama_cpp_reason', '')}.\n")
+    if tw.get("llama_cpp") == "ran":
+        out.append(f"llama.cpp: llama-cpp-python {tw.get('llama_cpp_version', '?')} on `{tw.get('llama_cpp_gguf')}` "
+                   f"(float32 GGUF written by `bench/benchlib/gguf_export.py`), greedy on token ids with the same "
+                   f"stop rules; its next-token logits differ from transformers' by at most "
+                   f"{tw.get('llama_cpp_logit_gap', float('nan')):.2g} on the first task's prompt (checked before "
+                   f"timing), so it runs the same network.\n")
+    else:
+        out.append(f"llama.cpp: not run — {tw.get('llama_cpp_reason', '')}.\n")
     return "\n".join(out)
 
 

@@ -139,6 +139,20 @@ class LlamaCppTwin:
                          logits_all=False)
         self.hf = hf  # decoding the text and the stop sets use the same tokenizer
 
+    def logit_gap(self, prompt_ids: list[int]) -> float:
+        """Max |llama.cpp - transformers| over the next-token logits of `prompt_ids`: is the GGUF file the
+        same network? (float32 file: expect ~1e-4.)"""
+        import numpy as np
+
+        self.llm.reset()
+        self.llm.eval(prompt_ids)
+        # without logits_all, llama-cpp-python keeps no scores: read the last row from the context itself
+        last = self.llm._ctx.get_logits_ith(-1)
+        mine = torch.from_numpy(np.ctypeslib.as_array(last, shape=(self.llm.n_vocab(),)).copy()).float()
+        with torch.no_grad():
+            ref = self.hf.model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()
+        return float((mine[: ref.numel()] - ref).abs().max())
+
     def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool) -> Result:
         nl = set(self.hf.newline_ids.tolist()) if stop_newline else set()
         eos = set(self.hf.eos)
@@ -153,17 +167,28 @@ class LlamaCppTwin:
         return self.hf._finish(new, seconds, len(new))
 
 
+def llama_cpp_version() -> str:
+    import llama_cpp
+
+    return getattr(llama_cpp, "__version__", "?")
+
+
 def llama_cpp_status(twin_dir: Path | None, gguf: Path | None) -> tuple[Path | None, str]:
-    """(gguf path or None, why not) for the llama.cpp decoder."""
+    """(gguf path or None, why not) for the llama.cpp decoder. Without --twin-gguf, the twin is written as
+    TWIN/twin-f32.gguf on first use (gguf_export.py)."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        return None, ("llama-cpp-python is not installed: PyPI has only its source distribution (no prebuilt "
-                      "wheel), and building llama.cpp from source does not fit this machine's budget")
+        return None, ("llama-cpp-python is not installed: PyPI has only its source distribution; "
+                      "`make llama-cpp` builds it (about 15 minutes on 2 cores, see docs/benchmarks.md)")
     if gguf is None and twin_dir is not None:
-        cands = sorted(twin_dir.glob("*.gguf"))
-        gguf = cands[0] if cands else None
+        gguf = twin_dir / "twin-f32.gguf"
+        if not gguf.is_file():
+            try:
+                from benchlib.gguf_export import export
+            except ImportError as e:  # the `gguf` package
+                return None, f"cannot write the twin's GGUF file: {e} (`make llama-cpp` installs it)"
+            export(twin_dir, gguf, "f32")
     if gguf is None or not gguf.is_file():
-        return None, ("no GGUF file of the twin: convert it with llama.cpp's convert_hf_to_gguf.py "
-                      "and pass --twin-gguf")
+        return None, f"no GGUF file of the twin at {gguf}"
     return gguf, ""
