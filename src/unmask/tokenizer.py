@@ -7,14 +7,63 @@ from pathlib import Path
 from unmask.errors import ModelLoadError
 
 
+SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token", "sep_token", "cls_token")
+
+
+def _config(path: Path) -> dict:
+    f = path / "tokenizer_config.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def _special_names(cfg: dict) -> list[str]:
+    names = [v if isinstance(v, str) else v.get("content") for k in SPECIAL_KEYS if (v := cfg.get(k))]
+    extra = cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens") or []
+    names += [t if isinstance(t, str) else t.get("content") for t in (extra if isinstance(extra, list) else [])]
+    return [n for n in names if isinstance(n, str)]
+
+
+def plain_tokenizer(path: Path):
+    """`tokenizers.Tokenizer` of tokenizer.json when it alone gives transformers' encode and decode, else None.
+
+    That holds for the generic fast class (no class-specific normalisation) with clean-up off, when every
+    token the config declares special is a special added token of tokenizer.json (so decoding skips the same
+    ids) and the config adds no token of its own. The built-in model qualifies; importing transformers
+    (~1.2 s of every CLI start) is then left until something needs it (chat templates, grammars, training).
+    """
+    cfg = _config(path)
+    if cfg.get("tokenizer_class") != "PreTrainedTokenizerFast" or cfg.get("clean_up_tokenization_spaces"):
+        return None
+    if not (path / "tokenizer.json").is_file() or cfg.get("add_bos_token") or cfg.get("add_eos_token"):
+        return None
+    from tokenizers import Tokenizer as RawTokenizer
+
+    tok = RawTokenizer.from_file(str(path / "tokenizer.json"))
+    added = {t.content: t for t in tok.get_added_tokens_decoder().values()}
+    if any(n not in added or not added[n].special for n in _special_names(cfg)):
+        return None
+    for i, t in (cfg.get("added_tokens_decoder") or {}).items():
+        if tok.id_to_token(int(i)) != t.get("content") or bool(t.get("special")) != added.get(t.get("content"),
+                                                                                                 t).special:
+            return None
+    return tok
+
+
 class Tokenizer:
     def __init__(self, path: str | Path, chat_template: str | None = None):
+        self.path = Path(path)
+        self._chat_template = chat_template
+        self._hf = None
+        self._plain = plain_tokenizer(self.path)
+        if self._plain is None:
+            self._load_hf()
+
+    def _load_hf(self):
         import warnings
 
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
         from transformers.utils import logging as hf_logging
 
-        path = Path(path)
+        path = self.path
         hf_logging.set_verbosity_error()  # it reads config.json and warns about model types it does not know
         try:
             with warnings.catch_warnings():
@@ -23,32 +72,49 @@ class Tokenizer:
         except Exception:  # custom tokenizer classes (trust_remote_code): fall back to tokenizer.json
             if not (path / "tokenizer.json").is_file():
                 raise ModelLoadError(f"{path} has no loadable tokenizer (tokenizer.json missing)") from None
-            cfg_path = path / "tokenizer_config.json"
-            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+            cfg = _config(path)
             specials = {k: v for k, v in cfg.items()
                         if k in ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token") and isinstance(v, str)}
             tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **specials)
             if cfg.get("chat_template"):
                 tok.chat_template = cfg["chat_template"]
-        if chat_template is not None:
-            tok.chat_template = chat_template
-        self.hf = tok
+        if self._chat_template is not None:
+            tok.chat_template = self._chat_template
+        self._hf = tok
+        return tok
+
+    @property
+    def hf(self):
+        """The transformers tokenizer (loaded on first use when tokenizer.json alone serves encode/decode)."""
+        return self._hf if self._hf is not None else self._load_hf()
 
     @property
     def vocab_size(self) -> int:
+        if self._plain is not None:
+            return self._plain.get_vocab_size(with_added_tokens=True)
         return len(self.hf)
 
     @property
     def has_chat_template(self) -> bool:
+        if self._chat_template is not None:
+            return True
+        if self._hf is None and (_config(self.path).get("chat_template") or (self.path / "chat_template.jinja").is_file()):
+            return True
         return bool(self.hf.chat_template)
 
     def encode(self, text: str) -> list[int]:
+        if self._plain is not None:
+            return self._plain.encode(text, add_special_tokens=False).ids
         return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._plain is not None:
+            return self._plain.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
+        if self._plain is not None:
+            return self._plain.token_to_id(token)
         i = self.hf.convert_tokens_to_ids(token)
         return None if i is None or i == self.hf.unk_token_id and token != self.hf.unk_token else i
 
