@@ -50,17 +50,17 @@ bench-quick: $(STAMP)
 llama-cpp: $(STAMP)
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF" $(BIN)/pip install -q -e '.[test,llama]'
 
-# Rebuild the built-in model from scratch on this machine (about 4 h on 2 idle CPU cores; see docs/model-card.md):
+# Rebuild the built-in model from scratch on this machine (about 4 h on 2 cores without --compile; see docs/model-card.md):
 # pre-training, a continuation with a fresh warmup + cosine, then SFT with a quarter of plain-text rows;
 # the shipped generation_config recommends frequency_penalty 0.5 (docs/model-card.md).
 model: $(STAMP)
 	$(BIN)/unmask corpus
-	$(BIN)/unmask train --out runs/pretrain --steps 570 --warmup 60 --lr 1.5e-3 --eval-every 100 --save-every 50
+	$(BIN)/unmask train --out runs/pretrain --steps 570 --warmup 60 --lr 1.5e-3 --eval-every 100 --save-every 50 --compile
 	$(BIN)/unmask train --init-from runs/pretrain/model --out runs/pretrain2 --steps 1100 --warmup 30 --lr 1e-3 \
-		--eval-every 100 --save-every 25
+		--eval-every 100 --save-every 25 --compile
 	$(BIN)/unmask finetune --model runs/pretrain2/model --data data/sft/train.jsonl --eval-data data/sft/heldout.jsonl \
 		--out runs/sft --steps 400 --warmup 20 --lr 5e-4 --pack --mix-text data/corpus --mix-fraction 0.25 \
-		--eval-every 100 --save-every 50
+		--eval-every 100 --save-every 50 --compile
 	rm -rf src/unmask/assets/unmask-tiny && cp -r runs/sft/model src/unmask/assets/unmask-tiny
 	$(BIN)/python -c "import json; p = 'src/unmask/assets/unmask-tiny/generation_config.json'; \
 		d = json.load(open(p)); d['frequency_penalty'] = 0.5; open(p, 'w').write(json.dumps(d, indent=2) + '\n')"

@@ -282,6 +282,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each decoder layer in place (measured 1.1-1.6x faster steps on 2 busy "
+                         "cores after ~45 s of compiling; same FLOPs, so the budget is unchanged)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--save-every", type=int, default=50)
@@ -379,6 +382,9 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     torch.manual_seed(args.seed)
     model = build_twin(shape, ref_config, args.seed)
+    if args.compile:  # nn.Module.compile keeps parameter names, so checkpoints and the export are unchanged
+        for layer in model.model.layers:
+            layer.compile()
     meta = {"kind": "autoregressive twin", "of": str(ref), "budget": args.budget, "quick": args.quick,
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "phases": {}}
     pre_dir = args.out / "pretrain"

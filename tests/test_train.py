@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import socket
 import warnings
 from pathlib import Path
@@ -255,6 +256,20 @@ def test_resume_is_bit_exact(tmp_path, tokdir, corpus):
 
     with pytest.raises(CheckpointError, match="seq_len"):
         train(tiny_cfg(tmp_path / "b", total_steps=8, seq_len=16, resume=True), corpus, tokdir)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_blocks_train_like_eager_and_export_the_same_names(tmp_path, tokdir, corpus):
+    """--compile: the same losses (float32, up to fused-kernel rounding) and a checkpoint/export whose
+    parameter names are the eager model's (nn.Module.compile keeps them; torch.compile(m) would not)."""
+    eager = train(tiny_cfg(tmp_path / "a", total_steps=3), corpus, tokdir)
+    comp = train(tiny_cfg(tmp_path / "b", total_steps=3, compile=True), corpus, tokdir)
+    assert comp.losses == pytest.approx(eager.losses, rel=1e-4)
+    assert list(comp.model.state_dict()) == list(eager.model.state_dict())
+    with safe_open(str(comp.model_dir / "model.safetensors"), "pt") as f, \
+            safe_open(str(eager.model_dir / "model.safetensors"), "pt") as g:
+        assert sorted(f.keys()) == sorted(g.keys())
 
 
 def test_grad_accum_matches_one_batch(tmp_path, tokdir, corpus):

@@ -72,6 +72,7 @@ class TrainConfig:
     sft_pack: bool = False             # several short SFT records per row (see sft.build_sft_rows)
     mix_fraction: float = 0.0          # fine-tuning: share of rows that are plain corpus text (loss on all tokens)
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
+    compile: bool = False              # torch.compile each transformer block (see compile_blocks)
     model: ModelShape = field(default_factory=ModelShape)  # fresh pre-training model only
 
     def __post_init__(self):
@@ -238,6 +239,20 @@ def _train_step(cfg: TrainConfig, ctx: _Dist, loss_module: nn.Module, obj: Objec
     return ctx.sum([loss_sum])[0] / n_eligible
 
 
+def compile_blocks(model: nn.Module) -> int:
+    """torch.compile every transformer block in place (nn.Module.compile: parameter names and checkpoints
+    are unchanged). Inductor fuses the norms, rotary, casts and residual adds that dominate a CPU step
+    after the matmuls and attention: 1.23-1.53x faster steps (median of 4 interleaved rounds 1.45x) for
+    unmask-tiny at 16 x 512 on 2 busy CPU cores, after ~40 s of compiling. On CPU it needs a C++ compiler."""
+    blocks = next((m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)),
+                  None)
+    if blocks is None:
+        raise TrainConfigError("compile: no transformer block list (`layers`) in this model")
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, eval_rows: TokenRows | None,
         tokenizer_dir: Path | None, ctx: _Dist, on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
     """The loop: batches, optimizer steps, eval, checkpoints, export. Resumes from out_dir if asked."""
@@ -247,6 +262,8 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         raise DataError(f"data rows have length {rows.seq_len}, seq_len is {cfg.seq_len}")
     model = tm.model.to(ctx.device)
     model.train()
+    if cfg.compile:
+        compile_blocks(model)
     opt = _optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     batches = BatchIterator(len(rows), B, cfg.seed)
