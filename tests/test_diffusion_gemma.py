@@ -554,6 +554,23 @@ def test_logit_bias_steers_the_canvas(native):
 
 # ---------------------------------------------------------------------------------------- requests and errors
 
+def test_min_tokens_bans_stop_tokens_early(native):
+    """min_tokens (vLLM's meaning) on whole canvases: the stop token a free run commits at output position 2
+    ends the output there without it, and is banned at the first min_tokens positions with it."""
+    prompt = list(range(40, 52))
+    base = dict(max_tokens=16, steps=4, block_size=4, seed=5)
+    eng = _engine(native)
+    free = eng.add_request(prompt, GenerationParams(**base, ignore_eos=True))
+    eng.run_to_completion()
+    stop = free.output_ids[2]
+    eng = _engine(native)
+    cut = eng.add_request(prompt, GenerationParams(**base, stop_token_ids=[stop]))
+    held = eng.add_request(prompt, GenerationParams(**base, stop_token_ids=[stop], min_tokens=6))
+    eng.run_to_completion()
+    assert cut.finish_reason == "stop" and len(cut.output_ids) <= 2
+    assert len(held.output_ids) >= 6 and stop not in held.output_ids[:6]
+
+
 def test_image_prompt_is_refused(native):
     eng = _engine(native)
     with pytest.raises(InvalidRequestError, match="image input"):

@@ -169,6 +169,8 @@ def test_bad_regex_and_grammar_are_rejected(llms):
 def test_structured_rejects_ignore_eos():
     with pytest.raises(InvalidRequestError, match="ignore_eos"):
         GenerationParams(structured=StructuredSpec.json_object(), ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="min_tokens"):  # it could ban the only grammatical token
+        GenerationParams(structured=StructuredSpec.json_object(), min_tokens=4)
 
 
 def test_token_table_matches_llguidance_hf_loader(tmp_path):

@@ -100,9 +100,6 @@ class GemmaSequence:
             raise InvalidRequestError("top_k / top_p do not apply to DiffusionGemma: its sampler draws from the "
                                       "full distribution at the scheduled temperature (t_min..t_max)",
                                       "top_k" if params.top_k else "top_p")
-        if params.min_tokens:
-            raise InvalidRequestError("min_tokens is not supported for DiffusionGemma (a canvas is accepted whole)",
-                                      "min_tokens")
         images = set(_image_ids(traits.config)) & set(prompt_ids)
         if images:
             raise InvalidRequestError(f"DiffusionGemma image input is not supported (prompt holds image token(s) "
@@ -189,8 +186,7 @@ class GemmaSequence:
                 continue
             seqs = [s for s, _ in members]
             for s, lg in members:
-                if s.adjuster is not None:
-                    s.adjuster.adjust(lg.view(s.C, -1))
+                s._adjust(lg.view(s.C, -1))
             results = denoise_batch(torch.stack([lg.view(s.C, -1) for s, lg in members]),
                                     torch.cat([s.canvas for s in seqs]), [s.remaining for s in seqs],
                                     [s.cfg for s in seqs], [s.history for s in seqs], [s.generator for s in seqs])
@@ -206,8 +202,7 @@ class GemmaSequence:
         step: StepResult | None = self._prepared
         self._prepared = None
         if step is None:
-            if self.adjuster is not None:
-                self.adjuster.adjust(logits.view(self.C, -1))
+            self._adjust(logits.view(self.C, -1))
             step = denoise_step(logits.view(1, self.C, -1), self.canvas, self.remaining, self.cfg, self.history,
                                 self.generator)
         self.stats.denoise_steps += 1
@@ -220,8 +215,7 @@ class GemmaSequence:
 
     def _apply_constrained(self, logits: Tensor) -> list[int]:
         """One denoising step with the fixed prefix pinned and the next position under the grammar's mask."""
-        if self.adjuster is not None:
-            self.adjuster.adjust(logits)
+        self._adjust(logits)
         k = len(self.fixed)
         if k:  # pinned: the fixed token alone, so it is drafted, sampled and kept, with zero entropy
             logits[:k] = float("-inf")
@@ -248,6 +242,17 @@ class GemmaSequence:
         if self.finish_reason == "length" and self.constraint.complete():
             self.finish_reason = "stop"  # the grammar's output is complete: not truncated
         return new
+
+    def _adjust(self, logits: Tensor) -> None:
+        """Request-level logit changes of this canvas's [C, V] logits, in place: logit_bias and penalties, and
+        min_tokens (vLLM's meaning: no stop token among the first min_tokens outputs) as a ban of the stop
+        tokens at those canvas positions, so neither the draft nor the sample can end the output there."""
+        if self.adjuster is not None:
+            self.adjuster.adjust(logits)
+        early = self.params.min_tokens - (self.block_start - self.P)   # canvas positions still inside min_tokens
+        if early > 0 and self.stops:
+            banned = torch.tensor(sorted(t for t in self.stops if t < logits.shape[1]), device=logits.device)
+            logits[:early, banned] = float("-inf")
 
     def _span(self) -> int:
         """Canvas positions that reach the output (all but the part past max_tokens)."""

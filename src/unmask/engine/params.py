@@ -94,6 +94,9 @@ class GenerationParams:
         if self.structured is not None and self.ignore_eos:
             bad("ignore_eos cannot be combined with a structured-output constraint (it ends at its grammar's end)",
                 "ignore_eos")
+        if self.structured is not None and self.min_tokens:  # a banned EOS where only EOS is grammatical: no token
+            bad("min_tokens cannot be combined with a structured-output constraint (it ends at its grammar's end)",
+                "min_tokens")
         if self.infill_lengths is not None:
             if (not isinstance(self.infill_lengths, (list, tuple)) or not self.infill_lengths
                     or not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= self.max_tokens
