@@ -57,3 +57,74 @@ def test_bad_input_is_one_line(family_dirs, args, message):
     assert r.exit_code == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_chat_streams_replies_and_resets():
+    """Two turns, a reset, a third turn; each reply printed after its prompt, stats on stderr."""
+    r = runner.invoke(app, ["chat", "--max-tokens", "4", "--stats"], input="hi\nmore\n/reset\nagain\n/exit\nnot read\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("> ") == 5 and "(new conversation)" in r.stdout   # 4 inputs read, then /exit
+    assert r.stderr.count("tokens/forward") == 3
+
+
+def test_chat_history_reaches_the_template(monkeypatch):
+    from unmask.engine import llm as llm_module
+
+    seen = []
+    original = llm_module.LLM.chat_prompt
+    monkeypatch.setattr(llm_module.LLM, "chat_prompt", lambda self, m, tools=None: seen.append(
+        [dict(x) for x in m]) or original(self, m, tools))
+    r = runner.invoke(app, ["chat", "--max-tokens", "3", "--system", "be brief"], input="a\nb\n/reset\nc\n")
+    assert r.exit_code == 0, r.output
+    assert [[x["role"] for x in m] for m in seen] == [["system", "user"], ["system", "user", "assistant", "user"],
+                                                     ["system", "user"]]
+    assert seen[2][1]["content"] == "c"
+
+
+def test_chat_needs_a_chat_template(family_dirs, tmp_path):
+    import json
+
+    src, d = family_dirs["sdar"], tmp_path / "plain"
+    d.mkdir()
+    for f in src.iterdir():
+        if f.name == "tokenizer_config.json":
+            cfg = json.loads(f.read_text())
+            cfg.pop("chat_template", None)
+            (d / f.name).write_text(json.dumps(cfg))
+        elif f.name != "chat_template.jinja":
+            (d / f.name).symlink_to(f)
+    r = runner.invoke(app, ["chat", "--model", str(d)], input="hi\n")
+    assert r.exit_code == 1 and "has no chat template" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bench_reports_every_batch_size(family_dirs, tmp_path):
+    import json
+
+    out = tmp_path / "b.json"
+    r = invoke("bench", "--model", str(family_dirs["sdar"]), "--batch", "1,3", "--prompt-len", "5",
+               "--max-tokens", "6", "--rounds", "2", "--block-size", "4", "--json", str(out))
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert [(x["batch"], x["tokens"], x["rounds"]) for x in data["results"]] == [(1, 6, 2), (3, 18, 2)]
+    for x in data["results"]:
+        t = x["tokens_per_s"]
+        assert 0 < t["min"] <= t["median"] <= t["max"] and x["tokens_per_forward"]["median"] > 0
+    assert "tokens/s" in r.stdout and len([ln for ln in r.stdout.splitlines() if ln.strip().startswith(("1 ", "3 "))]) == 2
+    bad = invoke("bench", "--model", str(family_dirs["sdar"]), "--batch", "1,x")
+    assert bad.exit_code == 1 and "--batch must be comma-separated integers" in bad.stderr
+
+
+def test_llm_stream_equals_generate_and_aborts_when_closed(family_dirs):
+    from unmask.engine.llm import LLM
+    from unmask.engine.params import GenerationParams
+
+    llm = LLM(family_dirs["sdar"])
+    params = GenerationParams(max_tokens=12, block_size=4, ignore_eos=True)
+    whole = llm.generate("hello", params)[0]
+    outs = list(llm.stream("hello", params))
+    assert "".join(o.text_delta for o in outs) == whole.text and outs[-1].finished
+    assert sum(len(o.new_token_ids) for o in outs) == 12
+    gen = llm.stream("hello", params)
+    next(gen)
+    gen.close()
+    assert not llm.engine.has_unfinished()

@@ -1,4 +1,4 @@
-"""Command line: unmask generate | train | finetune | eval | bench | serve."""
+"""Command line: unmask generate | chat | bench | corpus | train | finetune | eval | serve."""
 from __future__ import annotations
 
 import os
@@ -68,11 +68,7 @@ def generate(
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         _params(**knobs)  # bad flags fail before the model loads
         llm = LLM(model, dtype=dtype, device=device)
-        gen = llm.spec.generation_config
-        for key in ("presence_penalty", "frequency_penalty"):  # the model's recommended penalties, unless given
-            if knobs[key] is None and isinstance(gen.get(key), (int, float)):
-                knobs[key] = gen[key]
-        params = _params(**knobs)
+        params = _params(**_with_model_defaults(llm, knobs))
         ids = llm.chat_prompt([{"role": "user", "content": prompt}]) if chat else llm.encode(prompt)
         t0 = time.perf_counter()
         out = llm.generate(ids, params)[0]
@@ -246,6 +242,130 @@ def evaluate_cmd(
         fail(str(e))
     if json_out:
         json_out.write_text(json.dumps(results, indent=2))
+
+
+def _with_model_defaults(llm, knobs: dict) -> dict:
+    """The model's recommended penalties (generation_config.json) where a flag left them unset."""
+    gen = llm.spec.generation_config
+    for key in ("presence_penalty", "frequency_penalty"):
+        if knobs.get(key) is None and isinstance(gen.get(key), (int, float)):
+            knobs[key] = gen[key]
+    return knobs
+
+
+@app.command()
+def chat(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Model directory (default: built-in unmask-tiny)."),
+    system: Optional[str] = typer.Option(None, help="System message that opens the conversation."),
+    policy: str = typer.Option("threshold", help="Decoding policy (see docs/decoding.md)."),
+    threshold: float = typer.Option(0.9, help="Confidence threshold for threshold/credit policies."),
+    max_tokens: int = typer.Option(512, help="Maximum tokens per reply."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
+    seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
+    presence_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
+    frequency_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
+    stats: bool = typer.Option(False, help="After each reply: tokens, forwards, tokens per forward, tokens/s."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: float32 on CPU)."),
+    device: str = typer.Option("cpu"),
+):
+    """Chat in the terminal through the model's chat template; replies stream as their tokens are committed.
+    /reset starts over, /exit (or end of input) quits."""
+    from unmask.engine.llm import LLM
+    from unmask.errors import UnmaskError
+
+    knobs = dict(max_tokens=max_tokens, temperature=temperature, seed=seed, policy=policy, threshold=threshold,
+                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+    try:
+        _params(**knobs)
+        llm = LLM(model, dtype=dtype, device=device)
+        if not llm.tokenizer.has_chat_template:
+            fail(f"{llm.spec.path} has no chat template: use `unmask generate` for plain completion")
+        params = _params(**_with_model_defaults(llm, knobs))
+    except UnmaskError as e:
+        fail(str(e))
+    opening = [{"role": "system", "content": system}] if system else []
+    messages = list(opening)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            messages = list(opening)
+            typer.echo("(new conversation)")
+            continue
+        messages.append({"role": "user", "content": line})
+        reply, last, t0 = "", None, time.perf_counter()
+        try:
+            for out in llm.stream(llm.chat_prompt(messages), params):
+                sys.stdout.write(out.text_delta)
+                sys.stdout.flush()
+                reply, last = reply + out.text_delta, out
+        except UnmaskError as e:  # e.g. the conversation outgrew the context: the turn is dropped
+            messages.pop()
+            typer.echo(f"error: {e}", err=True)
+            continue
+        typer.echo("")
+        messages.append({"role": "assistant", "content": reply})
+        if stats and last is not None:
+            n, dt = last.num_generated, time.perf_counter() - t0
+            typer.echo(f"[{n} tokens, {last.forwards} forwards, {n / max(last.forwards, 1):.2f} tokens/forward, "
+                       f"{n / dt:.1f} tokens/s, finish={last.finish_reason}]", err=True)
+
+
+@app.command()
+def bench(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Model directory (default: built-in unmask-tiny)."),
+    batch: str = typer.Option("1,4,16", help="Batch sizes, comma-separated."),
+    prompt_len: int = typer.Option(128, help="Prompt tokens per request (random ids)."),
+    max_tokens: int = typer.Option(128, help="Generated tokens per request (end-of-sequence ignored)."),
+    rounds: int = typer.Option(3, help="Interleaved rounds; figures are median [min-max]."),
+    policy: str = typer.Option("threshold", help="Decoding policy (see docs/decoding.md)."),
+    threshold: float = typer.Option(0.9), block_size: Optional[int] = typer.Option(None),
+    steps: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
+    dtype: Optional[str] = typer.Option(None), device: str = typer.Option("cpu"),
+):
+    """Offline throughput at several batch sizes (unmask.throughput; the full suite is `make bench`)."""
+    import json
+
+    from unmask.engine.llm import LLM
+    from unmask.errors import UnmaskError
+    from unmask.throughput import measure
+
+    try:
+        sizes = [int(b) for b in batch.split(",") if b.strip()]
+    except ValueError:
+        fail(f"--batch must be comma-separated integers, got {batch!r}")
+    if not sizes or min(sizes) < 1 or prompt_len < 1 or rounds < 1:
+        fail("--batch sizes, --prompt-len and --rounds must be >= 1")
+    knobs = {k: v for k, v in dict(policy=policy, threshold=threshold, block_size=block_size, steps=steps).items()
+             if v is not None}
+    try:
+        _params(max_tokens=max_tokens, **knobs)
+        llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max(sizes))
+        results = measure(llm, sizes, prompt_len, max_tokens, rounds, knobs, seed,
+                          log=lambda m: typer.echo(m, err=True))
+    except (UnmaskError, ValueError) as e:
+        fail(str(e))
+    rows = [r.summary() for r in results]
+    typer.echo(f"model {llm.spec.path} ({llm.spec.family.name}), policy {policy}, prompt {prompt_len}, "
+               f"{max_tokens} tokens per request, {rounds} rounds, torch threads {__import__('torch').get_num_threads()}")
+    typer.echo(f"{'batch':>5} {'tokens/s':>22} {'ms/token/request':>18} {'tokens/forward':>15} {'engine steps':>13}")
+    for r in rows:
+        t, lat = r["tokens_per_s"], r["latency_ms_per_token"]
+        typer.echo(f"{r['batch']:>5} {t['median']:>8.1f} [{t['min']:.1f}-{t['max']:.1f}]".ljust(28)
+                   + f" {lat['median']:>18.2f} {r['tokens_per_forward']['median']:>15.2f} "
+                   f"{r['engine_steps']['median']:>13.0f}")
+    if json_out:
+        json_out.write_text(json.dumps({"model": str(llm.spec.path), "policy": policy, "knobs": knobs,
+                                        "prompt_len": prompt_len, "max_tokens": max_tokens, "results": rows},
+                                       indent=2))
 
 
 def _register_optional_commands() -> None:

@@ -1,11 +1,12 @@
 """Offline API: `LLM(model=DIR).generate(prompts, params)` drives the same step engine as the server."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 from unmask.defaults import default_model_path
 from unmask.engine.engine import Engine
-from unmask.engine.outputs import RequestOutput
+from unmask.engine.outputs import RequestOutput, StepOutput
 from unmask.engine.params import GenerationParams
 from unmask.errors import ModelLoadError
 from unmask.models.loader import load_model
@@ -29,6 +30,21 @@ class LLM:
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, tools=tools))
+
+    def stream(self, prompt: Prompt, params: GenerationParams | None = None) -> Iterator[StepOutput]:
+        """One request, its StepOutputs as the engine produces them (text_delta: newly final text). Closing
+        the generator early aborts the request."""
+        seq = self.engine.add_request(self.encode(prompt), params or GenerationParams())
+        done = False
+        try:
+            while not done and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.request_id == seq.request_id:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.engine.abort(seq.request_id)
 
     def generate(self, prompts: Prompt | list[Prompt], params: GenerationParams | list[GenerationParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
