@@ -386,7 +386,9 @@ def main() -> None:
         for layer in model.model.layers:
             layer.compile()
     meta = {"kind": "autoregressive twin", "of": str(ref), "budget": args.budget, "quick": args.quick,
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), "phases": {}}
+            # the command that reproduces the run: --resume only says how this process started
+            "command": " ".join([Path(sys.executable).name, *(a for a in sys.argv if a != "--resume")]),
+            "phases": {}}
     pre_dir = args.out / "pretrain"
     res = run_phase(model, phases[0], rows, eval_rows, pre_dir, args)
     meta["phases"]["pretrain"] = res
