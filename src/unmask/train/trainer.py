@@ -242,8 +242,8 @@ def _train_step(cfg: TrainConfig, ctx: _Dist, loss_module: nn.Module, obj: Objec
 def compile_blocks(model: nn.Module) -> int:
     """torch.compile every transformer block in place (nn.Module.compile: parameter names and checkpoints
     are unchanged). Inductor fuses the norms, rotary, casts and residual adds that dominate a CPU step
-    after the matmuls and attention: 1.23-1.53x faster steps (median of 4 interleaved rounds 1.45x) for
-    unmask-tiny at 16 x 512 on 2 busy CPU cores, after ~40 s of compiling. On CPU it needs a C++ compiler."""
+    after the matmuls and attention: 1.2-1.5x faster steps for unmask-tiny at 16 x 512 on 2 busy CPU cores,
+    after ~45 s of compiling (bench/train_step.py; docs/training.md). On CPU it needs a C++ compiler."""
     blocks = next((m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)),
                   None)
     if blocks is None:
