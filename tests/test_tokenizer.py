@@ -61,7 +61,8 @@ def test_plain_path_equals_transformers(family_dirs):
 def test_plain_path_is_refused_when_the_config_changes_behaviour(tmp_path):
     src = default_model_path()
     for change in ({"clean_up_tokenization_spaces": True}, {"tokenizer_class": "LlamaTokenizerFast"},
-                   {"add_bos_token": True}, {"bos_token": "<|not-special|>"}):
+                   {"add_bos_token": True}, {"bos_token": "<|not-special|>"},
+                   {"added_tokens_decoder": {"40": {"content": "9", "special": True}}}):  # a plain vocab entry
         d = tmp_path / "t"
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir()

@@ -41,9 +41,9 @@ def plain_tokenizer(path: Path):
     added = {t.content: t for t in tok.get_added_tokens_decoder().values()}
     if any(n not in added or not added[n].special for n in _special_names(cfg)):
         return None
-    for i, t in (cfg.get("added_tokens_decoder") or {}).items():
-        if tok.id_to_token(int(i)) != t.get("content") or bool(t.get("special")) != added.get(t.get("content"),
-                                                                                                 t).special:
+    for i, t in (cfg.get("added_tokens_decoder") or {}).items():  # transformers would add or re-flag these
+        mine = added.get(t.get("content"))
+        if tok.id_to_token(int(i)) != t.get("content") or mine is None or mine.special != bool(t.get("special")):
             return None
     return tok
 
