@@ -24,6 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+TWIN_DIR = "bench/models/ar-twin"  # committed by `make twin`
 sys.path.insert(0, str(HERE))
 if str(ROOT / "src") not in sys.path:
     sys.path.append(str(ROOT / "src"))
@@ -128,8 +129,8 @@ def main() -> None:
     if not (args.corpus / "heldout.jsonl").is_file():
         sys.exit(f"{args.corpus / 'heldout.jsonl'} not found: run `unmask corpus` first")
     if args.twin is None and not args.no_twin:
-        cand = ROOT / ("build/ar-twin-quick/model" if args.quick else "runs/ar-twin/model")
-        args.twin = cand if cand.is_dir() else None
+        cands = (["build/ar-twin-quick/model"] if args.quick else [TWIN_DIR, "runs/ar-twin/model"])
+        args.twin = next((ROOT / c for c in cands if (ROOT / c).is_dir()), None)
 
     data = {"meta": {}, "sections": {}}
     if out_json.is_file():

@@ -1,15 +1,21 @@
 """Train the autoregressive twin of the default diffusion model, at the same compute, in Qwen3 format.
 
-    python scripts/train_ar_twin.py --out runs/ar-twin            # the full twin (about as long as `make model`)
+    python scripts/train_ar_twin.py --init-from bench/models/unmask-tiny-base --out runs/ar-twin   # the twin
     python scripts/train_ar_twin.py --quick --out build/ar-twin-quick   # a tiny run that proves the pipeline
 
 The twin is an ordinary causal LM (transformers `Qwen3ForCausalLM`: the same layout as unmask's own
 family, q/k norms included, so the parameter count is identical) with the reference model's
-tokenizer, width, depth, heads, MLP size and tied embeddings. It sees the same data in the same order:
-the reference recipe's packed pre-training rows of `data/corpus` (same seed, same `BatchIterator`),
-then the same packed SFT rows of `data/sft/train.jsonl` with the loss on the same answer tokens, mixed
-with the same share of plain-text rows. The recipe's pre-training runs (a first run, then a continuation
-from its model) become one schedule of their summed budget for the twin.
+tokenizer, width, depth, heads, MLP size and tied embeddings.
+
+`unmask-tiny` is AR-initialised (`make model`): a causal next-token base (`unmask train --objective
+causal`), then block diffusion from it, then SFT. The twin branches from that same base
+(`--init-from`, its weights loaded unchanged: the base is a causal LM in Qwen3 names) and spends the
+compute of the two diffusion phases on causal training instead: the same packed rows of `data/corpus`
+in the same order (same seed, same `BatchIterator`) as the block-diffusion phase, then the same packed
+SFT rows of `data/sft/train.jsonl` with the loss on the same answer tokens, mixed with the same share of
+plain-text rows. Both models therefore have the base's compute plus equal compute after it.
+Without `--init-from` the twin starts from the trainer's random initialisation (`--quick`, or a recipe
+without a causal base: then pass every pre-training run's steps to --ref-pretrain-steps).
 Optimizer, schedule shape, bf16 autocast, weight decay, clipping and initialisation are the trainer's.
 
 Compute matching (`--budget flops`, the default). Training FLOPs per row = 3 x forward (backward = 2x
@@ -147,6 +153,25 @@ def build_twin(shape: Shape, ref_config: dict, seed: int):
     return model
 
 
+def load_base(model, base_dir: Path) -> dict:
+    """Load a causal base written by `unmask train --objective causal` (unmask format = Qwen3 names)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((base_dir / "config.json").read_text())
+    if not cfg.get("shift_logits"):
+        sys.exit(f"{base_dir}: not a causal base (config.json lacks \"shift_logits\": true; "
+                 "train one with `unmask train --objective causal`)")
+    state = {}
+    for f in sorted(base_dir.glob("*.safetensors")):
+        state.update(load_file(f))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        sys.exit(f"{base_dir}: weights do not fit the twin (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if "lm_head.weight" in missing and not model.config.tie_word_embeddings:
+        sys.exit(f"{base_dir}: no lm_head.weight for an untied twin")
+    return cfg
+
+
 def loss_sum(model, ids: torch.Tensor, lm: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Sum of next-token CE over positions j+1 with loss_mask[j+1]; only those rows reach the LM head."""
     hidden = model.model(input_ids=ids).last_hidden_state  # [B, L, D]
@@ -261,16 +286,21 @@ def main() -> None:
     ap.add_argument("--reference", type=Path, default=None,
                     help="diffusion model whose shape the twin copies (default: the built-in model, else runs/pretrain/model)")
     ap.add_argument("--corpus", type=Path, default=Path("data/corpus"))
-    ap.add_argument("--tokenizer", type=Path, default=Path("data/tokenizer"))
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="default: the --init-from base's own tokenizer files (a rebuilt data/tokenizer can number "
+                         "tokens differently), else data/tokenizer")
     ap.add_argument("--sft", type=Path, default=Path("data/sft/train.jsonl"))
     ap.add_argument("--sft-eval", type=Path, default=Path("data/sft/heldout.jsonl"))
     ap.add_argument("--budget", choices=("flops", "tokens"), default="flops")
-    # the reference recipe (Makefile `model`): what the diffusion model was trained with
-    ap.add_argument("--ref-pretrain-steps", default="570,1100",
-                    help="steps of each pre-training run of the recipe (comma-separated; the twin runs their "
-                         "summed budget as one schedule)")
-    ap.add_argument("--ref-pretrain-warmup", type=int, default=60)
-    ap.add_argument("--ref-pretrain-lr", type=float, default=1.5e-3)
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="the causal base the diffusion model was initialised from (unmask format, shift_logits); "
+                         "the twin starts from the same weights and matches the compute spent after it")
+    # the reference recipe (Makefile `model`): what the diffusion model was trained with after the base
+    ap.add_argument("--ref-pretrain-steps", default="700",
+                    help="steps of each block-diffusion pre-training run after the base (comma-separated; the "
+                         "twin runs their summed budget as one schedule)")
+    ap.add_argument("--ref-pretrain-warmup", type=int, default=30)
+    ap.add_argument("--ref-pretrain-lr", type=float, default=1e-3)
     ap.add_argument("--ref-sft-steps", type=int, default=400)
     ap.add_argument("--ref-sft-warmup", type=int, default=20)
     ap.add_argument("--ref-sft-lr", type=float, default=5e-4)
@@ -308,6 +338,8 @@ def main() -> None:
     if ref is None:
         sys.exit("no reference model: pass --reference DIR (a diffusion model whose shape the twin copies)")
     shape, ref_config, ref_gen = shape_from(ref)
+    if args.tokenizer is None:
+        args.tokenizer = args.init_from if args.init_from is not None else Path("data/tokenizer")
     tok = Tokenizer(args.tokenizer)
     hf = tok.hf
     sep = tok.token_id("<|endoftext|>")
@@ -364,6 +396,7 @@ def main() -> None:
         "reference_data_tokens": sum(ph.ref_steps * ph.batch * ph.seq_len for ph in phases),
         "twin_data_tokens": sum(ph.steps * ph.batch * ph.seq_len for ph in phases),
         "quick": args.quick,
+        "init_from": str(args.init_from) if args.init_from else None,
     }
     print(f"reference {ref}: {shape.body_params / 1e6:.2f}M body parameters, vocab {shape.vocab}")
     for ph in phases:
@@ -382,10 +415,14 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     torch.manual_seed(args.seed)
     model = build_twin(shape, ref_config, args.seed)
+    if args.init_from is not None:
+        load_base(model, args.init_from)
+        print(f"twin starts from the causal base {args.init_from}", flush=True)
     if args.compile:  # nn.Module.compile keeps parameter names, so checkpoints and the export are unchanged
         for layer in model.model.layers:
             layer.compile()
     meta = {"kind": "autoregressive twin", "of": str(ref), "budget": args.budget, "quick": args.quick,
+            "init_from": str(args.init_from) if args.init_from else None,
             # the command that reproduces the run: --resume only says how this process started
             "command": " ".join([Path(sys.executable).name, *(a for a in sys.argv if a != "--resume")]),
             "phases": {}}

@@ -10,23 +10,37 @@ from unmask.engine.params import GenerationParams
 from unmask.errors import ContextLengthError, InvalidRequestError
 from unmask.models.loader import load_model
 
-BLOCK_CAUSAL = ["sdar", "fast_dllm_v2", "llada2"]
+BLOCK_CAUSAL = ["sdar", "fast_dllm_v2", "llada2", "unmask_shifted"]
 ALL = ["llada", "dream"] + BLOCK_CAUSAL
 
 
+def make_unmask_shifted(out):
+    """unmask's own format as `unmask train --objective causal` exports it: shifted logits, so each block's
+    first token comes from the previous block's commit pass (what `unmask-tiny` is since it is AR-initialised)."""
+    from unmask.train.checkpoint import export_model
+    from unmask.train.model_init import fresh_model, init_weights, new_unmask_config
+
+    cfg = new_unmask_config(96, 32, 2, 4, 2, 8, 64, 256, 4, mask_id=3, eos_ids=[2], tie_embeddings=True)
+    cfg["shift_logits"] = True
+    tm = fresh_model(cfg, {"eos_token_id": [2]}, seed=0)
+    init_weights(tm.model, 0, std=0.2)  # logits far from uniform, so a wrong row shows
+    return export_model(tm, out, None)
+
+
 @pytest.fixture(scope="module")
-def models(family_dirs):
-    return {f: load_model(family_dirs[f]) for f in ALL}
+def models(family_dirs, tmp_path_factory):
+    dirs = {**family_dirs, "unmask_shifted": make_unmask_shifted(tmp_path_factory.mktemp("unmask") / "m")}
+    return {f: load_model(dirs[f]) for f in ALL}
 
 
 def naive_generate(model, spec, prompt, params: GenerationParams):
     """Reference decode: every step recomputes the whole sequence densely, no cache, no fusion."""
-    fam, mask = spec.family, spec.mask_id
+    mask = spec.mask_id
     B = params.block_size or spec.block_size
     P, end = len(prompt), len(prompt) + params.max_tokens
     seq = torch.full((end,), mask)
     seq[:P] = torch.tensor(prompt)
-    bidir = fam.attention == "bidirectional"
+    bidir = spec.family.attention == "bidirectional"
     start = P if bidir else (P // B) * B
     gen = torch.Generator().manual_seed(params.seed or 0)
     stops = set(spec.stop_ids)
@@ -40,10 +54,10 @@ def naive_generate(model, spec, prompt, params: GenerationParams):
             with torch.inference_mode():
                 logits = model.logits(model.forward_dense(seq[None, :L], pos[None], m))[0]
             targets = (seq[start:stop_blk] == mask).nonzero(as_tuple=True)[0] + start
-            rows = targets - int(fam.shift)
+            rows = targets - int(spec.shift)
             lg = logits[rows].clone()
             lg[:, mask] = float("-inf")
-            first = fam.ar_first_token and state.step == 0 and int(targets[0]) == start
+            first = spec.ar_first_token and state.step == 0 and int(targets[0]) == start
             d = decide(params.policy_config(), lg, targets - start, state, params.sampling(), gen)
             commit = d.commit.clone()
             if first:
@@ -76,6 +90,29 @@ def test_engine_matches_naive_loop(family, policy, models):
     seqs, _ = run(model, spec, PROMPTS, params)
     for p, s in zip(PROMPTS, seqs):
         assert s.output_ids == naive_generate(model, spec, p, params), (family, p)
+
+
+def test_shifted_unmask_with_one_token_blocks_is_greedy_autoregressive(models):
+    """With one-token blocks every token is a block's first, read from the previous commit pass: plain
+    next-token greedy decoding with a KV cache, compared against a full causal recompute per token."""
+    from unmask.models.transformer import CAUSAL
+
+    model, spec = models["unmask_shifted"]
+    params = GenerationParams(max_tokens=12, policy="topk", tokens_per_step=1, block_size=1)
+    seqs, eng = run(model, spec, PROMPTS, params)
+    for p, s in zip(PROMPTS, seqs):
+        ids = list(p)
+        for _ in range(params.max_tokens):
+            with torch.no_grad():
+                pos = torch.arange(len(ids))[None]
+                lg = model.logits(model.forward_dense(torch.tensor([ids]), pos, CAUSAL))[0, -1]
+            lg[spec.mask_id] = float("-inf")
+            ids.append(int(lg.argmax()))
+            if ids[-1] in spec.stop_ids:
+                ids.pop()
+                break
+        assert s.output_ids == ids[len(p):], p
+        assert len(s.output_ids) >= 3  # the comparison covers several tokens
 
 
 @pytest.mark.parametrize("family", ALL)

@@ -23,7 +23,7 @@ from unmask.train.data import BatchIterator, DataError, pack_documents
 from unmask.train.model_init import ModelShape, init_weights
 from unmask.train.objectives import Noise, Objective, block_diffusion_mask, diffusion_loss_sum, draw_noise
 from unmask.train.sft import SFTEncoder, load_sft, read_jsonl
-from unmask.train.trainer import TrainConfig, finetune, train
+from unmask.train.trainer import TrainConfig, TrainConfigError, finetune, train
 
 TINY = ModelShape(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=64, max_position=128, block_size=4)
 TEXT = "the cat sat on the mat. the dog ate the bone. "
@@ -167,6 +167,59 @@ def test_loss_hand_computation():
     n = draw_noise(Objective(mask_id=3, shift=True, block_sizes=(4,)), torch.ones(8, 8, dtype=torch.bool),
                    torch.Generator().manual_seed(0))
     assert not n.masked[:, 0].any()
+
+
+def test_causal_objective_is_next_token_cross_entropy():
+    """objective 'causal': every eligible token j >= 1 scored from row j-1 of a left-to-right pass, weight 1."""
+    from unmask.models.transformer import CAUSAL
+
+    model = tiny_model()
+    x0 = torch.randint(16, 60, (2, 10), generator=torch.Generator().manual_seed(4))
+    lm = torch.ones(2, 10, dtype=torch.bool)
+    lm[1, :3] = False  # an SFT-style prompt: never scored
+    obj = Objective(mask_id=3, shift=True, causal=True)
+    noise = draw_noise(obj, lm, torch.Generator().manual_seed(0))
+    assert noise.block_size is None and torch.equal(noise.p, torch.ones(2, 10))
+    assert not noise.masked[:, 0].any() and noise.masked[0, 1:].all() and not noise.masked[1, :3].any()
+    got = diffusion_loss_sum(model, x0, noise, obj)
+    tril = torch.tril(torch.ones(10, 10, dtype=torch.bool))[None, None]
+    with torch.no_grad():
+        lg = model.logits(model.forward_dense(x0, torch.arange(10).expand(2, 10), tril))
+    want = sum(-F.log_softmax(lg[b, j - 1], -1)[x0[b, j]].item() for b, j in noise.masked.nonzero().tolist())
+    assert got.item() == pytest.approx(want, rel=1e-5)
+    # causal: a row never sees later tokens
+    x1 = x0.clone()
+    x1[:, 6:] = 17
+    with torch.no_grad():
+        h0 = model.forward_dense(x0, torch.arange(10).expand(2, 10), CAUSAL)
+        h1 = model.forward_dense(x1, torch.arange(10).expand(2, 10), CAUSAL)
+    assert torch.allclose(h0[:, :6], h1[:, :6], atol=1e-6) and not torch.allclose(h0[:, 6:], h1[:, 6:])
+    with pytest.raises(ValueError, match="shift"):
+        Objective(mask_id=3, causal=True)
+    with pytest.raises(ValueError, match="blocks"):
+        Objective(mask_id=3, shift=True, causal=True, block_sizes=(4,))
+
+
+def test_causal_base_then_shifted_block_diffusion(tmp_path, tokdir, corpus):
+    """`train --objective causal` exports shift_logits; block diffusion continued from it reads logits
+    shifted (its loss starts near the base's next-token loss, not at an untrained model's)."""
+    base = train(tiny_cfg(tmp_path / "base", total_steps=30, objective="causal"), corpus, tokdir)
+    assert base.losses[-1] < base.losses[0] - 1.0
+    cfg = json.loads((base.model_dir / "config.json").read_text())
+    assert cfg["shift_logits"] is True
+    _, spec = load_model(base.model_dir, dtype="float32")
+    assert spec.shift and spec.ar_first_token and spec.family.name == "unmask"
+    seen = []
+    cont = train(tiny_cfg(tmp_path / "adapt", total_steps=2, lr=1e-4), corpus, tokdir, init_from=base.model_dir,
+                 on_step=lambda s, m: seen.append(m["block_size"]))
+    assert json.loads((cont.model_dir / "config.json").read_text())["shift_logits"] is True
+    fresh = train(tiny_cfg(tmp_path / "fresh", total_steps=2, lr=1e-4), corpus, tokdir)
+    assert "shift_logits" not in json.loads((fresh.model_dir / "config.json").read_text())
+    assert cont.losses[0] < fresh.losses[0] - 1.0, (cont.losses, fresh.losses)
+    with pytest.raises(TrainConfigError, match="causal"):
+        finetune(tiny_cfg(tmp_path / "ft", objective="causal"), base.model_dir, tmp_path / "none.jsonl")
+    with pytest.raises(TrainConfigError, match="objective"):
+        tiny_cfg(tmp_path / "x", objective="ar")
 
 
 def test_tied_embeddings_export(tmp_path):

@@ -142,6 +142,8 @@ def train(
     init_from: Optional[Path] = typer.Option(None, help="Continue pre-training from a model directory."),
     resume: bool = typer.Option(False, help="Continue a killed run from out/checkpoint.pt."),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
+    objective: str = typer.Option("diffusion", help="diffusion | causal: next-token training of the same network, "
+                                  "the base that block diffusion continues from (--init-from) with shifted logits."),
 ):
     """Pre-train a masked block-diffusion model from scratch (multi-process: launch with torchrun)."""
     from unmask.errors import UnmaskError
@@ -152,6 +154,9 @@ def train(
                             block_sizes=block_sizes, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                             head_dim=head_dim, intermediate=intermediate, tie_embeddings=tie_embeddings)
         cfg.compile = compile
+        if objective not in ("diffusion", "causal"):
+            fail(f"--objective must be diffusion or causal, got {objective!r}")
+        cfg.objective = objective
         res = run_train(cfg, data, tokenizer, init_from=init_from)
     except UnmaskError as e:
         fail(str(e))

@@ -39,8 +39,8 @@ class Engine:
         self.runner = ModelRunner(model)
         self.scheduler = Scheduler(max_num_seqs, max_batch_tokens)
         self.traits = ModelTraits(
-            attention=spec.family.attention, shift=spec.family.shift, mask_id=spec.mask_id,
-            block_size=spec.block_size, stop_ids=spec.stop_ids, ar_first_token=spec.family.ar_first_token,
+            attention=spec.family.attention, shift=spec.shift, mask_id=spec.mask_id,
+            block_size=spec.block_size, stop_ids=spec.stop_ids, ar_first_token=spec.ar_first_token,
             max_context=spec.max_context, config=spec.config, generation_config=spec.generation_config,
         )
         self.streams: dict[str, TextStream] = {}

@@ -34,6 +34,14 @@ class ModelSpec:
     extra: dict = field(default_factory=dict)
 
     @property
+    def shift(self) -> bool:
+        return self.family.shifted(self.config)
+
+    @property
+    def ar_first_token(self) -> bool:
+        return self.family.first_token_from_commit(self.config)
+
+    @property
     def max_context(self) -> int:
         return self.arch.max_position
 

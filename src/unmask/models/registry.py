@@ -56,6 +56,10 @@ class Family:
     extra_stop_ids: tuple[int, ...] = ()
     block_size_keys: tuple[str, ...] = ("block_size",)
     ar_first_token: bool = False      # first token of each block taken greedily from the commit pass
+    # config.json key that sets `shift` per checkpoint (unmask: an AR-initialised model keeps its
+    # next-token head, as Fast-dLLM v2 does); a shifted block-causal model of such a family also
+    # takes each block's first token from the commit pass, which is what its objective trains
+    shift_key: str | None = None
     # checkpoint-format hooks for parameters that are not 1:1 renames (fused QKV)
     split_params: Callable[[StateDict, ArchConfig], StateDict] | None = None
     fuse_params: Callable[[StateDict, ArchConfig], StateDict] | None = None
@@ -63,6 +67,15 @@ class Family:
     # families whose network or decoding procedure differs from the masked-diffusion decoder
     model_class: type | None = None          # default: DiffusionTransformer(parse_config(config))
     sequence_class: type | None = None       # default: engine.sequence.Sequence
+
+    def shifted(self, config: dict) -> bool:
+        if self.shift_key is not None and self.shift_key in config:
+            return bool(config[self.shift_key])
+        return self.shift
+
+    def first_token_from_commit(self, config: dict) -> bool:
+        return self.ar_first_token or (self.shift_key is not None and self.shifted(config)
+                                       and self.attention == "block_causal")
 
     def mask_id(self, config: dict) -> int:
         return int(config.get("mask_token_id", self.default_mask_id))

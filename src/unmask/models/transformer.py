@@ -16,6 +16,8 @@ from torch import Tensor, nn
 from unmask.models.attention import AttentionBatch, KVCache, ragged_attention
 from unmask.models.layers import GatedMLP, GroupLimitedMoE, RMSNorm, Rotary
 
+CAUSAL = "causal"  # forward_dense mask for left-to-right training (the AR base of an AR-initialised model)
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -80,13 +82,16 @@ class Attention(nn.Module):
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         if isinstance(ctx, AttentionBatch):
             out = ragged_attention(q, k, v, ctx, self.layer)
-        else:  # dense training path: ctx is a [B, 1, L, L] bool mask or None (bidirectional)
+        else:  # dense training path: ctx is a [B, 1, L, L] bool mask, None (bidirectional) or CAUSAL
             hq, hk = q.transpose(1, 2), k.transpose(1, 2)
             hv = v.transpose(1, 2)
             if self.h != self.kv:
                 hk = hk.repeat_interleave(self.h // self.kv, dim=1)
                 hv = hv.repeat_interleave(self.h // self.kv, dim=1)
-            out = F.scaled_dot_product_attention(hq, hk, hv, attn_mask=ctx).transpose(1, 2)
+            if isinstance(ctx, str):  # CAUSAL: the kernel skips the upper triangle instead of reading a mask
+                out = F.scaled_dot_product_attention(hq, hk, hv, is_causal=True).transpose(1, 2)
+            else:
+                out = F.scaled_dot_product_attention(hq, hk, hv, attn_mask=ctx).transpose(1, 2)
         return self.o_proj(out.reshape(*lead, self.h * self.d))
 
 
@@ -140,8 +145,9 @@ class DiffusionTransformer(nn.Module):
         """Ragged inference: input_ids/positions [N] flat over the batch's segments -> hidden [N, D]."""
         return self._run(input_ids, positions, batch)
 
-    def forward_dense(self, input_ids: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
-        """Training: [B, L] ids/positions, mask [B|1, 1, L, L] bool (True = may attend) -> hidden [B, L, D]."""
+    def forward_dense(self, input_ids: Tensor, positions: Tensor, mask: Tensor | str | None) -> Tensor:
+        """Training: [B, L] ids/positions, mask [B|1, 1, L, L] bool (True = may attend), None (bidirectional)
+        or CAUSAL (plain left-to-right attention) -> hidden [B, L, D]."""
         return self._run(input_ids, positions, mask)
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -9,6 +9,11 @@ Block diffusion (BD3-LM, arXiv 2503.09573; SDAR; Fast-dLLM v2): the model reads 
 every block of x_t as if the blocks before it had been generated already, which is exactly what
 block-by-block inference with a KV cache of committed blocks sees.
 
+Causal (`causal=True`): plain next-token training of the same network under left-to-right
+attention, no noise. It trains the base of an AR-initialised diffusion model (Fast-dLLM v2,
+arXiv 2509.26328; SDAR; Dream), which then continues with shifted block diffusion: the causal
+base already predicts token i+1 at row i, the reading a shifted objective keeps.
+
 Both return the *sum* of weighted CE; the caller divides by the number of loss-eligible tokens
 of the whole global batch so that gradient accumulation and data parallelism give the same
 number as one big batch.
@@ -22,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from unmask.models.transformer import DiffusionTransformer
+from unmask.models.transformer import CAUSAL, DiffusionTransformer
 
 EPS = 1e-3
 
@@ -38,8 +43,11 @@ class Objective:
     eps: float = EPS
     t_per_block: bool = True    # one t per block (BD3-LM, Fast-dLLM v2) instead of per sequence (SDAR)
     stratified_t: bool = True   # low-discrepancy t over the batch (MDLM): same mean, less variance
+    causal: bool = False        # next-token training under causal attention (no noise; needs shift)
 
     def __post_init__(self):
+        if self.causal and (not self.shift or self.block_sizes is not None):
+            raise ValueError("a causal objective reads row i for token i+1 (shift=True) and has no blocks")
         if self.block_sizes is not None and (not self.block_sizes or min(self.block_sizes) < 1):
             raise ValueError(f"block_sizes must be positive, got {self.block_sizes}")
 
@@ -91,6 +99,8 @@ def draw_noise(obj: Objective, loss_mask: Tensor, gen: torch.Generator) -> Noise
     (SFT prompts) are never noised. All randomness comes from `gen`, on the CPU, so every
     data-parallel rank draws the same global noise and takes its own rows."""
     B, L = loss_mask.shape
+    if obj.causal:  # every eligible token is scored, with weight 1 (p = 1)
+        return Noise(None, loss_eligible(loss_mask.cpu(), True), torch.ones(B, L))
     bs = None
     if obj.block_sizes is not None:
         bs = obj.block_sizes[int(torch.randint(len(obj.block_sizes), (1,), generator=gen))]
@@ -111,13 +121,16 @@ def draw_noise(obj: Objective, loss_mask: Tensor, gen: torch.Generator) -> Noise
 
 
 def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, obj: Objective) -> Tensor:
-    """Sum over masked positions of CE(x0) / p. Only masked rows go through the LM head."""
+    """Sum over masked positions of CE(x0) / p (causal: over scored positions, p = 1). Only those rows
+    go through the LM head."""
     B, L = x0.shape
     dev = x0.device
     masked, p = noise.masked.to(dev), noise.p.to(dev)
     xt = torch.where(masked, torch.full_like(x0, obj.mask_id), x0)
     pos = torch.arange(L, device=dev).expand(B, L)
-    if noise.block_size is None:
+    if obj.causal:
+        hidden = model.forward_dense(x0, pos, CAUSAL)  # [B, L, D]; `masked` marks the scored tokens
+    elif noise.block_size is None:
         hidden = model.forward_dense(xt, pos, None)  # [B, L, D], bidirectional
     else:
         attn = _bd_mask(L, noise.block_size).to(dev)[None, None]
@@ -126,7 +139,7 @@ def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, ob
     src = j
     if obj.shift:  # token j is read from row j-1; a block's first token from the clean row j-1,
         src = j - 1  # as in Fast-dLLM v2 inference where it comes from the previous block's commit pass
-        if noise.block_size is not None:
+        if noise.block_size is not None and not obj.causal:
             src = torch.where(j % noise.block_size == 0, L + j - 1, src)
     if b.numel() == 0:  # keep every parameter in the graph (DDP) with a zero-weight row
         return model.logits(hidden[:1, 0]).sum() * 0.0

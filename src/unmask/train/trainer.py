@@ -39,7 +39,8 @@ class TrainConfigError(UnmaskError, ValueError):
     """Training settings that contradict each other or the machine."""
 
 # settings a resumed run must share with the checkpoint for its batches and noise to line up
-_RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "model", "sft_pack", "mix_fraction")
+_RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "model", "sft_pack", "mix_fraction",
+                "objective")
 
 
 @dataclass
@@ -73,6 +74,9 @@ class TrainConfig:
     mix_fraction: float = 0.0          # fine-tuning: share of rows that are plain corpus text (loss on all tokens)
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
     compile: bool = False              # torch.compile each transformer block (see compile_blocks)
+    # "causal": next-token pre-training under causal attention, exported with shift_logits so that
+    # block-diffusion training continues from it (objectives.py); pre-training (`train`) only
+    objective: Literal["diffusion", "causal"] = "diffusion"
     model: ModelShape = field(default_factory=ModelShape)  # fresh pre-training model only
 
     def __post_init__(self):
@@ -85,6 +89,8 @@ class TrainConfig:
                 raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise TrainConfigError("warmup_steps must be >= 0")
+        if self.objective not in ("diffusion", "causal"):
+            raise TrainConfigError(f"objective must be 'diffusion' or 'causal', got {self.objective!r}")
         if not 0.0 <= self.mix_fraction < 1.0:
             raise TrainConfigError(f"mix_fraction must be in [0, 1), got {self.mix_fraction}")
         if self.batch_size % self.grad_accum:
@@ -186,6 +192,13 @@ class _LossModule(nn.Module):
 
     def forward(self, x0: Tensor, masked: Tensor, p: Tensor, block_size: int) -> Tensor:
         return diffusion_loss_sum(self.model, x0, Noise(block_size or None, masked, p), self.obj)
+
+
+def _describe(obj: Objective) -> str:
+    if obj.causal:
+        return "causal next-token"
+    kind = f"block diffusion {obj.block_sizes}" if obj.block_sizes else "bidirectional masked diffusion"
+    return kind + (", shifted logits" if obj.shift else "")
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -293,7 +306,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
     rep = _Reporter(cfg, ctx.main, step)
     rep.log(f"{tm.family.name} model, {count_params(model) / 1e6:.2f}M parameters "
             f"({count_params(model, trainable=True) / 1e6:.2f}M trained), {len(rows):,} rows x {cfg.seq_len}, "
-            f"{'block diffusion ' + str(obj.block_sizes) if obj.block_sizes else 'bidirectional masked diffusion'}, "
+            f"{_describe(obj)}, "
             f"{W} process(es) on {ctx.device}" + (f", resumed at step {step}" if saved else ""))
 
     def checkpoint() -> None:
@@ -419,7 +432,15 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
             gen = {"eos_token_id": stops, "bos_token_id": ids["bos"], "pad_token_id": ids["pad"]}
             tm = fresh_model(config, gen, cfg.seed)
         _check_vocab(tm, rows)
-        obj = _objective(tm, sizes)
+        if cfg.objective == "causal":
+            if tm.family.shift_key is None and not tm.family.shifted(tm.config):
+                raise TrainConfigError(f"objective 'causal': the {tm.family.name} family has no shifted-logits "
+                                       "form to continue from it with block diffusion")
+            if tm.family.shift_key is not None:
+                tm.config[tm.family.shift_key] = True  # the export reads logits at i as token i+1
+            obj = Objective(mask_id=tm.mask_id, shift=True, causal=True)
+        else:
+            obj = _objective(tm, sizes)
         return run(cfg, _maybe_lora(tm, cfg), obj, rows, eval_rows, Path(tokenizer_dir), ctx, on_step)
     finally:
         _finish(ctx)
@@ -434,6 +455,8 @@ def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *,
     `mix_text` (a corpus as `train` takes it) with `cfg.mix_fraction` > 0 replays plain text rows
     among the chat rows, so that fine-tuning does not erase raw-text completion.
     """
+    if cfg.objective != "diffusion":
+        raise TrainConfigError("fine-tuning trains the diffusion objective; objective 'causal' is for `train`")
     ctx = _prepare(cfg)
     try:
         tm = load_trainable(model_dir)
@@ -476,7 +499,7 @@ def _objective(tm: TrainableModel, sizes: tuple[int, ...]) -> Objective:
     if tm.mask_id >= tm.arch.vocab_size:
         raise DataError(f"mask token id {tm.mask_id} is outside the vocabulary ({tm.arch.vocab_size})")
     block = None if tm.family.attention == "bidirectional" else tuple(sizes)
-    return Objective(mask_id=tm.mask_id, block_sizes=block, shift=tm.family.shift)
+    return Objective(mask_id=tm.mask_id, block_sizes=block, shift=tm.family.shifted(tm.config))
 
 
 def _check_vocab(tm: TrainableModel, rows: TokenRows) -> None:

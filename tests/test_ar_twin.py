@@ -1,0 +1,57 @@
+"""The AR twin branches from the diffusion model's causal base: same weights, same function."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from unmask.models.transformer import CAUSAL
+from unmask.train.checkpoint import export_model
+from unmask.train.model_init import fresh_model, init_weights, new_unmask_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _twin_script():
+    spec = importlib.util.spec_from_file_location("train_ar_twin", ROOT / "scripts" / "train_ar_twin.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _base(out: Path, causal: bool = True) -> tuple[Path, torch.nn.Module]:
+    cfg = new_unmask_config(96, 32, 2, 4, 2, 8, 64, 256, 4, mask_id=3, eos_ids=[2], bos_id=1, pad_id=0,
+                            tie_embeddings=True)
+    if causal:
+        cfg["shift_logits"] = True
+    tm = fresh_model(cfg, {"eos_token_id": [2]}, seed=0)
+    init_weights(tm.model, 0, std=0.2)
+    return export_model(tm, out, None), tm.model
+
+
+def test_twin_loaded_from_the_causal_base_computes_the_same_logits(tmp_path):
+    twin_mod = _twin_script()
+    base_dir, base = _base(tmp_path / "base")
+    shape, ref_config, _ = twin_mod.shape_from(base_dir)
+    twin = twin_mod.build_twin(shape, ref_config, seed=1).float().eval()
+    twin_mod.load_base(twin, base_dir)
+    ids = torch.randint(16, 90, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = base.logits(base.forward_dense(ids, torch.arange(24).expand(2, 24), CAUSAL))
+        got = twin(input_ids=ids).logits.float()
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_twin_refuses_a_base_that_is_not_causal(tmp_path):
+    twin_mod = _twin_script()
+    base_dir, _ = _base(tmp_path / "diffusion", causal=False)
+    shape, ref_config, _ = twin_mod.shape_from(base_dir)
+    twin = twin_mod.build_twin(shape, ref_config, seed=1)
+    with pytest.raises(SystemExit, match="not a causal base"):
+        twin_mod.load_base(twin, base_dir)
+    assert "shift_logits" not in json.loads((base_dir / "config.json").read_text())
