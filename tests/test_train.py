@@ -222,6 +222,20 @@ def test_causal_base_then_shifted_block_diffusion(tmp_path, tokdir, corpus):
         tiny_cfg(tmp_path / "x", objective="ar")
 
 
+def test_continuing_with_a_differently_numbered_tokenizer_is_refused(tmp_path, tokdir, corpus):
+    base = train(tiny_cfg(tmp_path / "base", total_steps=1), corpus, tokdir)
+    other = tmp_path / "tok2"
+    shutil.copytree(tokdir, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # same tokens, two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(DataError, match="numbers tokens differently"):
+        train(tiny_cfg(tmp_path / "cont", total_steps=1), corpus, other, init_from=base.model_dir)
+    res = train(tiny_cfg(tmp_path / "cont2", total_steps=1), corpus, base.model_dir, init_from=base.model_dir)
+    assert res.steps == 1
+
+
 def test_tied_embeddings_export(tmp_path):
     from unmask.train.checkpoint import export_model
     from unmask.train.model_init import fresh_model, new_unmask_config

@@ -131,7 +131,8 @@ COMPILE_HELP = ("torch.compile each transformer block: 1.2-1.5x faster steps mea
 @app.command()
 def train(
     data: Path = typer.Option(Path("data/corpus"), help="Corpus directory (train.jsonl [+ heldout.jsonl])."),
-    tokenizer: Path = typer.Option(Path("data/tokenizer"), help="Tokenizer directory."),
+    tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory (default: data/tokenizer; with "
+                                             "--init-from, that model's own)."),
     out: Path = typer.Option(Path("runs/pretrain"), help="Run directory (checkpoints, final model in out/model)."),
     steps: int = typer.Option(2000), batch_size: int = typer.Option(16), seq_len: int = typer.Option(512),
     lr: float = typer.Option(1e-3), warmup: int = typer.Option(100), seed: int = typer.Option(0),
@@ -157,6 +158,9 @@ def train(
         if objective not in ("diffusion", "causal"):
             fail(f"--objective must be diffusion or causal, got {objective!r}")
         cfg.objective = objective
+        if tokenizer is None:
+            tokenizer = init_from if init_from is not None and (init_from / "tokenizer.json").is_file() \
+                else Path("data/tokenizer")
         res = run_train(cfg, data, tokenizer, init_from=init_from)
     except UnmaskError as e:
         fail(str(e))

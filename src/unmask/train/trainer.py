@@ -423,6 +423,7 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
         sizes = cfg.block_sizes or DEFAULT_BLOCK_SIZES
         if init_from is not None:
             tm = load_trainable(init_from)
+            _check_same_tokenizer(tok, Path(tokenizer_dir), Path(init_from))
         else:
             if ids["mask"] is None:
                 raise DataError(f"tokenizer {tokenizer_dir} has no mask token (<|mask|>)")
@@ -500,6 +501,17 @@ def _objective(tm: TrainableModel, sizes: tuple[int, ...]) -> Objective:
         raise DataError(f"mask token id {tm.mask_id} is outside the vocabulary ({tm.arch.vocab_size})")
     block = None if tm.family.attention == "bidirectional" else tuple(sizes)
     return Objective(mask_id=tm.mask_id, block_sizes=block, shift=tm.family.shifted(tm.config))
+
+
+def _check_same_tokenizer(tok: Tokenizer, tokenizer_dir: Path, model_dir: Path) -> None:
+    """Continuing a model on text tokenized by another tokenizer trains it on the wrong ids. BPE training
+    is reproducible for one `tokenizers` release, but releases can number equal-count merges differently,
+    so a rebuilt data/tokenizer is not necessarily the one a model was trained with."""
+    if not (model_dir / "tokenizer.json").is_file() or tokenizer_dir.resolve() == model_dir.resolve():
+        return
+    if tok.hf.get_vocab() != Tokenizer(model_dir).hf.get_vocab():
+        raise DataError(f"tokenizer {tokenizer_dir} numbers tokens differently from the one in {model_dir}; "
+                        f"continue with the model's own (--tokenizer {model_dir})")
 
 
 def _check_vocab(tm: TrainableModel, rows: TokenRows) -> None:
