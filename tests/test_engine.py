@@ -268,6 +268,28 @@ def test_prefix_cache_reuses_prompt_blocks_exactly(models):
     assert c.cached == 0
 
 
+@pytest.mark.parametrize("family", ["fast_dllm_v2", "unmask_shifted"])
+def test_shifted_families_restore_all_but_the_block_before_the_answer(family, models):
+    """A block-aligned prompt whose blocks are all cached: a shifted family still needs the last prompt
+    block's final row for the answer's first token, so that block runs again (it used to hang)."""
+    model, spec = models[family]
+    prompt = list(range(60, 60 + 24))  # six whole blocks of 4: the answer starts on a block boundary
+    params = GenerationParams(max_tokens=8, policy="threshold", threshold=0.5, block_size=4)
+    eng = Engine(model, spec)
+    a = eng.add_request(prompt, params)
+    eng.run_to_completion()
+    b = eng.add_request(prompt, params)
+    assert b.cached == 20 and eng.prefix_cache.hits == 5
+    eng.run_to_completion()
+    assert b.finish_reason is not None and b.output_ids == a.output_ids
+    assert b.output_ids == naive_generate(model, spec, prompt, params)
+    # chunked prefill under a tiny token budget stops one block short as well
+    small = Engine(model, spec, max_batch_tokens=4)
+    c = small.add_request(prompt, params)
+    small.run_to_completion()
+    assert c.output_ids == a.output_ids
+
+
 @pytest.mark.parametrize("stops", [["a", "b"], ["b", "a"], ["yyb", "a"]])
 def test_the_earliest_stop_string_ends_the_text(stops):
     from unmask.defaults import default_model_path

@@ -150,7 +150,10 @@ class Sequence:
         B, pending = self.B, self.block_start - self.cached
         if pending > budget:  # chunked prefill: whole blocks, write only
             n = min(pending, max(B, budget // B * B))
-            return self._make_plan(self.cached, self.cached + n, write=n, targets=None)
+            if self.traits.shift and n >= pending:  # keep the block before the answer for the first pass:
+                n = pending - B                     # its last row predicts the answer block's first token
+            if n > 0:
+                return self._make_plan(self.cached, self.cached + n, write=n, targets=None)
         return self._make_plan(self.cached, self.block_end, write=pending, targets=self.masked_positions())
 
     def _plan_bidirectional(self) -> StepPlan:
