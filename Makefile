@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test serve bench bench-quick llama-cpp model clean
+.PHONY: setup test serve bench bench-quick llama-cpp model twin clean
 
 setup: $(STAMP)
 
@@ -28,14 +28,15 @@ serve: $(STAMP)
 
 # Benchmark suite (bench/suite.py): regenerates docs/benchmarks.md, docs/benchmarks.json, docs/bench/*.png.
 # MODEL=DIR (default: the built-in model), THREADS=N (default: all cores; 1 on a busy machine), TWIN=DIR,
-# BENCH_ARGS=... (e.g. --sections cost). The full run decodes the AR twin from runs/ar-twin/model, which
-# `$(BIN)/python scripts/train_ar_twin.py --out runs/ar-twin` trains (about as long as `make model`).
+# BENCH_ARGS=... (e.g. --sections cost). The full run decodes the AR twin from bench/models/ar-twin (committed;
+# `make twin` retrains it from the causal base bench/models/unmask-tiny-base, about as long as the diffusion
+# phases of `make model`), else from runs/ar-twin/model.
 BENCH_OPTS = $(if $(MODEL),--model $(MODEL)) $(if $(THREADS),--threads $(THREADS)) $(if $(TWIN),--twin $(TWIN)) $(BENCH_ARGS)
 
 bench: $(STAMP)
 	test -f data/corpus/heldout.jsonl || $(BIN)/unmask corpus
-	@test -n "$(TWIN)" -o -d runs/ar-twin/model || echo "note: no AR twin in runs/ar-twin/model; section 3 will say so" \
-		"(train it with: $(BIN)/python scripts/train_ar_twin.py --out runs/ar-twin)"
+	@test -n "$(TWIN)" -o -d bench/models/ar-twin -o -d runs/ar-twin/model || \
+		echo "note: no AR twin in bench/models/ar-twin; section 3 will say so (train it with: make twin)"
 	$(BIN)/python bench/suite.py $(BENCH_OPTS)
 
 # A few minutes, no network: tiny settings, and a CI-sized AR twin trained on the spot.
@@ -50,20 +51,27 @@ bench-quick: $(STAMP)
 llama-cpp: $(STAMP)
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF" $(BIN)/pip install -q -e '.[test,llama]'
 
-# Rebuild the built-in model from scratch on this machine (about 4 h on 2 cores without --compile; see docs/model-card.md):
-# pre-training, a continuation with a fresh warmup + cosine, then SFT with a quarter of plain-text rows;
-# the shipped generation_config recommends frequency_penalty 0.5 (docs/model-card.md).
+# Rebuild the built-in model from scratch on this machine (about 2.2 h on 2 cores; see docs/model-card.md):
+# a causal next-token base, block diffusion initialised from it (shifted logits, as Fast-dLLM v2), then SFT
+# with a quarter of plain-text rows. The base is kept in bench/models: the AR twin (`make twin`) starts from it.
 model: $(STAMP)
 	$(BIN)/unmask corpus
-	$(BIN)/unmask train --out runs/pretrain --steps 570 --warmup 60 --lr 1.5e-3 --eval-every 100 --save-every 50 --compile
-	$(BIN)/unmask train --init-from runs/pretrain/model --out runs/pretrain2 --steps 1100 --warmup 30 --lr 1e-3 \
-		--eval-every 100 --save-every 25 --compile
-	$(BIN)/unmask finetune --model runs/pretrain2/model --data data/sft/train.jsonl --eval-data data/sft/heldout.jsonl \
+	$(BIN)/unmask train --objective causal --out runs/base --steps 1600 --warmup 80 --lr 1.5e-3 --eval-every 200 \
+		--save-every 100 --compile
+	$(BIN)/unmask train --init-from runs/base/model --out runs/adapt --steps 700 --warmup 30 --lr 1e-3 \
+		--eval-every 100 --save-every 50 --compile
+	$(BIN)/unmask finetune --model runs/adapt/model --data data/sft/train.jsonl --eval-data data/sft/heldout.jsonl \
 		--out runs/sft --steps 400 --warmup 20 --lr 5e-4 --pack --mix-text data/corpus --mix-fraction 0.25 \
 		--eval-every 100 --save-every 50 --compile
 	rm -rf src/unmask/assets/unmask-tiny && cp -r runs/sft/model src/unmask/assets/unmask-tiny
-	$(BIN)/python -c "import json; p = 'src/unmask/assets/unmask-tiny/generation_config.json'; \
-		d = json.load(open(p)); d['frequency_penalty'] = 0.5; open(p, 'w').write(json.dumps(d, indent=2) + '\n')"
+	rm -rf bench/models/unmask-tiny-base && mkdir -p bench/models && cp -r runs/base/model bench/models/unmask-tiny-base
+
+# The compute-matched autoregressive twin for `make bench` (scripts/train_ar_twin.py): from the same causal base,
+# the FLOPs of the block-diffusion and SFT phases spent on next-token training; Qwen3 format.
+twin: $(STAMP)
+	test -f data/corpus/train.jsonl || $(BIN)/unmask corpus
+	$(BIN)/python scripts/train_ar_twin.py --init-from bench/models/unmask-tiny-base --out runs/ar-twin --compile
+	rm -rf bench/models/ar-twin && cp -r runs/ar-twin/model bench/models/ar-twin
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,4 +1,7 @@
 """CLI: prints text, stats, and one-line errors with a non-zero exit."""
+import json
+import shutil
+
 import pytest
 from typer.testing import CliRunner
 
@@ -25,7 +28,7 @@ def test_generate_is_deterministic_with_seed(family_dirs):
     assert invoke(*args).stdout == invoke(*args).stdout
 
 
-def test_generate_takes_penalties(family_dirs, monkeypatch):
+def test_generate_takes_penalties(family_dirs, monkeypatch, tmp_path):
     """The flags reach GenerationParams (the arithmetic is tested in test_logit_adjust.py)."""
     from unmask.engine import llm as llm_module
 
@@ -36,10 +39,15 @@ def test_generate_takes_penalties(family_dirs, monkeypatch):
                "--frequency-penalty", "0.5", "--presence-penalty", "1.5", "hi")
     assert r.exit_code == 0 and r.stdout.startswith("hi")
     assert (seen[0].frequency_penalty, seen[0].presence_penalty) == (0.5, 1.5)
-    # the built-in model recommends a frequency penalty in its generation_config; a flag overrides it
-    assert invoke("generate", "--max-tokens", "4", "hi").exit_code == 0
+    # a penalty in the model's generation_config is the default; a flag overrides it
+    model = tmp_path / "sdar"
+    shutil.copytree(family_dirs["sdar"], model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "frequency_penalty": 0.5}))
+    common = ("generate", "--model", str(model), "--max-tokens", "4", "--block-size", "4")
+    assert invoke(*common, "hi").exit_code == 0
     assert (seen[1].frequency_penalty, seen[1].presence_penalty) == (0.5, 0.0)
-    assert invoke("generate", "--max-tokens", "4", "--frequency-penalty", "0", "hi").exit_code == 0
+    assert invoke(*common, "--frequency-penalty", "0", "hi").exit_code == 0
     assert seen[2].frequency_penalty == 0.0
 
 
