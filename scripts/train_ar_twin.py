@@ -267,7 +267,7 @@ def run_phase(model, phase: Phase, rows: TokenRows, eval_rows: TokenRows | None,
         tps = phase.batch * phase.seq_len * (step - first) / max(train_s - first_s, 1e-9)
         if step % args.log_every == 0 or step == phase.steps:
             eta = time.strftime("%H:%M:%S", time.gmtime((phase.steps - step) * phase.batch * phase.seq_len / tps))
-            print(f"step {step}/{phase.steps} loss {float(loss):.4f} lr {sched.get_last_lr()[0]:.2e} "
+            print(f"step {step}/{phase.steps} loss {losses[-1]:.4f} lr {sched.get_last_lr()[0]:.2e} "
                   f"{tps:,.0f} tok/s eta {eta}", flush=True)
         if eval_rows is not None and args.eval_every and (step % args.eval_every == 0 or step == phase.steps):
             evals.append((step, evaluate()))
