@@ -42,7 +42,7 @@ def main() -> None:
         p.requires_grad_(True)
     compiled = copy.deepcopy(eager)
     compile_blocks(compiled)
-    obj = Objective(mask_id=spec.mask_id, block_sizes=DEFAULT_BLOCK_SIZES, shift=spec.family.shift)
+    obj = Objective(mask_id=spec.mask_id, block_sizes=DEFAULT_BLOCK_SIZES, shift=spec.shift)
     x0 = torch.randint(16, spec.arch.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     loss_mask = torch.ones_like(x0, dtype=torch.bool)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)

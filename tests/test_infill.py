@@ -107,7 +107,7 @@ def naive_span(model, spec, prompt, suffix, n, params):
             with torch.inference_mode():
                 logits = model.logits(model.forward_dense(seq[None], torch.arange(len(seq))[None], None))[0]
             targets = (seq[start:stop_blk] == mask).nonzero(as_tuple=True)[0] + start
-            lg = logits[targets - int(spec.family.shift)].clone()
+            lg = logits[targets - int(spec.shift)].clone()
             lg[:, mask] = float("-inf")
             d = decide(params.policy_config(), lg, targets - start, state, params.sampling(), gen)
             seq[targets[d.commit]] = d.tokens[d.commit]
@@ -159,7 +159,7 @@ def probe_reference(model, spec, prompt, suffix, n, B):
         logits = model.logits(model.forward_dense(ids[None], torch.arange(len(ids))[None], None))[0]
     first = min(B, n)
     offs = list(range(first)) + list(range(max(first, n - B), n))
-    lg = logits[[len(prompt) + o - int(spec.family.shift) for o in offs]].clone()
+    lg = logits[[len(prompt) + o - int(spec.shift) for o in offs]].clone()
     lg[:, spec.mask_id] = float("-inf")
     logp = lg.log_softmax(-1)
     return float(logp[-1, sorted(spec.stop_ids)].exp().sum()), float(logp.max(-1).values.mean())
