@@ -55,6 +55,8 @@ llama-cpp: $(STAMP)
 # a causal next-token base, block diffusion initialised from it (shifted logits, as Fast-dLLM v2), then SFT
 # with a quarter of plain-text rows. The base is kept in bench/models: the AR twin (`make twin`) starts from it.
 model: $(STAMP)
+	@ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { echo "make model: the recipe's corpus" \
+		"includes the Python docs, which are not installed (Debian/Ubuntu: apt-get install python3.11-doc)"; exit 1; }
 	$(BIN)/unmask corpus
 	$(BIN)/unmask train --objective causal --out runs/base --steps 1600 --warmup 80 --lr 1.5e-3 --eval-every 200 \
 		--save-every 100 --compile
