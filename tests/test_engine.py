@@ -283,6 +283,11 @@ def test_shifted_families_restore_all_but_the_block_before_the_answer(family, mo
     eng.run_to_completion()
     assert b.finish_reason is not None and b.output_ids == a.output_ids
     assert b.output_ids == naive_generate(model, spec, prompt, params)
+    # a caller that fills the whole prompt itself (as a benchmark shortcut might) gets an error, not a hang
+    d = Engine(model, spec).add_request(prompt, params)
+    d.cached = d.block_start
+    with pytest.raises(RuntimeError, match="block before the answer"):
+        d.plan(4096)
     # chunked prefill under a tiny token budget stops one block short as well
     small = Engine(model, spec, max_batch_tokens=4)
     c = small.add_request(prompt, params)

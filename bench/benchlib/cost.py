@@ -131,6 +131,8 @@ class CostBench:
         self.mem.start()
         seq = eng.add_request(self.ids[:L], self._params(gen))
         start = seq.block_start  # the cache holds every full block before the active one
+        if seq.traits.shift and start >= seq.B:  # except, for a shifted model, the block before the answer:
+            start -= seq.B                       # its last row gives the answer's first token (the engine's rule)
         cache = seq.cache
         for need in range(4096, start, 4096):  # grow the cache as a chunked prefill would (geometrically)
             cache.reserve(need)

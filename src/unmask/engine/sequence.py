@@ -154,7 +154,13 @@ class Sequence:
                 n = pending - B                     # its last row predicts the answer block's first token
             if n > 0:
                 return self._make_plan(self.cached, self.cached + n, write=n, targets=None)
-        return self._make_plan(self.cached, self.block_end, write=pending, targets=self.masked_positions())
+        targets = self.masked_positions()
+        first_unreadable = self.traits.shift and pending == 0 and self.cached > 0 and targets.numel() > 0
+        if first_unreadable and int(targets[0]) == self.cached:
+            # no row can predict the block's first token: fail loudly instead of stepping forever
+            raise RuntimeError("a shifted model needs the block before the answer in the first pass; "
+                               f"the cache already holds {self.cached} tokens")
+        return self._make_plan(self.cached, self.block_end, write=pending, targets=targets)
 
     def _plan_bidirectional(self) -> StepPlan:
         s = int(self.traits.shift)
