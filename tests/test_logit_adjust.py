@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unmask.decoding.logit_adjust import Adjuster, LogitAdjust, validate
+from unmask.decoding.logit_adjust import Adjuster, LogitAdjust, ban_early_stops, validate
 from unmask.engine.llm import LLM
 from unmask.engine.params import GenerationParams
 from unmask.errors import InvalidRequestError
@@ -91,3 +91,14 @@ def test_server_defaults_take_the_models_penalties():
     assert sampling_defaults({"do_sample": True, "temperature": 0.7, "presence_penalty": 1}) == {
         "temperature": 0.7, "presence_penalty": 1}
     assert sampling_defaults({"temperature": 0.7}) == {}  # greedy unless the model samples
+
+
+def test_ban_early_stops_only_below_min_tokens_and_only_stop_tokens():
+    logits = torch.zeros(4, 6)
+    ban_early_stops(logits, torch.tensor([1, 2, 3, 4]), min_tokens=3, stops={2, 5, 99})  # 99: outside the vocab
+    inf = float("-inf")
+    assert logits.tolist() == [[0, 0, inf, 0, 0, inf], [0, 0, inf, 0, 0, inf], [0] * 6, [0] * 6]
+    untouched = torch.zeros(2, 6)
+    ban_early_stops(untouched, torch.tensor([0, 1]), min_tokens=0, stops={2})
+    ban_early_stops(untouched, torch.tensor([0, 1]), min_tokens=5, stops=set())
+    assert untouched.eq(0).all()

@@ -84,3 +84,16 @@ class Adjuster:
             return
         t = tokens.reshape(-1).to(self.counts.device)
         self.counts.index_add_(0, t, torch.ones(t.numel(), dtype=self.counts.dtype, device=t.device))
+
+
+def ban_early_stops(logits: Tensor, output_index: Tensor, min_tokens: int, stops: set[int]) -> None:
+    """`min_tokens` as vLLM means it: no stop token among the first `min_tokens` outputs. Sets the stop
+    tokens' logits to -inf, in place, on the rows of [N, V] `logits` whose output index (0 = the first
+    generated token) is below `min_tokens`."""
+    if not min_tokens or not stops:
+        return
+    early = (output_index < min_tokens).to(logits.device)
+    if not bool(early.any()):
+        return
+    banned = torch.tensor(sorted(t for t in stops if t < logits.shape[1]), device=logits.device)
+    logits[early.nonzero()[:, 0][:, None], banned[None, :]] = float("-inf")

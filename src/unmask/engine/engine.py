@@ -98,9 +98,7 @@ class Engine:
             seq.cache = self.model.new_cache(capacity=min(len(prompt_ids) + params.max_tokens, 4096))
         if self.prefix_cache is not None:
             keys = block_keys(seq.prompt_ids[:seq.block_start], seq.B)
-            # a shifted family reads a block's first token from the row before it: the prompt block before
-            # the answer must run in the first pass, so it is never restored (else that token has no row)
-            seq.cached = self.prefix_cache.load(keys[:-1] if self.traits.shift else keys, seq.cache, seq.B)
+            seq.cached = self.prefix_cache.load(keys[:seq.prefill_limit // seq.B], seq.cache, seq.B)
             if len(keys) * seq.B > seq.cached:
                 self._pending_store[seq.request_id] = keys
         if self.tokenizer is not None:

@@ -33,7 +33,7 @@ import os
 import torch
 from torch import Tensor
 
-from unmask.decoding.logit_adjust import Adjuster
+from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
 from unmask.decoding.sampling import SamplingParams
 from unmask.decoding.uniform import DEFAULTS, StepResult, UniformConfig, denoise_batch, denoise_step, uniform_tokens
 from unmask.engine.params import GenerationParams
@@ -249,10 +249,8 @@ class GemmaSequence:
         tokens at those canvas positions, so neither the draft nor the sample can end the output there."""
         if self.adjuster is not None:
             self.adjuster.adjust(logits)
-        early = self.params.min_tokens - (self.block_start - self.P)   # canvas positions still inside min_tokens
-        if early > 0 and self.stops:
-            banned = torch.tensor(sorted(t for t in self.stops if t < logits.shape[1]), device=logits.device)
-            logits[:early, banned] = float("-inf")
+        output_index = torch.arange(logits.shape[0]) + (self.block_start - self.P)
+        ban_early_stops(logits, output_index, self.params.min_tokens, self.stops)
 
     def _span(self) -> int:
         """Canvas positions that reach the output (all but the part past max_tokens)."""

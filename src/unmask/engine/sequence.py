@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from unmask.decoding import BlockState, decide
-from unmask.decoding.logit_adjust import Adjuster
+from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
 from unmask.decoding.sampling import top_logprobs
 from unmask.engine.params import GenerationParams
 from unmask.models.attention import KVCache, Segment
@@ -141,6 +141,13 @@ class Sequence:
         blk = self.seq[self.block_start:self.block_end]
         return (blk == self.traits.mask_id).nonzero(as_tuple=True)[0] + self.block_start
 
+    @property
+    def prefill_limit(self) -> int:
+        """Prompt tokens that may enter the cache before the first decoding pass (prefix cache, chunked
+        prefill). A shifted family reads a block's first token from the last row of the block before it,
+        so that prompt block must run in the first pass."""
+        return max(0, self.block_start - self.B) if self.traits.shift else self.block_start
+
     def plan(self, token_budget: int) -> StepPlan:
         if self.bidirectional:
             return self._plan_bidirectional()
@@ -149,9 +156,7 @@ class Sequence:
     def _plan_block_causal(self, budget: int) -> StepPlan:
         B, pending = self.B, self.block_start - self.cached
         if pending > budget:  # chunked prefill: whole blocks, write only
-            n = min(pending, max(B, budget // B * B))
-            if self.traits.shift and n >= pending:  # keep the block before the answer for the first pass:
-                n = pending - B                     # its last row predicts the answer block's first token
+            n = min(pending, max(B, budget // B * B), self.prefill_limit - self.cached)
             if n > 0:
                 return self._make_plan(self.cached, self.cached + n, write=n, targets=None)
         targets = self.masked_positions()
@@ -205,11 +210,7 @@ class Sequence:
         if self.adjuster is not None:
             self.adjuster.adjust(logits)
         logits[:, self.traits.mask_id] = float("-inf")  # never propose the mask itself (dInfer does the same)
-        if self.params.min_tokens and self.stops:  # no stop token inside the first min_tokens outputs
-            early = (plan.targets < self.P + self.params.min_tokens).to(logits.device)
-            if bool(early.any()):
-                banned = torch.tensor(sorted(self.stops), device=logits.device)
-                logits[early.nonzero()[:, 0][:, None], banned[None, :]] = float("-inf")
+        ban_early_stops(logits, plan.targets - self.P, self.params.min_tokens, self.stops)
         if self.constraint is not None:
             return self._apply_constrained(plan, logits, offsets)
         forced_first = self.traits.ar_first_token and self.block.step == 0 and int(offsets[0]) == 0
