@@ -7,6 +7,11 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
+# The recipes' corpus (and so the held-out split that the model card and the full bench report on) includes the
+# Python docs; without them `unmask corpus` builds a different, stdlib-only corpus, so these targets stop.
+NEED_DOCS = @ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { echo "make $@: the corpus" \
+	"includes the Python docs, which are not installed (Debian/Ubuntu: apt-get install python3.11-doc)"; exit 1; }
+
 .PHONY: setup test serve bench bench-quick llama-cpp model twin clean
 
 setup: $(STAMP)
@@ -34,6 +39,7 @@ serve: $(STAMP)
 BENCH_OPTS = $(if $(MODEL),--model $(MODEL)) $(if $(THREADS),--threads $(THREADS)) $(if $(TWIN),--twin $(TWIN)) $(BENCH_ARGS)
 
 bench: $(STAMP)
+	$(NEED_DOCS)
 	test -f data/corpus/heldout.jsonl || $(BIN)/unmask corpus
 	@test -n "$(TWIN)" -o -d bench/models/ar-twin -o -d runs/ar-twin/model || \
 		echo "note: no AR twin in bench/models/ar-twin; section 3 will say so (train it with: make twin)"
@@ -55,8 +61,7 @@ llama-cpp: $(STAMP)
 # a causal next-token base, block diffusion initialised from it (shifted logits, as Fast-dLLM v2), then SFT
 # with a quarter of plain-text rows. The base is kept in bench/models: the AR twin (`make twin`) starts from it.
 model: $(STAMP)
-	@ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { echo "make model: the recipe's corpus" \
-		"includes the Python docs, which are not installed (Debian/Ubuntu: apt-get install python3.11-doc)"; exit 1; }
+	$(NEED_DOCS)
 	$(BIN)/unmask corpus
 	$(BIN)/unmask train --objective causal --out runs/base --steps 1600 --warmup 80 --lr 1.5e-3 --eval-every 200 \
 		--save-every 100 --compile
@@ -71,6 +76,7 @@ model: $(STAMP)
 # The compute-matched autoregressive twin for `make bench` (scripts/train_ar_twin.py): from the same causal base,
 # the FLOPs of the block-diffusion and SFT phases spent on next-token training; Qwen3 format.
 twin: $(STAMP)
+	$(NEED_DOCS)
 	test -f data/corpus/train.jsonl || $(BIN)/unmask corpus
 	$(BIN)/python scripts/train_ar_twin.py --init-from bench/models/unmask-tiny-base --out runs/ar-twin --compile
 	rm -rf bench/models/ar-twin && cp -r runs/ar-twin/model bench/models/ar-twin
