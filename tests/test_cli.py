@@ -136,3 +136,22 @@ def test_llm_stream_equals_generate_and_aborts_when_closed(family_dirs):
     next(gen)
     gen.close()
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("flag, expect", [((), None), (("--bf16",), True), (("--no-bf16",), False)])
+def test_train_and_finetune_pass_the_bf16_choice(monkeypatch, tmp_path, flag, expect):
+    """--bf16 / --no-bf16 reach TrainConfig; without either the trainer decides by the hardware (None)."""
+    from unmask.train import trainer
+
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda cfg, *a, **k: seen.append(cfg) or _Done())
+    monkeypatch.setattr(trainer, "finetune", lambda cfg, *a, **k: seen.append(cfg) or _Done())
+    r = invoke("train", "--out", str(tmp_path / "a"), "--tokenizer", str(tmp_path), *flag)
+    assert r.exit_code == 0, r.output
+    r = invoke("finetune", "--model", str(tmp_path), "--data", str(tmp_path / "x.jsonl"), *flag)
+    assert r.exit_code == 0, r.output
+    assert [c.bf16 for c in seen] == [expect, expect]
+
+
+class _Done:
+    steps, model_dir = 0, "nowhere"

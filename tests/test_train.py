@@ -536,3 +536,27 @@ def test_finetune_with_text_mix_trains_on_both(tmp_path, tokdir, corpus):
     assert any((res.out_dir / "tokens").iterdir())  # the corpus was tokenized for the mix
     with pytest.raises(Exception, match="mix_fraction must be in"):
         tiny_cfg(tmp_path / "bad", mix_fraction=1.0)
+
+
+# ------------------------------------------------------------------ precision
+
+def test_bf16_default_follows_native_support(monkeypatch):
+    import unmask.train.precision as precision
+
+    for avx512_bf16, amx, expect in ((False, False, False), (True, False, True), (False, True, True)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert precision.bf16_is_fast("cpu") is expect
+        assert precision.use_bf16(None, "cpu") is expect
+        assert precision.use_bf16(True, "cpu") is True and precision.use_bf16(False, "cpu") is False
+    assert precision.bf16_is_fast("meta") is False
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_trainer_reports_the_precision_it_chose(tmp_path, tokdir, corpus, capsys, monkeypatch, native):
+    import unmask.train.precision as precision
+
+    monkeypatch.setattr(precision, "bf16_is_fast", lambda device: native)
+    train(tiny_cfg(tmp_path / "run", total_steps=1, bf16=None, progress="plain"), corpus, tokdir)
+    out = capsys.readouterr().out
+    assert ("bf16 autocast" in out) is native and ("float32" in out) is (not native), out

@@ -30,6 +30,7 @@ from unmask.train.data import BatchIterator, DataError, TokenRows, eval_batches,
 from unmask.train.model_init import (ModelShape, TrainableModel, apply_lora, count_params, fresh_model,
                                      load_trainable, shape_config, trainable_state)
 from unmask.train.objectives import Noise, Objective, diffusion_loss_sum, draw_noise, loss_eligible
+from unmask.train.precision import use_bf16
 from unmask.train.sft import SFTEncoder, load_sft
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16, 32)
@@ -62,7 +63,7 @@ class TrainConfig:
     save_every: int = 200              # 0: only at the end
     log_every: int = 10
     seed: int = 0
-    bf16: bool = True                  # bf16 autocast (weights and optimizer stay float32)
+    bf16: bool | None = None           # bf16 autocast (weights, optimizer stay float32); None: where native
     device: str = "auto"               # "cpu", "cuda", "auto"
     lora_rank: int = 0                 # >0: train LoRA adapters only (fine-tuning)
     lora_alpha: float | None = None    # default 2 * rank
@@ -302,12 +303,14 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
     loss_module: nn.Module = _LossModule(model, obj)
     if W > 1:
         loss_module = nn.parallel.DistributedDataParallel(loss_module)
-    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    bf16 = use_bf16(cfg.bf16, ctx.device)
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
     rep = _Reporter(cfg, ctx.main, step)
     rep.log(f"{tm.family.name} model, {count_params(model) / 1e6:.2f}M parameters "
             f"({count_params(model, trainable=True) / 1e6:.2f}M trained), {len(rows):,} rows x {cfg.seq_len}, "
             f"{_describe(obj)}, "
-            f"{W} process(es) on {ctx.device}" + (f", resumed at step {step}" if saved else ""))
+            f"{W} process(es) on {ctx.device}, {'bf16 autocast' if bf16 else 'float32'}"
+            + (f", resumed at step {step}" if saved else ""))
 
     def checkpoint() -> None:
         if ctx.main:
