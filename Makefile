@@ -79,7 +79,7 @@ twin: $(STAMP)
 	$(NEED_DOCS)
 	test -f data/corpus/train.jsonl || $(BIN)/unmask corpus
 	$(BIN)/python scripts/train_ar_twin.py --init-from bench/models/unmask-tiny-base --out runs/ar-twin --compile
-	rm -rf bench/models/ar-twin && cp -r runs/ar-twin/model bench/models/ar-twin
+	rm -rf bench/models/ar-twin && cp -r runs/ar-twin/model bench/models/ar-twin && cp runs/ar-twin/budget.json bench/models/ar-twin/
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

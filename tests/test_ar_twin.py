@@ -55,3 +55,19 @@ def test_twin_refuses_a_base_that_is_not_causal(tmp_path):
     with pytest.raises(SystemExit, match="not a causal base"):
         twin_mod.load_base(twin, base_dir)
     assert "shift_logits" not in json.loads((base_dir / "config.json").read_text())
+
+
+def test_twin_info_finds_the_budget_in_the_run_or_the_committed_copy(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from benchlib.twin import twin_info
+
+    run = tmp_path / "run"
+    model = run / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    assert "budget_detail" not in twin_info(model)
+    (run / "budget.json").write_text(json.dumps({"budget": "flops", "where": "run"}))
+    assert twin_info(model)["budget_detail"]["where"] == "run"
+    (model / "budget.json").write_text(json.dumps({"budget": "flops", "where": "model"}))  # as `make twin` copies it
+    info = twin_info(model)
+    assert info["budget_detail"]["where"] == "model" and info["architecture"] == "Qwen3ForCausalLM"

@@ -25,9 +25,11 @@ class Result:
 def twin_info(path: Path) -> dict:
     meta = path / "ar_twin.json"
     info = json.loads(meta.read_text()) if meta.is_file() else {}
-    budget = path.parent / "budget.json"
-    if budget.is_file():
-        info["budget_detail"] = json.loads(budget.read_text())
+    # the training run writes OUT/budget.json beside OUT/model; `make twin` copies it into the committed model
+    for budget in (path / "budget.json", path.parent / "budget.json"):
+        if budget.is_file():
+            info["budget_detail"] = json.loads(budget.read_text())
+            break
     cfg = json.loads((path / "config.json").read_text())
     info["architecture"] = (cfg.get("architectures") or ["?"])[0]
     return info
