@@ -57,7 +57,8 @@ bench-quick: $(STAMP)
 llama-cpp: $(STAMP)
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF" $(BIN)/pip install -q -e '.[test,llama]'
 
-# Rebuild the built-in model from scratch on this machine (about 2.2 h on 2 cores; see docs/model-card.md):
+# Rebuild the built-in model from scratch (about 2.2 h on 2 cores with native bf16; longer in float32 on AVX2-only
+# CPUs; see docs/model-card.md):
 # a causal next-token base, block diffusion initialised from it (shifted logits, as Fast-dLLM v2), then SFT
 # with a quarter of plain-text rows. The base is kept in bench/models: the AR twin (`make twin`) starts from it.
 model: $(STAMP)
