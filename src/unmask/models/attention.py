@@ -132,8 +132,72 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | No
 MAX_MASK_ELEMENTS = 1 << 25
 
 
+# CPU flash attention that also returns each row's log-sum-exp, so attention over two key sets can be
+# computed apart and merged exactly (torch >= 2.3; older builds keep the single masked call).
+def _cpu_flash_op():
+    try:
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    except (AttributeError, RuntimeError):
+        return None
+    return op if "attn_mask" in str(op._schema) else None
+
+
+_CPU_FLASH = _cpu_flash_op()
+
+# A masked segment over a long cached prefix is split (prefix unmasked + own keys masked) once the
+# prefix-by-query area reaches this: below it the extra call and the merge cost more than the mask.
+SPLIT_MIN_ELEMENTS = 1 << 20
+
+
+# Query rows per call over a segment's own keys in the split path: small enough that each call skips the
+# keys its rows' blocks cannot see yet, large enough to keep the call count low.
+OWN_ROWS = 512
+
+
+def _repeat_kv(t: Tensor, groups: int) -> Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=0)
+
+
+def _flash_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None) -> tuple[Tensor, Tensor]:
+    """q [H, Lq, D], k/v [H, Lk, D], mask bool [Lq, Lk] or None -> out [H, Lq, D], lse [H, Lq] (float32)."""
+    add = None
+    if mask is not None:  # the kernel takes an additive mask of the query's dtype
+        add = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, lse = _CPU_FLASH(q[None], k[None], v[None], 0.0, False, attn_mask=add, scale=scale)
+    return out[0], lse[0]
+
+
+def _attend_split(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor:
+    """A masked segment after a cached prefix. Every query sees the whole prefix, so the prefix is attended
+    in one call without a mask and only the segment's own keys carry one; own-key calls take OWN_ROWS query
+    rows and read own keys only up to the last one those rows' blocks allow (block ids never decrease
+    along a segment). The two softmaxes merge exactly through their log-sum-exps. Equal to the single
+    masked call up to float rounding (tested)."""
+    start, lq, groups = seg.start, q.shape[1], q.shape[0] // k.shape[0]
+    kp, vp = _repeat_kv(k[:, :start], groups), _repeat_kv(v[:, :start], groups)
+    oa, la = _flash_lse(q, kp, vp, None, scale)
+    del kp, vp
+    ko, vo = _repeat_kv(k[:, start:start + lq], groups), _repeat_kv(v[:, start:start + lq], groups)
+    ends = torch.searchsorted(seg.block_ids, seg.block_ids, right=True).tolist()  # own keys each row sees
+    obs, lbs = [], []
+    for i in range(0, lq, OWN_ROWS):
+        j = min(i + OWN_ROWS, lq)
+        e = ends[j - 1]
+        ob, lb = _flash_lse(q[:, i:j], ko[:, :e], vo[:, :e], seg.inner[i:j, :e], scale)
+        obs.append(ob)
+        lbs.append(lb)
+    ob, lb = (obs[0], lbs[0]) if len(obs) == 1 else (torch.cat(obs, dim=1), torch.cat(lbs, dim=1))
+    m = torch.maximum(la, lb)
+    wa, wb = (la - m).exp_(), (lb - m).exp_()
+    out = (oa.float() * wa[..., None] + ob.float() * wb[..., None]) / (wa + wb)[..., None]
+    return out.to(q.dtype)
+
+
 def _attend_chunked(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor:
     lq, lk = q.shape[1], k.shape[1]
+    if (seg.inner is not None and _CPU_FLASH is not None and q.device.type == "cpu" and not seg.suffix
+            and seg.start * lq >= SPLIT_MIN_ELEMENTS and q.dtype in (torch.float32, torch.bfloat16)):
+        return _attend_split(q, k, v, seg, scale)
     if seg.inner is None or lq * lk <= MAX_MASK_ELEMENTS:
         return sdpa(q, k, v, seg.mask_rows(0, lq), scale)
     step = max(1, MAX_MASK_ELEMENTS // lk)
