@@ -33,7 +33,8 @@ serve: $(STAMP)
 
 # Benchmark suite (bench/suite.py): regenerates docs/benchmarks.md, docs/benchmarks.json, docs/bench/*.png.
 # MODEL=DIR (default: the built-in model), THREADS=N (default: all cores; 1 on a busy machine), TWIN=DIR,
-# BENCH_ARGS=... (e.g. --sections cost). The full run decodes the AR twin from bench/models/ar-twin (committed;
+# BENCH_ARGS=... (e.g. --sections cost; --sections longprefill adds real 32K-128K prefills, one round, ~15 min,
+# outside the 30-minute suite). The full run decodes the AR twin from bench/models/ar-twin (committed;
 # `make twin` retrains it from the causal base bench/models/unmask-tiny-base, about as long as the diffusion
 # phases of `make model`), else from runs/ar-twin/model.
 BENCH_OPTS = $(if $(MODEL),--model $(MODEL)) $(if $(THREADS),--threads $(THREADS)) $(if $(TWIN),--twin $(TWIN)) $(BENCH_ARGS)

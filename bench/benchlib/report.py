@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .common import loglog_fit
+
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 HEADER = """# Benchmarks
 
@@ -118,10 +120,28 @@ def _fit_line(ax, xs, fit, style, label, color=None):
         ax.plot(xs, [math.exp(b) * x ** s for x in xs], style, lw=1, color=color, label=f"{label}: slope {s:.2f}")
 
 
-def plot_cost(sec: dict, path_prompt: Path, path_gen: Path) -> None:
+def _with_long(pre: dict, long: dict | None) -> dict:
+    """The prefill curve with the opt-in long prefills' rows appended (lengths it lacks) and refitted."""
+    if not long:
+        return pre
+    have = {r["length"] for r in pre["rows"]}
+    rows = sorted(pre["rows"] + [r for r in long["prefill"]["rows"] if r["length"] not in have],
+                  key=lambda r: r["length"])
+    fits = {}
+    for k, f in pre["fits"].items():
+        pts = [(r["length"], r[k]["median"]) for r in rows if r.get(k) and r[k].get("median")]
+        fit = loglog_fit([x for x, _ in pts], [y for _, y in pts])
+        half = pts[len(pts) // 2:]
+        upper = loglog_fit([x for x, _ in half], [y for _, y in half]) if len(pts) >= 4 else None
+        fits[k] = {"slope": fit[0] if fit else None, "intercept": fit[1] if fit else None,
+                   "slope_upper_half": upper[0] if upper else None, "slope_per_round": f.get("slope_per_round")}
+    return {"rows": rows, "fits": fits}
+
+
+def plot_cost(sec: dict, path_prompt: Path, path_gen: Path, long: dict | None = None) -> None:
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    ctx, pre = sec["context"], sec["prefill"]
+    ctx, pre = sec["context"], _with_long(sec["prefill"], long)
     for curve, key, mark, col, lbl in ((ctx, "s_per_token", "o", "tab:blue", "decode ms/token (tiled cache)"),
                                        (pre, "s_per_token", "^", "tab:orange", "decode ms/token (after real prefill)"),
                                        (pre, "prefill_s", "s", "tab:green", "prefill, ms per request")):
@@ -277,13 +297,15 @@ def _goals(data: dict) -> str:
     c = secs.get("cost")
     if c:
         ctx_max = max(r["length"] for r in c["context"]["rows"])
-        pre_max = max(r["length"] for r in c["prefill"]["rows"])
+        lp = secs.get("longprefill")
+        pre_max = max(r["length"] for r in _with_long(c["prefill"], lp)["rows"])
         gen_max = max(r["length"] for r in c["generate"]["rows"])
         st = "met" if pre_max >= 131072 else ("partial" if ctx_max >= 131072 else "missed")
         rows.append(["4", "time per token and peak memory, prompt 1K → 128K (chunked prefill, exact cache)", st,
                      f"decode cost measured to {ctx_max:,} tokens of context; real chunked prefill to {pre_max:,} tokens"
-                     + ("" if pre_max >= 131072 else " (longer prefills do not fit the time budget: see the fitted "
-                        "prefill slope)")])
+                     + (" (32K and longer: the opt-in section `longprefill`, one round)" if lp and pre_max >= 131072
+                        else "" if pre_max >= 131072 else " (longer prefills do not fit the suite's time budget: "
+                        "`--sections longprefill` measures them in one round)")])
         rows.append(["4", "time per token and peak memory, generation 64 → 2,048", "met" if gen_max >= 2048 else "partial",
                      f"measured to {gen_max:,} generated tokens"])
         rows.append(["4", "log-log plot with fitted slope", "met", "cost_prompt.png, cost_generation.png"])
@@ -386,7 +408,7 @@ def _twin_text(sec: dict) -> str:
     return "\n".join(out)
 
 
-def _cost(sec: dict, img1: str, img2: str) -> str:
+def _cost(sec: dict, img1: str, img2: str, long: dict | None = None) -> str:
     cfg = sec["config"]
     out = [f"Batch 1, one token per forward (`topk`, k = 1, ignore_eos), {cfg['decode_tokens']} decoded tokens per "
            f"request, {cfg['rounds']} interleaved rounds; median [min–max]. The model's trained context is "
@@ -395,14 +417,23 @@ def _cost(sec: dict, img1: str, img2: str) -> str:
            "token at the model's width; (allocated): the cache's capacity after the engine's geometric growth. "
            "Time per token excludes each request's first decode step (one-off buffer costs; see "
            "`bench/benchlib/cost.py`).\n"]
-    pre, ctx = sec["prefill"], sec["context"]
+    pre, ctx = _with_long(sec["prefill"], long), sec["context"]
+    long_lengths = {r["length"] for r in long["prefill"]["rows"]} - {r["length"] for r in sec["prefill"]["rows"]} \
+        if long else set()
+    if long_lengths:
+        lc = long["config"]
+        out.append(f"Real-prefill rows marked ¹ come from the opt-in section `longprefill` ({lc['rounds']} round, "
+                   f"{lc['decode_tokens']} decoded tokens, {long['wall_s'] / 60:.1f} min, measured {long.get('date')} "
+                   f"at {long.get('git')}; outside the suite's time budget). The prefill slopes below over all points and "
+                   "the upper half include them; per-round slopes cover the interleaved lengths only.\n\n"
+                   + _cmd(long["command"]))
     by_len = {r["length"]: r for r in pre["rows"]}
     by_ctx = {r["length"]: r for r in ctx["rows"]}
     rows = []
     for L in sorted(set(by_len) | set(by_ctx)):
         p, r = by_len.get(L), by_ctx.get(L)
         kv = r or p
-        rows.append([f"{L:,}", _mm(r["s_per_token"], "{:.1f}", 1e3) if r else "–",
+        rows.append([f"{L:,}" + (" ¹" if L in long_lengths else ""), _mm(r["s_per_token"], "{:.1f}", 1e3) if r else "–",
                      _mm(p["s_per_token"], "{:.1f}", 1e3) if p else "–",
                      _mm(p["prefill_s"], "{:.2f}") if p else "–",
                      _mm(r["delta_mb"], "{:,.0f}") if r else "–", _mm(p["delta_mb"], "{:,.0f}") if p else "–",
@@ -490,9 +521,10 @@ def render(data: dict, doc: Path, img_dir: Path) -> None:
                      "policies, on the same tasks and prompts (same command).\n\n" + _twin_text(p))
     c = secs.get("cost")
     if c:
-        plot_cost(c, img_dir / "cost_prompt.png", img_dir / "cost_generation.png")
+        lp = secs.get("longprefill")
+        plot_cost(c, img_dir / "cost_prompt.png", img_dir / "cost_generation.png", lp)
         parts.append("## 4. Cost growth\n\n" + _cmd(c["command"]) + "\n"
-                     + _cost(c, f"{rel}/cost_prompt.png", f"{rel}/cost_generation.png"))
+                     + _cost(c, f"{rel}/cost_prompt.png", f"{rel}/cost_generation.png", lp))
     b = secs.get("batch")
     if b:
         plot_batch(b, img_dir / "batch.png")

@@ -1,0 +1,34 @@
+"""The bench report's merge of the opt-in long-prefill rows into the cost section's prefill curve."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from benchlib.report import _with_long  # noqa: E402
+
+
+def _row(L: int, seconds: float) -> dict:
+    one = lambda x: {"median": x, "min": x, "max": x, "n": 1, "values": [x]}  # noqa: E731
+    return {"length": L, "prefill_s": one(seconds), "s_per_token": one(0.01), "delta_mb": one(L / 1000),
+            "kv_cache_mb": L / 256, "kv_alloc_mb": L / 128}
+
+
+def test_long_rows_join_the_curve_and_the_fit_is_redone():
+    power = lambda L: 1e-6 * L ** 1.5  # noqa: E731
+    pre = {"rows": [_row(L, power(L)) for L in (1024, 2048, 4096)],
+           "fits": {"prefill_s": {"slope": 9.0, "slope_per_round": {"median": 9.0}},
+                    "s_per_token": {"slope": 0.0}, "delta_mb": {"slope": 1.0}}}
+    long = {"prefill": {"rows": [_row(L, power(L)) for L in (4096, 32768, 131072)]}}
+    merged = _with_long(pre, long)
+    assert [r["length"] for r in merged["rows"]] == [1024, 2048, 4096, 32768, 131072]
+    assert merged["rows"][2] is pre["rows"][2]  # a length both have keeps the interleaved suite's row
+    assert merged["fits"]["prefill_s"]["slope"] == pytest.approx(1.5)
+    assert merged["fits"]["prefill_s"]["slope_upper_half"] == pytest.approx(1.5)
+    assert merged["fits"]["delta_mb"]["slope"] == pytest.approx(1.0)
+    assert merged["fits"]["prefill_s"]["slope_per_round"] == {"median": 9.0}  # per-round slopes: the suite's own
+    assert _with_long(pre, None) is pre
