@@ -148,6 +148,28 @@ def test_chunked_prefill_matches_single_pass(models):
     assert a.output_ids == b[0].output_ids == naive_generate(model, spec, prompt, params)
 
 
+@pytest.mark.parametrize("family", BLOCK_CAUSAL)
+def test_split_long_prefix_attention_gives_the_same_generation(family, models, monkeypatch):
+    """Every masked segment after a cached prefix takes the split attention path (prefix unmasked, own keys
+    masked, merged by log-sum-exp): chunked prefill and decoding give the tokens of the naive dense loop."""
+    from unmask.models import attention
+
+    if attention._CPU_FLASH is None:
+        pytest.skip("torch without the CPU flash-attention op")
+    model, spec = models[family]
+    prompt = [30 + (7 * i) % 50 for i in range(45)]
+    params = GenerationParams(max_tokens=12, policy="threshold", threshold=0.5, block_size=4)
+    calls = []
+    real = attention._attend_split
+    monkeypatch.setattr(attention, "_attend_split", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(attention, "SPLIT_MIN_ELEMENTS", 0)
+    eng = Engine(model, spec, max_batch_tokens=16)  # 16-token prefill chunks after the first
+    seq = eng.add_request(prompt, params)
+    eng.run_to_completion()
+    assert calls  # the path ran
+    assert seq.output_ids == naive_generate(model, spec, prompt, params)
+
+
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_bidirectional_caches_run_and_first_step_is_exact(family, cache, models):

@@ -196,7 +196,7 @@ def _attend_split(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | 
 def _attend_chunked(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor:
     lq, lk = q.shape[1], k.shape[1]
     if (seg.inner is not None and _CPU_FLASH is not None and q.device.type == "cpu" and not seg.suffix
-            and seg.start * lq >= SPLIT_MIN_ELEMENTS and q.dtype in (torch.float32, torch.bfloat16)):
+            and seg.start > 0 and seg.start * lq >= SPLIT_MIN_ELEMENTS and q.dtype in (torch.float32, torch.bfloat16)):
         return _attend_split(q, k, v, seg, scale)
     if seg.inner is None or lq * lk <= MAX_MASK_ELEMENTS:
         return sdpa(q, k, v, seg.mask_rows(0, lq), scale)
