@@ -46,12 +46,15 @@ bench: $(STAMP)
 		echo "note: no AR twin in bench/models/ar-twin; section 3 will say so (train it with: make twin)"
 	$(BIN)/python bench/suite.py $(BENCH_OPTS)
 
-# A few minutes, no network: tiny settings, and a CI-sized AR twin trained on the spot.
+# A few minutes, no network: tiny settings, and a CI-sized AR twin trained on the spot. The smoke document goes
+# to build/bench-quick/ (QUICK_OUT=docs to replace the committed full one, which a quick run should not).
+QUICK_OUT ?= build/bench-quick
 bench-quick: $(STAMP)
 	test -f data/corpus/heldout.jsonl || $(BIN)/unmask corpus
+	mkdir -p build
 	$(BIN)/python scripts/train_ar_twin.py --quick --out build/ar-twin-quick $(if $(MODEL),--reference $(MODEL)) \
 		$(if $(THREADS),--threads $(THREADS)) > build/ar-twin-quick.log 2>&1 || (cat build/ar-twin-quick.log; exit 1)
-	$(BIN)/python bench/suite.py --quick $(if $(TWIN),,--twin build/ar-twin-quick/model) $(BENCH_OPTS)
+	$(BIN)/python bench/suite.py --quick --out-dir $(QUICK_OUT) $(if $(TWIN),,--twin build/ar-twin-quick/model) $(BENCH_OPTS)
 
 # Optional: llama.cpp beside the AR twin in `make bench` (section 3b). PyPI has only llama-cpp-python's source,
 # so this compiles llama.cpp (CPU, native instructions); the bench then writes the twin as GGUF itself.
