@@ -7,8 +7,8 @@ Sections (--sections, comma-separated; default all):
   policies  speed vs quality per decoding policy on the held-out tasks, with the AR twin beside them
   cost      time per generated token and peak memory vs prompt length (1K..128K) and generation length
   batch     offline API throughput at batch 1, 4, 16, 64
-Opt-in (named in --sections only; not part of the 30-minute suite):
-  longprefill  real chunked prefills of 32K, 64K and 128K tokens, one round (about 15 minutes on 2 cores)
+Opt-in (named in --sections only; `make bench` runs it after the suite):
+  longprefill  real chunked prefills of 32K, 64K and 128K tokens, one round (6.3 minutes on 2 cores here)
 A run of some sections merges them into the existing JSON (when it was written in the same mode) and
 regenerates the whole document. --report-only re-renders the document from the JSON.
 

@@ -21,7 +21,8 @@ Three measurements, each a list of lengths interleaved round by round (order rot
 
 `run_long_prefill` (suite section `longprefill`, opt-in) repeats `prefill` at 32K .. 128K tokens. Attention
 alone makes a real 128K-token prefill about 2.7e11 query-key products on 2 CPU cores (minutes per request),
-so it runs one round outside the 30-minute suite; the report merges its rows into the prefill columns.
+so it runs one round, as its own section (`make bench` runs it after the interleaved suite); the report
+merges its rows into the prefill columns.
 
 Lengths past the model's trained context (config max_position_embeddings) run with the limit raised:
 RoPE positions are computed on the fly, so the cost is the real one while the text is not meaningful.

@@ -257,9 +257,13 @@ def _goals(data: dict) -> str:
         rows.append(["1", f"`make bench` (full) runs in under {GOAL_MINUTES} minutes on 2 cores", "not measured here",
                      "this document is a quick run; `make bench` writes the full one"])
     else:
+        lp = secs.get("longprefill")
+        total = wall + lp["wall_s"] if wall and lp else wall  # make bench runs both
         rows.append(["1", f"`make bench` runs in under {GOAL_MINUTES} minutes on 2 cores",
-                     ("met" if wall < 60 * GOAL_MINUTES else "missed") if wall else "not measured",
-                     f"suite wall time {_f(wall and wall / 60, '{:.1f}')} min with {meta['machine'].get('torch_threads')} "
+                     ("met" if total < 60 * GOAL_MINUTES else "missed") if total else "not measured",
+                     f"suite wall time {_f(wall and wall / 60, '{:.1f}')} min"
+                     + (f" + section `longprefill` {lp['wall_s'] / 60:.1f} min = {total / 60:.1f} min" if lp and wall else "")
+                     + f" with {meta['machine'].get('torch_threads')} "
                      f"torch thread(s), load average {meta['machine'].get('load_average_start')} at start"])
     rows.append(["1", "comparisons interleaved (A B A B ...), median with min/max over repetitions", "met",
                  "every ratio is taken within a round of interleaved runs; see Method"])
@@ -424,7 +428,7 @@ def _cost(sec: dict, img1: str, img2: str, long: dict | None = None) -> str:
         lc = long["config"]
         out.append(f"Real-prefill rows marked ¹ come from the opt-in section `longprefill` ({lc['rounds']} round, "
                    f"{lc['decode_tokens']} decoded tokens, {long['wall_s'] / 60:.1f} min, measured {long.get('date')} "
-                   f"at {long.get('git')}; outside the suite's time budget). The prefill slopes below over all points and "
+                   f"at {long.get('git')}; `make bench` runs it after the suite). The prefill slopes below over all points and "
                    "the upper half include them; per-round slopes cover the interleaved lengths only.\n\n"
                    + _cmd(long["command"]))
     by_len = {r["length"]: r for r in pre["rows"]}
