@@ -339,6 +339,42 @@ def test_logits_match_reference(logits_pair, prompt_len):
         assert (model.logits(h[rows]) - dec_logits[0]).abs().max() <= tol
 
 
+@pytest.fixture
+def long_encoder_spy(monkeypatch):
+    """Long-prompt encoder paths (no dense mask) from 8 encoder tokens on, recording which ran."""
+    from unmask.models import diffusion_gemma as dg
+
+    ran = []
+    monkeypatch.setattr(dg, "LONG_ENCODER", 8)
+    for name in ("attend_causal", "attend_banded"):
+        real = getattr(dg, name)
+        monkeypatch.setattr(dg, name, lambda *a, _n=name, _f=real: ran.append(_n) or _f(*a))
+    return ran
+
+
+@torch.no_grad()
+def test_long_encoder_paths_match_reference(logits_pair, long_encoder_spy):
+    """Causal SDPA on full layers and windowed query chunks on sliding layers, for a prompt past the window
+    (300 > 16): encoder logits, and both row kinds of a [prompt ; canvas] segment, equal the reference's."""
+    ref, (model, _) = logits_pair
+    g = torch.Generator().manual_seed(7)
+    p = 300  # several 128-row query chunks on the sliding layers
+    prompt = torch.randint(3, VOCAB, (1, p), generator=g)
+    canvas = torch.randint(0, VOCAB, (1, 8), generator=g)
+    enc_h, dec_logits = _ref_decoder_logits(ref, prompt, canvas)
+    ref_enc_logits = torch.tanh(ref.lm_head(enc_h[0]).float() / 30) * 30
+    seg = Segment(start=0, length=p, write=p, cache=model.new_cache(p + 8), extra={"encoder": p})
+    h = model(prompt[0], torch.arange(p), AttentionBatch([seg]).prepare())
+    assert (model.logits(h) - ref_enc_logits).abs().max() <= 1e-4
+    assert set(long_encoder_spy) == {"attend_causal", "attend_banded"}
+    long_encoder_spy.clear()
+    seg = Segment(start=0, length=p + 8, write=p, cache=model.new_cache(p + 8), extra={"encoder": p, "sc_logits": None})
+    h = model(torch.cat([prompt[0], canvas[0]]), torch.arange(p + 8), AttentionBatch([seg]).prepare())
+    assert (model.logits(h[p:]) - dec_logits[0]).abs().max() <= 1e-4
+    assert (model.logits(h[:p]) - ref_enc_logits).abs().max() <= 1e-4
+    assert set(long_encoder_spy) == {"attend_causal", "attend_banded"}
+
+
 # ---------------------------------------------------------------------------------------- generation
 
 def _engine(native, **kw) -> Engine:
@@ -387,6 +423,18 @@ def test_chunked_prefill_and_logprobs(ref, native):
     assert seq.output_ids == want
     assert seq.stats.forwards > seq.stats.denoise_steps  # encoder-only chunks ran first
     assert len(lps) == 16 and all(lp <= 0 for lp in lps)
+
+
+@pytest.mark.parametrize("budget", [4096, 16])  # one [prompt ; canvas] forward, or 16-token encoder chunks first
+def test_long_encoder_generation_token_identical(ref, native, long_encoder_spy, budget):
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, VOCAB, (45,), generator=g).tolist()
+    want = ref_generate(ref, prompt, 9, 8, max_new_tokens=16, max_denoising_steps=5)
+    eng = _engine(native, max_batch_tokens=budget)
+    seq = eng.add_request(prompt, GenerationParams(max_tokens=16, steps=5, seed=9))
+    eng.run_to_completion()
+    assert seq.output_ids == want
+    assert "attend_banded" in long_encoder_spy
 
 
 def test_generate_token_identical_other_settings(ref, native):

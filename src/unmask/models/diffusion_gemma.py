@@ -245,6 +245,49 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     return torch.matmul(torch.softmax(scores, dim=-1), v).view(h, lq, d)
 
 
+# An encoder-only segment (a prompt's prefill, or its chunk) of at least this many tokens skips the dense
+# [n, n] mask: full layers run causal SDPA (no mask, upper triangle skipped) and sliding layers attend in
+# query chunks to the keys their window reaches, so prefill cost grows with n * W instead of n^2.
+LONG_ENCODER = 256
+CAUSAL, BANDED = "causal", "banded"
+
+
+@dataclass(frozen=True)
+class LongEncoder:
+    """In place of a dense mask: the segment's first `n_enc` rows are encoder rows of this `kind` (CAUSAL:
+    from position 0 on a full layer; BANDED: a sliding layer); the canvas rows after them see every key the
+    layer keeps (sliding: the last W - 1 prefix positions and the canvas), which needs no mask either."""
+
+    kind: str
+    n_enc: int
+
+
+def attend_causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention where query i sits at key i (an encoder segment from position 0)."""
+    hq, hk = q.shape[0], k.shape[0]
+    if hq != hk:
+        k, v = k.repeat_interleave(hq // hk, dim=0), v.repeat_interleave(hq // hk, dim=0)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=1.0)[0]
+
+
+def attend_banded(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int) -> Tensor:
+    """Causal sliding-window attention (key p' visible from p iff p - W < p' <= p) computed per query chunk
+    over only the keys its window reaches. q [H, n, D] at positions q_start.., k/v [Hkv, m, D] at k_start..
+    (covering q_start - W + 1 .. q_start + n - 1)."""
+    n = q.shape[1]
+    chunk = max(window, 128)
+    outs = []
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        lo = max(k_start, q_start + a - window + 1)  # first key any row of the chunk sees
+        hi = q_start + b
+        qpos = torch.arange(q_start + a, q_start + b, device=q.device)[:, None]
+        kpos = torch.arange(lo, hi, device=q.device)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - window)
+        outs.append(attend(q[:, a:b], k[:, lo - k_start:hi - k_start], v[:, lo - k_start:hi - k_start], mask))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
 def fuse_rows(*linears: nn.Linear) -> Tensor:
     """One [sum(out), in] weight whose row blocks the given linears' weights become views of.
 
@@ -274,6 +317,7 @@ class GemmaAttention(nn.Module):
         self.q_norm = GemmaRMSNorm(self.d, a.rms_eps)
         self.k_norm = GemmaRMSNorm(self.d, a.rms_eps)
         self.eps = a.rms_eps
+        self.window = a.sliding_window
         self._fused: tuple[Tensor, Tensor | None, Tensor] | None = None
 
     def _projections(self) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -309,7 +353,8 @@ class GemmaAttention(nn.Module):
         out = out.transpose(0, 1)
         return self.o_proj(out.reshape(n, h * d))
 
-    def _segment(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment, lo: int, mask: Tensor | None) -> Tensor:
+    def _segment(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment, lo: int,
+                 mask: "Tensor | LongEncoder | None") -> Tensor:
         cache = seg.cache
         if cache is not None:  # write in place (decoder tokens are scratch), attend to the cache view
             hi = seg.start + seg.length
@@ -317,7 +362,22 @@ class GemmaAttention(nn.Module):
             ck[:, seg.start:hi] = k
             cv[:, seg.start:hi] = v
             k, v = ck[:, lo:hi], cv[:, lo:hi]
+        if isinstance(mask, LongEncoder):
+            return self._long_encoder(q, k, v, seg.start, lo, mask)
         return attend(q, k, v, mask)
+
+    def _long_encoder(self, q: Tensor, k: Tensor, v: Tensor, start: int, lo: int, how: LongEncoder) -> Tensor:
+        """k/v are the keys [lo, start + q rows); see LongEncoder."""
+        n = how.n_enc
+        end = start + n - lo  # encoder keys are k[:, :end]
+        if how.kind == CAUSAL:
+            out = attend_causal(q[:, :n], k[:, :end], v[:, :end])
+        else:
+            out = attend_banded(q[:, :n], k[:, :end], v[:, :end], start, lo, self.window)
+        if q.shape[1] == n:
+            return out
+        first = 0 if how.kind == CAUSAL else max(lo, start + n - self.window + 1) - lo
+        return torch.cat([out, attend(q[:, n:], k[:, first:], v[:, first:], None)], dim=1)
 
 
 class GeGLU(nn.Module):
@@ -476,14 +536,15 @@ class _Context:
 
     segments: list[Segment]
     offsets: list[int]
-    masks: dict[bool, list[tuple[int, Tensor | None]]]  # sliding? -> per segment (first key, mask or None)
+    masks: dict[bool, list[tuple[int, "Tensor | LongEncoder | None"]]]  # sliding? -> per segment (first key, mask)
     encoder_rows: Tensor | None                          # [N] bool, None when every token is a decoder token
     all_encoder: bool
 
 
 def segment_masks(start: int, n_enc: int, n_dec: int, window: int | None,
                   device: torch.device) -> tuple[int, Tensor | None]:
-    """(first visible key, bool mask [n_enc + n_dec, keys] or None) for one segment and layer kind.
+    """(first visible key, bool mask [n_enc + n_dec, keys], None, or a LongEncoder) for one segment and
+    layer kind.
 
     Keys are the cache positions [lo, start + n_enc + n_dec). Encoder query p: causal, and within the window
     (k > p - W) on sliding layers. Decoder query: every canvas key, and the cached prefix [0, start + n_enc)
@@ -493,6 +554,8 @@ def segment_masks(start: int, n_enc: int, n_dec: int, window: int | None,
     lo = 0 if window is None else max(0, start - window + 1)
     if n_enc == 0:
         return lo, None
+    if n_enc >= LONG_ENCODER and (window is not None or start == 0):  # a long prompt's prefill: no dense mask
+        return lo, LongEncoder(BANDED if window is not None else CAUSAL, n_enc)
     q = torch.arange(start, hi, device=device)[:, None]
     k = torch.arange(lo, hi, device=device)[None, :]
     enc = k <= q
