@@ -346,7 +346,7 @@ def long_encoder_spy(monkeypatch):
 
     ran = []
     monkeypatch.setattr(dg, "LONG_ENCODER", 8)
-    for name in ("attend_causal", "attend_banded"):
+    for name in ("attend_causal", "attend_banded", "attend_prefix_causal"):
         real = getattr(dg, name)
         monkeypatch.setattr(dg, name, lambda *a, _n=name, _f=real: ran.append(_n) or _f(*a))
     return ran
@@ -373,6 +373,15 @@ def test_long_encoder_paths_match_reference(logits_pair, long_encoder_spy):
     assert (model.logits(h[p:]) - dec_logits[0]).abs().max() <= 1e-4
     assert (model.logits(h[:p]) - ref_enc_logits).abs().max() <= 1e-4
     assert set(long_encoder_spy) == {"attend_causal", "attend_banded"}
+    # the prompt in two chunks: the second chunk's full layer reads the cached first chunk whole
+    long_encoder_spy.clear()
+    cache, half = model.new_cache(p + 8), p // 2
+    for lo, hi in ((0, half), (half, p)):
+        seg = Segment(start=lo, length=hi - lo, write=hi - lo, cache=cache, extra={"encoder": hi - lo})
+        h = model(prompt[0, lo:hi], torch.arange(lo, hi), AttentionBatch([seg]).prepare())
+        cache.length = hi
+    assert (model.logits(h) - ref_enc_logits[half:]).abs().max() <= 1e-4
+    assert "attend_prefix_causal" in long_encoder_spy
 
 
 # ---------------------------------------------------------------------------------------- generation
@@ -435,6 +444,8 @@ def test_long_encoder_generation_token_identical(ref, native, long_encoder_spy, 
     eng.run_to_completion()
     assert seq.output_ids == want
     assert "attend_banded" in long_encoder_spy
+    if budget == 16:  # later chunks: the full layer sees the cached prefix whole and its own keys causally
+        assert "attend_prefix_causal" in long_encoder_spy
 
 
 def test_generate_token_identical_other_settings(ref, native):

@@ -158,13 +158,36 @@ def _repeat_kv(t: Tensor, groups: int) -> Tensor:
     return t if groups == 1 else t.repeat_interleave(groups, dim=0)
 
 
-def _flash_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None) -> tuple[Tensor, Tensor]:
+def _flash_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None,
+               causal: bool = False) -> tuple[Tensor, Tensor]:
     """q [H, Lq, D], k/v [H, Lk, D], mask bool [Lq, Lk] or None -> out [H, Lq, D], lse [H, Lq] (float32)."""
     add = None
     if mask is not None:  # the kernel takes an additive mask of the query's dtype
         add = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    out, lse = _CPU_FLASH(q[None], k[None], v[None], 0.0, False, attn_mask=add, scale=scale)
+    out, lse = _CPU_FLASH(q[None], k[None], v[None], 0.0, causal, attn_mask=add, scale=scale)
     return out[0], lse[0]
+
+
+def _merge_lse(oa: Tensor, la: Tensor, ob: Tensor, lb: Tensor, dtype: torch.dtype) -> Tensor:
+    """Softmax attention over key sets A ++ B from each set's output and log-sum-exp."""
+    m = torch.maximum(la, lb)
+    wa, wb = (la - m).exp_(), (lb - m).exp_()
+    return ((oa.float() * wa[..., None] + ob.float() * wb[..., None]) / (wa + wb)[..., None]).to(dtype)
+
+
+def can_split_on(q: Tensor) -> bool:
+    """Whether the log-sum-exp split paths run for these queries (CPU flash kernel, float32 or bfloat16)."""
+    return _CPU_FLASH is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+
+
+def attend_prefix_causal(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float | None) -> Tensor:
+    """Queries at positions start.. over keys 0.. (k/v cover [0, start + Lq)): the prefix [0, start) is seen
+    whole, the queries' own keys causally; two flash calls with no mask, merged by log-sum-exp."""
+    groups = q.shape[0] // k.shape[0]
+    oa, la = _flash_lse(q, _repeat_kv(k[:, :start], groups), _repeat_kv(v[:, :start], groups), None, scale)
+    ob, lb = _flash_lse(q, _repeat_kv(k[:, start:], groups), _repeat_kv(v[:, start:], groups), None, scale,
+                        causal=True)
+    return _merge_lse(oa, la, ob, lb, q.dtype)
 
 
 def _attend_split(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor:
@@ -187,16 +210,13 @@ def _attend_split(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | 
         obs.append(ob)
         lbs.append(lb)
     ob, lb = (obs[0], lbs[0]) if len(obs) == 1 else (torch.cat(obs, dim=1), torch.cat(lbs, dim=1))
-    m = torch.maximum(la, lb)
-    wa, wb = (la - m).exp_(), (lb - m).exp_()
-    out = (oa.float() * wa[..., None] + ob.float() * wb[..., None]) / (wa + wb)[..., None]
-    return out.to(q.dtype)
+    return _merge_lse(oa, la, ob, lb, q.dtype)
 
 
 def _attend_chunked(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor:
     lq, lk = q.shape[1], k.shape[1]
-    if (seg.inner is not None and _CPU_FLASH is not None and q.device.type == "cpu" and not seg.suffix
-            and seg.start > 0 and seg.start * lq >= SPLIT_MIN_ELEMENTS and q.dtype in (torch.float32, torch.bfloat16)):
+    if (seg.inner is not None and can_split_on(q) and not seg.suffix and seg.start > 0
+            and seg.start * lq >= SPLIT_MIN_ELEMENTS):
         return _attend_split(q, k, v, seg, scale)
     if seg.inner is None or lq * lk <= MAX_MASK_ELEMENTS:
         return sdpa(q, k, v, seg.mask_rows(0, lq), scale)

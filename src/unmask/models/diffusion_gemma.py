@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unmask.errors import UnsupportedModelError
-from unmask.models.attention import AttentionBatch, KVCache, Segment, sdpa
+from unmask.models.attention import AttentionBatch, KVCache, Segment, attend_prefix_causal, can_split_on, sdpa
 from unmask.models.layers import activation
 from unmask.models.registry import Family, StateDict, register
 
@@ -249,14 +249,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
 # [n, n] mask: full layers run causal SDPA (no mask, upper triangle skipped) and sliding layers attend in
 # query chunks to the keys their window reaches, so prefill cost grows with n * W instead of n^2.
 LONG_ENCODER = 256
-CAUSAL, BANDED = "causal", "banded"
+CAUSAL, BANDED, AFTER_PREFIX = "causal", "banded", "after_prefix"
 
 
 @dataclass(frozen=True)
 class LongEncoder:
     """In place of a dense mask: the segment's first `n_enc` rows are encoder rows of this `kind` (CAUSAL:
-    from position 0 on a full layer; BANDED: a sliding layer); the canvas rows after them see every key the
-    layer keeps (sliding: the last W - 1 prefix positions and the canvas), which needs no mask either."""
+    from position 0 on a full layer; AFTER_PREFIX: a later chunk on a full layer, on CPU; BANDED: a sliding
+    layer); the canvas rows after them see every key the layer keeps (sliding: the last W - 1 prefix
+    positions and the canvas), which needs no mask either."""
 
     kind: str
     n_enc: int
@@ -372,11 +373,13 @@ class GemmaAttention(nn.Module):
         end = start + n - lo  # encoder keys are k[:, :end]
         if how.kind == CAUSAL:
             out = attend_causal(q[:, :n], k[:, :end], v[:, :end])
+        elif how.kind == AFTER_PREFIX:
+            out = attend_prefix_causal(q[:, :n], k[:, :end], v[:, :end], start, 1.0)
         else:
             out = attend_banded(q[:, :n], k[:, :end], v[:, :end], start, lo, self.window)
         if q.shape[1] == n:
             return out
-        first = 0 if how.kind == CAUSAL else max(lo, start + n - self.window + 1) - lo
+        first = 0 if how.kind != BANDED else max(lo, start + n - self.window + 1) - lo
         return torch.cat([out, attend(q[:, n:], k[:, first:], v[:, first:], None)], dim=1)
 
 
@@ -541,8 +544,8 @@ class _Context:
     all_encoder: bool
 
 
-def segment_masks(start: int, n_enc: int, n_dec: int, window: int | None,
-                  device: torch.device) -> tuple[int, Tensor | None]:
+def segment_masks(start: int, n_enc: int, n_dec: int, window: int | None, device: torch.device,
+                  split_ok: bool = False) -> tuple[int, "Tensor | LongEncoder | None"]:
     """(first visible key, bool mask [n_enc + n_dec, keys], None, or a LongEncoder) for one segment and
     layer kind.
 
@@ -554,8 +557,8 @@ def segment_masks(start: int, n_enc: int, n_dec: int, window: int | None,
     lo = 0 if window is None else max(0, start - window + 1)
     if n_enc == 0:
         return lo, None
-    if n_enc >= LONG_ENCODER and (window is not None or start == 0):  # a long prompt's prefill: no dense mask
-        return lo, LongEncoder(BANDED if window is not None else CAUSAL, n_enc)
+    if n_enc >= LONG_ENCODER and (window is not None or start == 0 or split_ok):  # long prefill: no dense mask
+        return lo, LongEncoder(BANDED if window is not None else CAUSAL if start == 0 else AFTER_PREFIX, n_enc)
     q = torch.arange(start, hi, device=device)[:, None]
     k = torch.arange(lo, hi, device=device)[None, :]
     enc = k <= q
@@ -611,6 +614,7 @@ class DiffusionGemmaLM(nn.Module):
         dev = input_ids.device
         w = self.model.embed_tokens.weight
         x = self.model.embed_tokens(input_ids) * self._embed_scale(w.dtype)
+        split_ok = can_split_on(x)  # full layers of a later prefill chunk: prefix and own keys apart (CPU)
         offsets, off = [], 0
         enc_spans: list[tuple[int, int]] = []
         masks: dict[bool, list] = {True: [], False: []}
@@ -631,7 +635,7 @@ class DiffusionGemmaLM(nn.Module):
                     soft_rows.extend(rows)
                     soft.append(sc.reshape(n_dec, -1))
             masks[True].append(segment_masks(seg.start, n_enc, n_dec, self.cfg.sliding_window, dev))
-            masks[False].append(segment_masks(seg.start, n_enc, n_dec, None, dev))
+            masks[False].append(segment_masks(seg.start, n_enc, n_dec, None, dev, split_ok))
             off += seg.length
         sc_mod = self.model.self_conditioning
         for rows, s in ((plain_rows, None), (soft_rows, soft)):
