@@ -245,9 +245,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     return torch.matmul(torch.softmax(scores, dim=-1), v).view(h, lq, d)
 
 
-# An encoder-only segment (a prompt's prefill, or its chunk) of at least this many tokens skips the dense
-# [n, n] mask: full layers run causal SDPA (no mask, upper triangle skipped) and sliding layers attend in
-# query chunks to the keys their window reaches, so prefill cost grows with n * W instead of n^2.
+# A segment with at least this many encoder tokens (a prompt's prefill, or a chunk of it) skips the dense
+# mask: full layers run causal SDPA (no mask, upper triangle skipped; a later chunk on CPU also reads the
+# cached prefix unmasked, merged by log-sum-exp) and sliding layers attend in query chunks to the keys their
+# window reaches, so prefill cost grows with n * W there instead of n^2.
 LONG_ENCODER = 256
 CAUSAL, BANDED, AFTER_PREFIX = "causal", "banded", "after_prefix"
 
