@@ -154,7 +154,8 @@ SPLIT_MIN_ELEMENTS = 1 << 20
 OWN_ROWS = 512
 
 
-def _repeat_kv(t: Tensor, groups: int) -> Tensor:
+def repeat_kv(t: Tensor, groups: int) -> Tensor:
+    """K/V heads repeated for grouped-query attention, in the order SDPA's enable_gqa uses."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=0)
 
 
@@ -184,8 +185,8 @@ def attend_prefix_causal(q: Tensor, k: Tensor, v: Tensor, start: int, scale: flo
     """Queries at positions start.. over keys 0.. (k/v cover [0, start + Lq)): the prefix [0, start) is seen
     whole, the queries' own keys causally; two flash calls with no mask, merged by log-sum-exp."""
     groups = q.shape[0] // k.shape[0]
-    oa, la = _flash_lse(q, _repeat_kv(k[:, :start], groups), _repeat_kv(v[:, :start], groups), None, scale)
-    ob, lb = _flash_lse(q, _repeat_kv(k[:, start:], groups), _repeat_kv(v[:, start:], groups), None, scale,
+    oa, la = _flash_lse(q, repeat_kv(k[:, :start], groups), repeat_kv(v[:, :start], groups), None, scale)
+    ob, lb = _flash_lse(q, repeat_kv(k[:, start:], groups), repeat_kv(v[:, start:], groups), None, scale,
                         causal=True)
     return _merge_lse(oa, la, ob, lb, q.dtype)
 
@@ -197,10 +198,10 @@ def _attend_split(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | 
     along a segment). The two softmaxes merge exactly through their log-sum-exps. Equal to the single
     masked call up to float rounding (tested)."""
     start, lq, groups = seg.start, q.shape[1], q.shape[0] // k.shape[0]
-    kp, vp = _repeat_kv(k[:, :start], groups), _repeat_kv(v[:, :start], groups)
+    kp, vp = repeat_kv(k[:, :start], groups), repeat_kv(v[:, :start], groups)
     oa, la = _flash_lse(q, kp, vp, None, scale)
     del kp, vp
-    ko, vo = _repeat_kv(k[:, start:start + lq], groups), _repeat_kv(v[:, start:start + lq], groups)
+    ko, vo = repeat_kv(k[:, start:start + lq], groups), repeat_kv(v[:, start:start + lq], groups)
     ends = torch.searchsorted(seg.block_ids, seg.block_ids, right=True).tolist()  # own keys each row sees
     obs, lbs = [], []
     for i in range(0, lq, OWN_ROWS):

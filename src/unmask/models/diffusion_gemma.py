@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unmask.errors import UnsupportedModelError
-from unmask.models.attention import AttentionBatch, KVCache, Segment, attend_prefix_causal, can_split_on, sdpa
+from unmask.models.attention import (AttentionBatch, KVCache, Segment, attend_prefix_causal, can_split_on,
+                                     repeat_kv, sdpa)
 from unmask.models.layers import activation
 from unmask.models.registry import Family, StateDict, register
 
@@ -266,10 +267,9 @@ class LongEncoder:
 
 def attend_causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Causal attention where query i sits at key i (an encoder segment from position 0)."""
-    hq, hk = q.shape[0], k.shape[0]
-    if hq != hk:
-        k, v = k.repeat_interleave(hq // hk, dim=0), v.repeat_interleave(hq // hk, dim=0)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=1.0)[0]
+    g = q.shape[0] // k.shape[0]
+    return F.scaled_dot_product_attention(q[None], repeat_kv(k, g)[None], repeat_kv(v, g)[None], is_causal=True,
+                                          scale=1.0)[0]
 
 
 def attend_banded(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int) -> Tensor:
