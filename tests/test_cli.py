@@ -43,12 +43,13 @@ def test_generate_takes_penalties(family_dirs, monkeypatch, tmp_path):
     model = tmp_path / "sdar"
     shutil.copytree(family_dirs["sdar"], model)
     gen = json.loads((model / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps({**gen, "frequency_penalty": 0.5}))
+    (model / "generation_config.json").write_text(json.dumps({**gen, "frequency_penalty": 0.5,
+                                                              "repetition_penalty": 1.3}))
     common = ("generate", "--model", str(model), "--max-tokens", "4", "--block-size", "4")
     assert invoke(*common, "hi").exit_code == 0
-    assert (seen[1].frequency_penalty, seen[1].presence_penalty) == (0.5, 0.0)
-    assert invoke(*common, "--frequency-penalty", "0", "hi").exit_code == 0
-    assert seen[2].frequency_penalty == 0.0
+    assert (seen[1].frequency_penalty, seen[1].presence_penalty, seen[1].repetition_penalty) == (0.5, 0.0, 1.3)
+    assert invoke(*common, "--frequency-penalty", "0", "--repetition-penalty", "1.1", "hi").exit_code == 0
+    assert (seen[2].frequency_penalty, seen[2].repetition_penalty) == (0.0, 1.1)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -58,6 +59,7 @@ def test_generate_takes_penalties(family_dirs, monkeypatch, tmp_path):
     (("--threshold", "1.5"), "error: threshold must be in (0, 1]"),
     (("--max-tokens", "5000"), "over this model's context of 4096"),
     (("--presence-penalty", "3"), "error: presence_penalty must be in [-2, 2], got 3.0"),
+    (("--repetition-penalty", "0"), "error: repetition_penalty must be in (0, 10] (1 = off), got 0.0"),
 ])
 def test_bad_input_is_one_line(family_dirs, args, message):
     base = [] if "--model" in args else ["--model", str(family_dirs["sdar"])]

@@ -2,7 +2,8 @@
 from types import SimpleNamespace
 
 from unmask.engine.outputs import RequestOutput
-from unmask.evaluation import Task, evaluate, infill_tasks, next_line_tasks
+from unmask.evaluation import (Task, evaluate, function_tasks, infill_tasks, next_line_tasks, python_so_far,
+                               repeat_rate)
 from unmask.train.corpus import CorpusFile
 
 CODE = "\n".join(["import os", "", "", "def f(x):", "    y = x + 1", "    return y * 2", ""] * 40)
@@ -54,3 +55,45 @@ def test_edit_similarity_hand_made():
     assert edit_similarity("", "") == 1.0 and edit_similarity("abc", "") == 0.0
     assert edit_similarity("return a + b", "return a + b") == 1.0
     assert edit_similarity("abcd", "abce") == 0.75
+
+
+FUNCS = "\n".join(["import os", "", "", "def f(x):", "    y = x + 1", "    return y * 2", "",
+                    "class A:", "    def g(self):", "        return 1", "    x = 3", "", "def h(): pass", ""] * 20)
+
+
+def test_function_tasks_take_the_body_after_a_def_line():
+    docs = [CorpusFile("stdlib", f"m{i}.py", FUNCS) for i in range(4)] + [CorpusFile("docs", "a.rst", FUNCS)]
+    tasks = function_tasks(docs)
+    assert tasks == function_tasks(docs) and tasks  # deterministic
+    assert {t.header for t in tasks} <= {"def f(x):", "    def g(self):"}  # `def h(): pass` has no body below
+    for t in tasks:
+        assert t.kind == "function" and t.stop == () and FUNCS.find(t.prompt + t.target) >= 0
+        assert t.prompt.endswith(t.header)
+        assert t.target in ("\n    y = x + 1\n    return y * 2", "\n        return 1")
+        assert t.answer("\n    y = 1\n    ret") == "\n    y = 1" and t.answer("    ret") == ""
+
+
+def test_python_so_far_accepts_incomplete_code_and_rejects_errors():
+    assert python_so_far("def f(x):", "\n    y = (x +")        # unclosed bracket: incomplete, not wrong
+    assert python_so_far("    def g(self):", "\n        return 1")  # a method's indent is removed
+    assert python_so_far("def f(x):", "")                   # nothing generated yet
+    assert not python_so_far("def f(x):", "\n    return )")
+    assert not python_so_far("def f(x):", "\nreturn 1")      # the body must be indented
+
+
+def test_repeat_rate_counts_repeated_ngrams():
+    assert repeat_rate([1, 2, 3, 4, 5]) == 0.0 and repeat_rate([1, 2]) == 0.0
+    assert repeat_rate([7] * 10) == 6 / 7                  # every 4-gram after the first repeats it
+    assert repeat_rate([1, 2, 3, 4, 1, 2, 3, 4]) == 1 / 5  # (1, 2, 3, 4) twice among five
+
+
+def test_each_policy_run_pays_its_own_prefills(family_dirs):
+    """The engine's prefix cache is emptied first: a second run of the same tasks counts the same forwards.
+    (A small step budget gives the prompts prefill forwards of their own, which a warm cache would skip.)"""
+    from unmask.engine.llm import LLM
+
+    llm = LLM(family_dirs["sdar"], max_batch_tokens=32)
+    tasks = [Task("next_line", "x" * 60 + str(i), "y", ("\n",), lead="\n") for i in range(3)]
+    first = evaluate(llm, tasks, "one_token_per_forward")
+    second = evaluate(llm, tasks, "one_token_per_forward")
+    assert first.forwards == second.forwards and first.tokens == second.tokens

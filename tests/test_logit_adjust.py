@@ -24,9 +24,22 @@ def test_adjust_arithmetic():
     assert "logit_bias keys must be token ids" in validate({"x": 1.0}, 0.0, 0.0)
 
 
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    a = Adjuster(LogitAdjust(repetition_penalty=2.0, frequency_penalty=0.5), prompt_ids=[1, 1, 9])  # 9: not in V
+    a.commit(torch.tensor([3]))
+    out = a.adjust(torch.tensor([[4.0, 4.0, 4.0, -4.0, -4.0], [0.0, -1.0, 0.0, 3.0, 1.0]]))
+    # token 1 (prompt): 4 / 2, -1 * 2; token 3 (output): -4 * 2 - 0.5, 3 / 2 - 0.5; tokens 0, 2, 4 unseen
+    assert out.tolist() == [[4.0, 2.0, 4.0, -8.5, -4.0], [0.0, -2.0, 0.0, 1.0, 1.0]]
+    off = Adjuster(LogitAdjust(repetition_penalty=1.0), prompt_ids=[1])
+    assert not off.spec.active and off.adjust(torch.ones(1, 3)).tolist() == [[1.0] * 3]
+    assert validate(None, 0.0, 0.0, 10.0) is None
+    for bad in (0.0, -1.0, 10.5, float("nan")):
+        assert "repetition_penalty must be in (0, 10] (1 = off)" in validate(None, 0.0, 0.0, bad)
+
+
 def test_params_reject_out_of_range_with_the_param_named():
     for kw, param in ((dict(frequency_penalty=-3.0), "frequency_penalty"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
-                      (dict(logit_bias={1: 200.0}), "logit_bias")):
+                      (dict(logit_bias={1: 200.0}), "logit_bias"), (dict(repetition_penalty=0.0), "repetition_penalty")):
         with pytest.raises(InvalidRequestError) as e:
             GenerationParams(**kw)
         assert e.value.param == param
@@ -53,35 +66,58 @@ def test_logit_bias_forces_and_bans_tokens(llms, family):
         llm.generate(prompt, GenerationParams(max_tokens=4, logit_bias={10**6: 1.0}))
 
 
-def test_penalties_see_exactly_the_committed_output(llms, monkeypatch):
-    """Each step's logits lose frequency * count + presence * [count > 0] of the output committed before it."""
+def _run_with_adjust_spy(llm, monkeypatch, prompt, params, check) -> list[int]:
+    """Step one request; call check(logits before, after adjustment, the adjuster's counts then, output
+    committed before the step) for every adjusted step. Returns the output."""
     from unmask.decoding import logit_adjust
 
-    llm = llms["sdar"]
     seen = []
     original = logit_adjust.Adjuster.adjust
 
     def spy(self, logits):
         before = logits.clone()
-        after = original(self, logits)
-        seen.append((before, after.clone(), self.counts.clone()))
-        return after
+        after = original(self, logits).clone()
+        seen.append((before, after, self.counts.clone()))
+        return logits
 
     monkeypatch.setattr(logit_adjust.Adjuster, "adjust", spy)
-    params = GenerationParams(max_tokens=12, ignore_eos=True, block_size=4, policy="topk", tokens_per_step=1,
-                              presence_penalty=1.5, frequency_penalty=0.75)
-    seq = llm.engine.add_request(list(range(5, 15)), params)
+    seq = llm.engine.add_request(prompt, params)
     committed = []
     while not seq.finish_reason:
         n = len(seen)
         llm.engine.step()
         for before, after, counts in seen[n:]:
-            expected = torch.bincount(torch.tensor(committed, dtype=torch.long), minlength=before.shape[1]).float()
-            assert torch.equal(counts, expected)
-            assert torch.allclose(after, before - 0.75 * expected - 1.5 * (expected > 0).float())
+            check(before, after, counts, committed)
         out = seq.seq[seq.P:seq.end]
         committed = out[out != llm.spec.mask_id].tolist()
-    assert len(seen) == 12 and len(committed) == 12
+    assert len(seen) == params.max_tokens  # one token per forward: one adjusted step per token
+    return committed
+
+
+def test_penalties_see_exactly_the_committed_output(llms, monkeypatch):
+    """Each step's logits lose frequency * count + presence * [count > 0] of the output committed before it."""
+    def check(before, after, counts, committed):
+        expected = torch.bincount(torch.tensor(committed, dtype=torch.long), minlength=before.shape[1]).float()
+        assert torch.equal(counts, expected)
+        assert torch.allclose(after, before - 0.75 * expected - 1.5 * (expected > 0).float())
+
+    params = GenerationParams(max_tokens=12, ignore_eos=True, block_size=4, policy="topk", tokens_per_step=1,
+                              presence_penalty=1.5, frequency_penalty=0.75)
+    assert len(_run_with_adjust_spy(llms["sdar"], monkeypatch, list(range(5, 15)), params, check)) == 12
+
+
+def test_repetition_penalty_sees_the_prompt_and_the_committed_output(llms, monkeypatch):
+    prompt = list(range(5, 15))
+
+    def check(before, after, counts, committed):
+        hit = torch.zeros(before.shape[1], dtype=torch.bool)
+        hit[prompt + committed] = True
+        expected = torch.where(before > 0, before / 1.5, before * 1.5)
+        assert torch.allclose(after[:, hit], expected[:, hit]) and torch.equal(after[:, ~hit], before[:, ~hit])
+
+    params = GenerationParams(max_tokens=8, ignore_eos=True, block_size=4, policy="topk", tokens_per_step=1,
+                              repetition_penalty=1.5)
+    assert len(_run_with_adjust_spy(llms["sdar"], monkeypatch, prompt, params, check)) == 8
 
 
 def test_server_defaults_take_the_models_penalties():
@@ -91,6 +127,7 @@ def test_server_defaults_take_the_models_penalties():
     assert sampling_defaults({"do_sample": True, "temperature": 0.7, "presence_penalty": 1}) == {
         "temperature": 0.7, "presence_penalty": 1}
     assert sampling_defaults({"temperature": 0.7}) == {}  # greedy unless the model samples
+    assert sampling_defaults({"repetition_penalty": 1.1}) == {"repetition_penalty": 1.1}  # the transformers key
 
 
 def test_ban_early_stops_only_below_min_tokens_and_only_stop_tokens():

@@ -236,6 +236,11 @@ def test_logit_bias_and_penalties(client):
     plain = client.completions.create(**args)
     penalised = client.completions.create(**args, presence_penalty=2.0, frequency_penalty=2.0)
     assert penalised.usage.completion_tokens == plain.usage.completion_tokens == 6
+    # vLLM's extra parameter: a prompt of the forced token, penalised hard enough, bans that token
+    rep_args = {**args, "prompt": [45, 45, 45, 45], "logit_bias": {"45": 100}, "logprobs": 1}
+    favoured = client.completions.create(**rep_args).choices[0].logprobs.tokens
+    repelled = client.completions.create(**{**rep_args, "extra_body": {"ignore_eos": True, "repetition_penalty": 10}})
+    assert favoured == [favoured[0]] * 6 and favoured[0] not in repelled.choices[0].logprobs.tokens
 
 
 def test_stop_strings(client):
@@ -465,6 +470,7 @@ def test_cors(restricted, server):
     ({"messages": CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
     ({"messages": CHAT, "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ({"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
       "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"messages": CHAT, "response_format": {"type": "yaml"}}, "response_format"),

@@ -50,6 +50,9 @@ def generate(
         None, help="Subtracted from tokens already in the output (-2..2; default: the model's generation_config)."),
     frequency_penalty: Optional[float] = typer.Option(
         None, help="Subtracted per earlier occurrence in the output (-2..2; default: the model's generation_config)."),
+    repetition_penalty: Optional[float] = typer.Option(
+        None, help="Divides positive (multiplies negative) logits of prompt and output tokens (1 = off; default: "
+                   "the model's generation_config)."),
     cache: str = typer.Option("auto", help="Bidirectional families: none | prefix | dual."),
     stop: list[str] = typer.Option([], help="Stop string (repeatable, up to 4)."),
     chat: bool = typer.Option(False, help="Render the prompt as one user turn with the chat template."),
@@ -65,7 +68,8 @@ def generate(
         knobs = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                      policy=policy, threshold=threshold, block_size=block_size, steps=steps,
                      tokens_per_step=tokens_per_step, cache=cache, stop=list(stop),
-                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                     repetition_penalty=repetition_penalty)
         _params(**knobs)  # bad flags fail before the model loads
         llm = LLM(model, dtype=dtype, device=device)
         params = _params(**_with_model_defaults(llm, knobs))
@@ -214,14 +218,18 @@ def evaluate_cmd(
     limit: int = typer.Option(200, help="Tasks per kind."),
     policies: str = typer.Option("one_token_per_forward,threshold_0.9,threshold_0.7"),
     block_size: Optional[int] = typer.Option(None),
+    repetition_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
+    frequency_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
 ):
-    """Held-out masked-token loss, next-line completion and single-line infill exact match, per policy."""
+    """Held-out masked-token loss, next-line completion, single-line infill exact match and function-body
+    continuation (valid Python so far, repetition), per policy."""
     import json
 
     from unmask.engine.llm import LLM
     from unmask.errors import UnmaskError
-    from unmask.evaluation import POLICIES, evaluate, infill_tasks, masked_token_loss, next_line_tasks
+    from unmask.evaluation import (POLICIES, evaluate, function_tasks, infill_tasks, masked_token_loss,
+                                   next_line_tasks)
     from unmask.train.corpus import read_documents
     from unmask.train.instructions import read_jsonl
 
@@ -236,21 +244,29 @@ def evaluate_cmd(
         llm = LLM(model)
         docs = list(read_documents(held))
         bs = block_size or llm.spec.block_size
-        results = {"model": str(llm.spec.path), "block_size": bs,
+        penalties = _with_model_defaults(llm, {"repetition_penalty": repetition_penalty,
+                                               "frequency_penalty": frequency_penalty, "presence_penalty": None})
+        penalties = {k: v for k, v in penalties.items() if v is not None}
+        results = {"model": str(llm.spec.path), "block_size": bs, "penalties": penalties,
                    "masked_token_loss": masked_token_loss(llm, docs, bs), "tasks": []}
         typer.echo(f"masked-token loss (block {bs}): {results['masked_token_loss']:.3f}")
         task_sets = [next_line_tasks(docs, limit)]
         if sft_heldout.is_file():
             task_sets.append(infill_tasks(read_jsonl(sft_heldout), limit))
-        typer.echo(f"{'task':<10} {'policy':<24} {'n':>4} {'exact':>7} {'edit sim':>8} {'tok/fwd':>8} {'tok/s':>8}")
+        task_sets.append(function_tasks(docs, limit))
+        typer.echo(f"{'task':<10} {'policy':<24} {'n':>4} {'exact':>7} {'edit sim':>8} {'valid':>6} {'repeat':>6} "
+                   f"{'tok/fwd':>8} {'tok/s':>8}")
         for tasks in task_sets:
             for name in names:
-                r = evaluate(llm, tasks, name, block_size=block_size)
+                r = evaluate(llm, tasks, name, block_size=block_size, **penalties)
                 results["tasks"].append({**r.__dict__, "tokens_per_forward": r.tokens_per_forward,
                                          "tokens_per_s": r.tokens_per_s})
+                valid, repeat = (("-", "-") if r.valid is None else (f"{r.valid:.0%}", f"{r.repeat:.2f}"))
                 typer.echo(f"{r.task:<10} {name:<24} {r.n:>4} {r.accuracy:>7.1%} {r.edit_similarity:>8.2f} "
-                           f"{r.tokens_per_forward:>8.2f} "
-                           f"{r.tokens_per_s:>8.1f}")
+                           f"{valid:>6} {repeat:>6} {r.tokens_per_forward:>8.2f} {r.tokens_per_s:>8.1f}")
+        fn = next((t for t in results["tasks"] if t["task"] == "function"), None)
+        if fn:
+            typer.echo(f"function bodies of the held-out files themselves: repeat {fn['target_repeat']:.2f}")
     except UnmaskError as e:
         fail(str(e))
     if json_out:
@@ -260,7 +276,7 @@ def evaluate_cmd(
 def _with_model_defaults(llm, knobs: dict) -> dict:
     """The model's recommended penalties (generation_config.json) where a flag left them unset."""
     gen = llm.spec.generation_config
-    for key in ("presence_penalty", "frequency_penalty"):
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         if knobs.get(key) is None and isinstance(gen.get(key), (int, float)):
             knobs[key] = gen[key]
     return knobs
@@ -277,6 +293,7 @@ def chat(
     seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
     presence_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
     frequency_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
+    repetition_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
     stats: bool = typer.Option(False, help="After each reply: tokens, forwards, tokens per forward, tokens/s."),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: float32 on CPU)."),
     device: str = typer.Option("cpu"),
@@ -287,7 +304,8 @@ def chat(
     from unmask.errors import UnmaskError
 
     knobs = dict(max_tokens=max_tokens, temperature=temperature, seed=seed, policy=policy, threshold=threshold,
-                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                 repetition_penalty=repetition_penalty)
     try:
         _params(**knobs)
         llm = LLM(model, dtype=dtype, device=device)

@@ -6,15 +6,23 @@ Tasks come from the corpus's held-out files (split by file, never seen in traini
              tokenizer merges a newline with the next line's indentation ("\n   " is one token): a prompt
              ending in a bare "\n" token is a boundary the model never saw in training
   infill     <|fim_prefix|>P<|fim_suffix|>S<|fim_middle|> -> the single-line span between them
+  function   the file up to the end of a `def` line -> up to FUNCTION_TOKENS tokens of body: long-form
+             generation, where a weak model degenerates into loops that one-line tasks never show
 Each task set runs under several policies; reported: exact-match accuracy, edit similarity (the mean
 difflib ratio between answer and target, 0..1: CodeXGLUE's line-completion "ES" up to scale, which
 separates a near miss from nonsense where exact match is 0 for both), tokens per forward, tokens/s.
+Function bodies also report the share of answers that are valid Python so far (`codeop`: complete or
+incomplete, not an error) and the repeat rate (share of token 4-grams that repeat an earlier 4-gram of the
+same answer: 0 for no repetition, near 1 for a loop; the held-out bodies themselves score `target_repeat`).
 """
 from __future__ import annotations
 
+import codeop
 import difflib
 import hashlib
+import textwrap
 import time
+import warnings
 from dataclasses import dataclass
 
 from unmask.engine.llm import LLM
@@ -28,6 +36,7 @@ class Task:
     target: str
     stop: tuple[str, ...]
     lead: str = ""   # text the answer opens with, not scored (next_line: the newline ending the prompt's line)
+    header: str = ""  # function: the `def` line the body belongs to (for the syntax check)
 
     @property
     def min_tokens(self) -> int:
@@ -35,7 +44,10 @@ class Task:
         return 1 if self.lead else 0
 
     def answer(self, text: str) -> str:
-        """The scored part of a generated text: after the lead, up to the first newline, right-stripped."""
+        """The scored part of a generated text: after the lead, up to the first newline, right-stripped
+        (function: every complete line, i.e. up to the last newline)."""
+        if self.kind == "function":
+            return text.rsplit("\n", 1)[0] if "\n" in text else ""
         if self.lead and text.startswith(self.lead):
             text = text[len(self.lead):]
         return text.split("\n", 1)[0].rstrip()
@@ -51,6 +63,9 @@ class PolicyResult:
     forwards: int
     seconds: float
     edit_similarity: float = 0.0
+    valid: float | None = None          # function: share of answers that are valid Python so far
+    repeat: float | None = None         # function: mean 4-gram repeat rate of the answers
+    target_repeat: float | None = None  # function: the same of the held-out bodies
 
     @property
     def tokens_per_forward(self) -> float:
@@ -68,20 +83,27 @@ def _chosen(key: str, rate: float) -> bool:
 def next_line_tasks(docs, limit: int = 200, context_chars: int = 1200) -> list[Task]:
     """Code lines of held-out stdlib files, sampled deterministically by a hash of (file, line)."""
     tasks = []
+    for doc, lines, i, start in _stdlib_lines(docs):
+        line = lines[i]
+        body = line.strip()
+        if i < 5 or not 8 <= len(body) <= 80 or body.startswith("#") or body.startswith(('"""', "'''")):
+            continue
+        if _chosen(f"{doc.relpath}:{i}", 0.05):
+            prompt = doc.text[max(0, start - 1 - context_chars):start - 1]  # without the newline
+            tasks.append(Task("next_line", prompt, line.rstrip(), ("\n",), lead="\n"))
+    return tasks[:limit]
+
+
+def _stdlib_lines(docs):
+    """(document, its lines, line index, offset of the line's first character) over held-out stdlib files."""
     for doc in docs:
         if doc.source != "stdlib":
             continue
         lines = doc.text.split("\n")
         offset = 0
         for i, line in enumerate(lines):
-            start, offset = offset, offset + len(line) + 1
-            body = line.strip()
-            if i < 5 or not 8 <= len(body) <= 80 or body.startswith("#") or body.startswith(('"""', "'''")):
-                continue
-            if _chosen(f"{doc.relpath}:{i}", 0.05):
-                prompt = doc.text[max(0, start - 1 - context_chars):start - 1]  # without the newline
-                tasks.append(Task("next_line", prompt, line.rstrip(), ("\n",), lead="\n"))
-    return tasks[:limit]
+            yield doc, lines, i, offset
+            offset += len(line) + 1
 
 
 def infill_tasks(records, limit: int = 200) -> list[Task]:
@@ -95,6 +117,59 @@ def infill_tasks(records, limit: int = 200) -> list[Task]:
     return tasks[:limit]
 
 
+FUNCTION_TOKENS = 64
+
+
+def function_tasks(docs, limit: int = 200, context_chars: int = 1200, body_lines: int = 12) -> list[Task]:
+    """`def` lines of held-out stdlib files whose body follows on the next line, sampled by a hash of
+    (file, line); the target is the body's first `body_lines` lines (a stand-in for what 64 tokens cover)."""
+    tasks = []
+    for doc, lines, i, start in _stdlib_lines(docs):
+        line = lines[i]
+        head = line.lstrip()
+        if not (head.startswith("def ") and line.rstrip().endswith(":")):
+            continue
+        indent = len(line) - len(head)
+        body = []
+        for nxt in lines[i + 1:]:
+            if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
+                break
+            body.append(nxt)
+        if not body or not body[0].strip() or not _chosen(f"{doc.relpath}:{i}:def", 0.5):
+            continue
+        end = start + len(line)
+        prompt = doc.text[max(0, end - context_chars):end]
+        target = "\n".join(body[:body_lines]).rstrip()
+        tasks.append(Task("function", prompt, "\n" + target, (), header=line.rstrip()))
+    return tasks[:limit]
+
+
+def python_so_far(header: str, body: str) -> bool:
+    """Is `header` + `body` valid Python that may still be incomplete? (`codeop`'s verdict, as an
+    interactive interpreter uses it: a complete or an incomplete program, not a syntax error)."""
+    text = textwrap.dedent(header + body) if body.strip() else header
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escape sequences in generated strings warn
+            codeop.compile_command(text + "\n", symbol="exec")
+        return True
+    except (SyntaxError, ValueError, OverflowError):
+        return False
+
+
+def repeat_rate(ids: list[int], n: int = 4) -> float:
+    """Share of the n-grams of `ids` that occurred earlier in `ids` (0.0 when there are none)."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    if not grams:
+        return 0.0
+    seen: set[tuple[int, ...]] = set()
+    repeats = 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    return repeats / len(grams)
+
+
 POLICIES = {
     "one_token_per_forward": dict(policy="topk", tokens_per_step=1),
     "threshold_0.9": dict(policy="threshold", threshold=0.9),
@@ -103,20 +178,32 @@ POLICIES = {
 
 
 def evaluate(llm: LLM, tasks: list[Task], policy: str, max_tokens: int = 48, **overrides) -> PolicyResult:
-    knobs = {**POLICIES[policy], **overrides}
+    knobs = {**POLICIES[policy], **{k: v for k, v in overrides.items() if v is not None}}
+    function = bool(tasks) and tasks[0].kind == "function"
+    if function:
+        max_tokens = FUNCTION_TOKENS
     prompts = [llm.encode(t.prompt) for t in tasks]
     params = [GenerationParams(max_tokens=max_tokens, stop=list(t.stop), min_tokens=t.min_tokens, **knobs)
               for t in tasks]
+    cache = getattr(getattr(llm, "engine", None), "prefix_cache", None)
+    if cache is not None:  # every policy pays its own prefills: prompts cached by the one before would flatter it
+        cache.clear()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - t0
     answers = [t.answer(o.text) for o, t in zip(outs, tasks)]
     correct = sum(a == t.target for a, t in zip(answers, tasks))
     similarity = sum(edit_similarity(a, t.target) for a, t in zip(answers, tasks))
-    return PolicyResult(task=tasks[0].kind if tasks else "", policy=policy, accuracy=correct / max(len(tasks), 1),
+    n = max(len(tasks), 1)
+    extra = {}
+    if function:
+        extra = dict(valid=sum(python_so_far(t.header, a) for a, t in zip(answers, tasks)) / n,
+                     repeat=sum(repeat_rate(o.token_ids) for o in outs) / n,
+                     target_repeat=sum(repeat_rate(llm.encode(t.target)[:max_tokens]) for t in tasks) / n)
+    return PolicyResult(task=tasks[0].kind if tasks else "", policy=policy, accuracy=correct / n,
                         n=len(tasks), tokens=sum(len(o.token_ids) for o in outs),
                         forwards=sum(o.forwards for o in outs), seconds=seconds,
-                        edit_similarity=similarity / max(len(tasks), 1))
+                        edit_similarity=similarity / n, **extra)
 
 
 def edit_similarity(answer: str, target: str) -> float:

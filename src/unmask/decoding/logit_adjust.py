@@ -1,12 +1,17 @@
-"""Per-request logit adjustments of the OpenAI API: `logit_bias`, `presence_penalty`, `frequency_penalty`.
+"""Per-request logit adjustments: OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty`, and
+the `repetition_penalty` of vLLM, llama.cpp and transformers.
 
-    logits[j] += bias[j] - frequency_penalty * count[j] - presence_penalty * (count[j] > 0)
+    logits[j] = rep(logits[j] + bias[j]) - frequency_penalty * count[j] - presence_penalty * (count[j] > 0)
 
-as OpenAI documents them, with count[j] = how often token j occurs in the request's output so far. For a
-diffusion model "so far" means the output tokens committed before this step (in any earlier block or
-step), so tokens committed together in one step do not penalise each other. Tensors only: a sequence
-owns one `Adjuster`, calls `adjust` on each step's logits before the policy sees them and `commit` with
-the tokens it committed.
+with count[j] = how often token j occurs in the request's output so far, as OpenAI documents the two
+penalties, and rep = the multiplicative penalty of CTRL (Keskar et al. 2019, arXiv 1909.05858) on every
+token seen in the prompt or the output so far: a positive logit is divided by it, a negative one
+multiplied (as vLLM and transformers apply it; vLLM too adds the bias first, and the additive penalties
+after it). For a diffusion
+model "so far" means the output tokens committed before this step (in any earlier block or step), so
+tokens committed together in one step do not penalise each other. Tensors only: a sequence owns one
+`Adjuster`, calls `adjust` on each step's logits before the policy sees them and `commit` with the
+tokens it committed.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from torch import Tensor
 
 BIAS_LIMIT = 100.0      # OpenAI: values from -100 to 100
 PENALTY_LIMIT = 2.0     # OpenAI: -2.0 to 2.0
+REPETITION_LIMIT = 10.0  # vLLM and transformers only ask for > 0; beyond ~2 every seen token is all but banned
 
 
 @dataclass(frozen=True)
@@ -24,21 +30,29 @@ class LogitAdjust:
     bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0   # 1 = off
 
     @property
     def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty)
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repeats
+
+    @property
+    def repeats(self) -> bool:
+        return self.repetition_penalty != 1.0
 
     @property
     def active(self) -> bool:
         return bool(self.bias) or self.penalised
 
 
-def validate(bias: dict[int, float] | None, presence: float, frequency: float) -> str | None:
+def validate(bias: dict[int, float] | None, presence: float, frequency: float,
+             repetition: float = 1.0) -> str | None:
     """Why these settings are out of range (param: message), or None."""
     for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency)):
         if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
             return f"{name} must be in [-2, 2], got {v}"
+    if not 0 < repetition <= REPETITION_LIMIT:
+        return f"repetition_penalty must be in (0, {REPETITION_LIMIT:g}] (1 = off), got {repetition}"
     for tok, v in (bias or {}).items():
         if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
             return f"logit_bias keys must be token ids (non-negative integers), got {tok!r}"
@@ -48,10 +62,12 @@ def validate(bias: dict[int, float] | None, presence: float, frequency: float) -
 
 
 class Adjuster:
-    """One request's adjustment state: the bias as tensors and the counts of committed output tokens."""
+    """One request's adjustment state: the bias as tensors, the counts of committed output tokens, and
+    (repetition_penalty) the prompt tokens, which count as seen from the first step."""
 
-    def __init__(self, spec: LogitAdjust):
+    def __init__(self, spec: LogitAdjust, prompt_ids: list[int] | None = None):
         self.spec = spec
+        self.prompt_ids = torch.tensor(sorted(set(prompt_ids or ())) if spec.repeats else [], dtype=torch.long)
         self.bias_ids = torch.tensor([t for t, _ in spec.bias], dtype=torch.long)
         self.bias_values = torch.tensor([v for _, v in spec.bias], dtype=torch.float32)
         self.counts: Tensor | None = None   # [V], allocated at the first step (the logits give V)
@@ -71,9 +87,21 @@ class Adjuster:
                     self.commit(t)
                 self._pending = []
             s = self.spec
-            penalty = s.frequency_penalty * self.counts + s.presence_penalty * (self.counts > 0).float()
-            logits -= penalty.to(logits.dtype)
+            if s.repeats:
+                self._repetition(logits)
+            if s.presence_penalty or s.frequency_penalty:
+                penalty = s.frequency_penalty * self.counts + s.presence_penalty * (self.counts > 0).float()
+                logits -= penalty.to(logits.dtype)
         return logits
+
+    def _repetition(self, logits: Tensor) -> None:
+        V = logits.shape[-1]
+        seen = self.counts > 0
+        prompt = self.prompt_ids[self.prompt_ids < V].to(logits.device)
+        seen[prompt] = True
+        r = self.spec.repetition_penalty
+        cols = logits[:, seen]
+        logits[:, seen] = torch.where(cols > 0, cols / r, cols * r)
 
     def commit(self, tokens: Tensor) -> None:
         """Count newly committed output tokens."""

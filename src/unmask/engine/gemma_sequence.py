@@ -122,7 +122,7 @@ class GemmaSequence:
         self.top = new_top_store(params)
         self.canvases_done = 0
         adjust = params.logit_adjust()   # applied to every step's logits; counts grow by finished canvases
-        self.adjuster = Adjuster(adjust) if adjust.active else None
+        self.adjuster = Adjuster(adjust, prompt_ids) if adjust.active else None
         self._prepared: StepResult | None = None  # this step's result when computed batched (prepare_batch)
         self._reset_canvas()
 

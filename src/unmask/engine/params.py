@@ -39,6 +39,7 @@ class GenerationParams:
     logit_bias: dict[int, float] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0     # vLLM / transformers: > 1 shrinks logits of prompt / output tokens
     # uniform-noise families (DiffusionGemma); None: the checkpoint's generation_config, else the reference defaults
     t_min: float | None = None                 # temperature at the last denoising step
     t_max: float | None = None                 # temperature at the first denoising step
@@ -115,7 +116,8 @@ class GenerationParams:
             bad(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}", "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             bad("top_logprobs requires logprobs", "top_logprobs")
-        problem = validate_adjust(self.logit_bias, self.presence_penalty, self.frequency_penalty)
+        problem = validate_adjust(self.logit_bias, self.presence_penalty, self.frequency_penalty,
+                                  self.repetition_penalty)
         if problem:
             bad(problem, problem.split(" ", 1)[0])
 
@@ -126,7 +128,8 @@ class GenerationParams:
 
     def logit_adjust(self) -> LogitAdjust:
         bias = tuple(sorted((int(t), float(v)) for t, v in (self.logit_bias or {}).items() if v))
-        return LogitAdjust(bias, float(self.presence_penalty), float(self.frequency_penalty))
+        return LogitAdjust(bias, float(self.presence_penalty), float(self.frequency_penalty),
+                           float(self.repetition_penalty))
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)

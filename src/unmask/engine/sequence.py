@@ -115,7 +115,7 @@ class Sequence:
         self.policy = p.policy_config()
         self.sampling = p.sampling()
         adjust = p.logit_adjust()
-        self.adjuster = Adjuster(adjust) if adjust.active else None
+        self.adjuster = Adjuster(adjust, self.prompt_ids) if adjust.active else None
         if self.bidirectional:
             self.block_start = self.P                 # LLaDA semi-AR: blocks count from the answer start
             self.seq = torch.full((self.end + self.S,), t.mask_id, dtype=torch.long)

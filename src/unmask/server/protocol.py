@@ -106,8 +106,8 @@ class GenerationRequest(RequestModel):
                 kw[name] = getattr(self, name)
         kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw["ignore_eos"] = self.ignore_eos
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name, None):
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if getattr(self, name, None) is not None:
                 kw[name] = getattr(self, name)
         if getattr(self, "logit_bias", None):
             kw["logit_bias"] = token_bias(self.logit_bias)
@@ -188,6 +188,7 @@ class ChatCompletionRequest(GenerationRequest):
     user: str | None = None
     # ---- unmask extensions
     top_k: int | None = None
+    repetition_penalty: float | None = None   # vLLM's extra sampling parameter
     diffusing: bool = False
     policy: str | None = None
     threshold: float | None = None
@@ -236,6 +237,7 @@ class CompletionRequest(GenerationRequest):
     # ---- unmask extensions
     reasoning_effort: ReasoningEffort | None = None
     top_k: int | None = None
+    repetition_penalty: float | None = None   # vLLM's extra sampling parameter
     diffusing: bool = False
     policy: str | None = None
     threshold: float | None = None

@@ -89,7 +89,7 @@ class ChoiceState:
 def sampling_defaults(generation_config: dict) -> dict:
     """The model's own sampling settings (generation_config.json) for fields a request leaves out:
     temperature / top_p / top_k when it samples (`do_sample`), and its presence / frequency penalties
-    (OpenAI-style keys; the built-in model ships `frequency_penalty`, docs/model-card.md)."""
+    (OpenAI-style keys) and `repetition_penalty` (the transformers key), docs/model-card.md."""
     out = {k: generation_config[k] for k in PENALTY_KEYS if isinstance(generation_config.get(k), (int, float))}
     if generation_config.get("do_sample"):
         out.update({k: generation_config[k] for k in ("temperature", "top_p", "top_k")
@@ -97,7 +97,7 @@ def sampling_defaults(generation_config: dict) -> dict:
     return out
 
 
-PENALTY_KEYS = ("presence_penalty", "frequency_penalty")
+PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def sse(obj: BaseModel | str) -> str:
