@@ -35,6 +35,15 @@ from benchlib import common  # noqa: E402
 
 SECTIONS = ("policies", "cost", "batch")
 OPT_IN = ("longprefill",)
+
+
+def core_wall_s(done: dict, ran: list[str], wall: float | None) -> float:
+    """Wall time of the suite's core sections, outside its budget the opt-in ones: this run's own wall time
+    less the opt-in sections it ran (`wall`, when it ran every core section), else the sum of the core
+    sections' recorded times."""
+    if wall is None:
+        return sum(s.get("wall_s", 0) for k, s in done.items() if k not in OPT_IN)
+    return wall - sum(done[k].get("wall_s", 0) for k in OPT_IN if k in ran and k in done)
 K = 1024
 CONFIGS = {
     "full": {
@@ -240,11 +249,7 @@ def main() -> None:
         data["meta"] = {
             "mode": mode, "command": command(args, None), "make": "make bench-quick" if args.quick else "make bench",
             "machine": machine, "config": cfg, "json_name": out_json.name,
-            # the suite's own wall time when it ran every section in one go; else the sum of the sections'
-            # (opt-in sections are outside the suite's time budget and not counted)
-            "suite_wall_s": (wall - data["sections"].get("longprefill", {}).get("wall_s", 0)
-                             if "longprefill" in sections else wall) if complete else
-            sum(s.get("wall_s", 0) for k, s in data["sections"].items() if k not in OPT_IN),
+            "suite_wall_s": core_wall_s(data["sections"], sections, wall if complete else None),
             "suite_wall_complete": complete,
         }
     args.out_dir.mkdir(parents=True, exist_ok=True)

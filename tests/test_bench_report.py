@@ -32,3 +32,12 @@ def test_long_rows_join_the_curve_and_the_fit_is_redone():
     assert merged["fits"]["delta_mb"]["slope"] == pytest.approx(1.0)
     assert merged["fits"]["prefill_s"]["slope_per_round"] == {"median": 9.0}  # per-round slopes: the suite's own
     assert _with_long(pre, None) is pre
+
+
+def test_core_wall_leaves_out_opt_in_sections():
+    from suite import core_wall_s
+
+    done = {"policies": {"wall_s": 100.0}, "batch": {"wall_s": 50.0}, "longprefill": {"wall_s": 300.0}}
+    assert core_wall_s(done, ["policies", "batch", "longprefill"], 420.0) == 120.0   # this run: wall less opt-in
+    assert core_wall_s(done, ["policies", "batch"], 160.0) == 160.0                   # an earlier opt-in run
+    assert core_wall_s(done, ["batch"], None) == 150.0                                # partial: recorded core times
