@@ -97,3 +97,24 @@ def test_each_policy_run_pays_its_own_prefills(family_dirs):
     first = evaluate(llm, tasks, "one_token_per_forward")
     second = evaluate(llm, tasks, "one_token_per_forward")
     assert first.forwards == second.forwards and first.tokens == second.tokens
+
+
+def test_next_token_loss_is_the_causal_cross_entropy(tmp_path):
+    """Against a hand computation: one packed row, next-token CE under causal attention, built-in family."""
+    import torch
+    import torch.nn.functional as F
+
+    from unmask.engine.llm import LLM
+    from unmask.evaluation import next_token_loss
+    from unmask.models.transformer import CAUSAL
+
+    llm = LLM()
+    docs = [CorpusFile("stdlib", "m.py", CODE[:400])]
+    ids = llm.tokenizer.encode(CODE[:400])
+    x = torch.tensor([ids + [llm.tokenizer.token_id("<|endoftext|>")]])
+    x = x[:, :min(x.shape[1], 512)]
+    with torch.no_grad():
+        logits = llm.model.logits(llm.model.forward_dense(x, torch.arange(x.shape[1])[None], CAUSAL)[:, :-1])
+    expected = float(F.cross_entropy(logits[0], x[0, 1:]))
+    got = next_token_loss(llm, docs, seq_len=x.shape[1])
+    assert abs(got - expected) < 1e-4 and 0 < got < 10

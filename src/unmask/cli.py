@@ -229,7 +229,7 @@ def evaluate_cmd(
     from unmask.engine.llm import LLM
     from unmask.errors import UnmaskError
     from unmask.evaluation import (POLICIES, evaluate, function_tasks, infill_tasks, masked_token_loss,
-                                   next_line_tasks)
+                                   next_line_tasks, next_token_loss)
     from unmask.train.corpus import read_documents
     from unmask.train.instructions import read_jsonl
 
@@ -250,6 +250,9 @@ def evaluate_cmd(
         results = {"model": str(llm.spec.path), "block_size": bs, "penalties": penalties,
                    "masked_token_loss": masked_token_loss(llm, docs, bs), "tasks": []}
         typer.echo(f"masked-token loss (block {bs}): {results['masked_token_loss']:.3f}")
+        results["next_token_loss"] = next_token_loss(llm, docs)
+        if results["next_token_loss"] is not None:
+            typer.echo(f"next-token loss (causal attention): {results['next_token_loss']:.3f}")
         task_sets = [next_line_tasks(docs, limit)]
         if sft_heldout.is_file():
             task_sets.append(infill_tasks(read_jsonl(sft_heldout), limit))

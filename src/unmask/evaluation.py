@@ -232,3 +232,31 @@ def masked_token_loss(llm: LLM, docs, block_size: int, seq_len: int = 512, max_r
             total += float(diffusion_loss_sum(llm.model, x0, noise, obj))
             count += x0.numel()
     return total / max(count, 1)
+
+
+def next_token_loss(llm: LLM, docs, seq_len: int = 512, max_rows: int = 64) -> float | None:
+    """Held-out next-token cross-entropy under causal attention (nats per token), for shifted-logit models
+    on the shared transformer (`forward_dense`): how much of an AR-initialised model's left-to-right
+    ability remains, which block-by-block decoding leans on. None for other models."""
+    import torch
+    import torch.nn.functional as F
+
+    from unmask.models.transformer import CAUSAL
+    from unmask.train.data import pack_documents
+
+    if not llm.spec.shift or not hasattr(llm.model, "forward_dense"):
+        return None
+    sep = llm.tokenizer.token_id("<|endoftext|>")
+    sep = sep if sep is not None else llm.spec.eos_id
+    rows = pack_documents((llm.tokenizer.encode(d.text) for d in docs), seq_len, sep).ids[:max_rows].long()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, rows.shape[0], 8):
+            x = rows[i:i + 8]
+            hidden = llm.model.forward_dense(x, torch.arange(x.shape[1]).expand_as(x), CAUSAL)
+            logits = llm.model.logits(hidden[:, :-1])
+            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                           reduction="sum"))
+            count += x[:, 1:].numel()
+    return total / max(count, 1)
+
