@@ -1,13 +1,13 @@
 """Per-request logit adjustments: OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty`, and
-the `repetition_penalty` of vLLM, llama.cpp and transformers.
+the `repetition_penalty` of vLLM and transformers.
 
     logits[j] = rep(logits[j] + bias[j]) - frequency_penalty * count[j] - presence_penalty * (count[j] > 0)
 
 with count[j] = how often token j occurs in the request's output so far, as OpenAI documents the two
 penalties, and rep = the multiplicative penalty of CTRL (Keskar et al. 2019, arXiv 1909.05858) on every
 token seen in the prompt or the output so far: a positive logit is divided by it, a negative one
-multiplied (as vLLM and transformers apply it; vLLM too adds the bias first, and the additive penalties
-after it). For a diffusion
+multiplied, as vLLM and transformers apply it (vLLM too adds the bias first and the additive penalties
+after it; llama.cpp's `repeat_penalty` is the same rule over a window of recent tokens). For a diffusion
 model "so far" means the output tokens committed before this step (in any earlier block or step), so
 tokens committed together in one step do not penalise each other. Tensors only: a sequence owns one
 `Adjuster`, calls `adjust` on each step's logits before the policy sees them and `commit` with the
@@ -68,6 +68,7 @@ class Adjuster:
     def __init__(self, spec: LogitAdjust, prompt_ids: list[int] | None = None):
         self.spec = spec
         self.prompt_ids = torch.tensor(sorted(set(prompt_ids or ())) if spec.repeats else [], dtype=torch.long)
+        self._prompt_placed = False
         self.bias_ids = torch.tensor([t for t, _ in spec.bias], dtype=torch.long)
         self.bias_values = torch.tensor([v for _, v in spec.bias], dtype=torch.float32)
         self.counts: Tensor | None = None   # [V], allocated at the first step (the logits give V)
@@ -95,10 +96,11 @@ class Adjuster:
         return logits
 
     def _repetition(self, logits: Tensor) -> None:
-        V = logits.shape[-1]
+        if not self._prompt_placed:  # once: ids outside the vocabulary dropped, the rest moved to the device
+            self.prompt_ids = self.prompt_ids[self.prompt_ids < logits.shape[-1]].to(logits.device)
+            self._prompt_placed = True
         seen = self.counts > 0
-        prompt = self.prompt_ids[self.prompt_ids < V].to(logits.device)
-        seen[prompt] = True
+        seen[self.prompt_ids] = True
         r = self.spec.repetition_penalty
         cols = logits[:, seen]
         logits[:, seen] = torch.where(cols > 0, cols / r, cols * r)
