@@ -77,6 +77,7 @@ def test_python_so_far_accepts_incomplete_code_and_rejects_errors():
     assert python_so_far("def f(x):", "\n    y = (x +")        # unclosed bracket: incomplete, not wrong
     assert python_so_far("    def g(self):", "\n        return 1")  # a method's indent is removed
     assert python_so_far("def f(x):", "")                   # nothing generated yet
+    assert python_so_far("    def g(self):", "")           # nothing generated yet under a method
     assert not python_so_far("def f(x):", "\n    return )")
     assert not python_so_far("def f(x):", "\nreturn 1")      # the body must be indented
 

@@ -147,7 +147,7 @@ def function_tasks(docs, limit: int = 200, context_chars: int = 1200, body_lines
 def python_so_far(header: str, body: str) -> bool:
     """Is `header` + `body` valid Python that may still be incomplete? (`codeop`'s verdict, as an
     interactive interpreter uses it: a complete or an incomplete program, not a syntax error)."""
-    text = textwrap.dedent(header + body) if body.strip() else header
+    text = textwrap.dedent(header + body)  # a method's indentation goes with its header
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # invalid escape sequences in generated strings warn
@@ -177,11 +177,11 @@ POLICIES = {
 }
 
 
-def evaluate(llm: LLM, tasks: list[Task], policy: str, max_tokens: int = 48, **overrides) -> PolicyResult:
+def evaluate(llm: LLM, tasks: list[Task], policy: str, max_tokens: int | None = None, **overrides) -> PolicyResult:
+    """Run `tasks` (one kind) under `policy`; max_tokens defaults to 48 (line tasks) or FUNCTION_TOKENS."""
     knobs = {**POLICIES[policy], **{k: v for k, v in overrides.items() if v is not None}}
     function = bool(tasks) and tasks[0].kind == "function"
-    if function:
-        max_tokens = FUNCTION_TOKENS
+    max_tokens = max_tokens or (FUNCTION_TOKENS if function else 48)
     prompts = [llm.encode(t.prompt) for t in tasks]
     params = [GenerationParams(max_tokens=max_tokens, stop=list(t.stop), min_tokens=t.min_tokens, **knobs)
               for t in tasks]
