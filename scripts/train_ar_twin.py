@@ -86,9 +86,10 @@ class Shape:
         return self.layers * (d * h * dh + 2 * d * kv * dh + h * dh * d + 3 * d * i)
 
 
-def diffusion_flops_per_row(s: Shape, seq_len: int, eligible: float) -> float:
+def diffusion_flops_per_row(s: Shape, seq_len: int, eligible: float, next_token: bool = False) -> float:
     n = 2 * seq_len
-    return (6 * s.body_params * n + 6 * s.hidden * s.vocab * 0.5 * eligible
+    head_rows = 0.5 * eligible + (eligible if next_token else 0.0)  # + every clean row's next-token loss
+    return (6 * s.body_params * n + 6 * s.hidden * s.vocab * head_rows
             + 3 * s.layers * 4 * n * n * s.heads * s.head_dim)
 
 
@@ -106,13 +107,15 @@ class Phase:
     batch: int
     seq_len: int
     eligible: float = 0.0      # loss-eligible tokens per row (mean over the phase's rows)
+    next_token: bool = False   # the reference also scored its clean rows' next-token loss (causal context)
     ref_flops: float = 0.0
     twin_flops_per_step: float = 0.0
     steps: int = 0
     warmup: int = 0
 
     def plan(self, shape: Shape, budget: str) -> None:
-        self.ref_flops = self.ref_steps * self.batch * diffusion_flops_per_row(shape, self.seq_len, self.eligible)
+        self.ref_flops = self.ref_steps * self.batch * diffusion_flops_per_row(shape, self.seq_len, self.eligible,
+                                                                              self.next_token)
         self.twin_flops_per_step = self.batch * ar_flops_per_row(shape, self.seq_len, self.eligible)
         self.steps = (max(1, round(self.ref_flops / self.twin_flops_per_step)) if budget == "flops"
                       else self.ref_steps)
@@ -281,6 +284,14 @@ def run_phase(model, phase: Phase, rows: TokenRows, eval_rows: TokenRows | None,
 
 # ---------------------------------------------------------------------------------------------- main
 
+def _relative(path: Path) -> str:
+    """The path as recorded in budget.json: relative to the checkout where it lies inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("runs/ar-twin"))
@@ -307,6 +318,10 @@ def main() -> None:
     ap.add_argument("--ref-sft-lr", type=float, default=5e-4)
     ap.add_argument("--ref-sft-mix", type=float, default=0.25,
                     help="share of plain-text rows in the SFT phase (finetune --mix-fraction)")
+    ap.add_argument("--ref-next-token-loss", type=int, choices=(0, 1), default=None,
+                    help="1: the reference's diffusion phases also scored the next-token loss of every clean row "
+                         "(`train --causal-context`, next_token_weight > 0), whose LM-head rows the budget counts; "
+                         "default: 1 when the reference's config.json has \"causal_context\": true")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--skip-sft", action="store_true", help="pre-training only (OUT/model = the pre-trained twin)")
@@ -380,17 +395,20 @@ def main() -> None:
                 sft_eval, _ = load_sft(args.sft_eval, enc, args.seq_len, "skip", pack=True)
 
     ref_pre_steps = sum(int(x) for x in str(args.ref_pretrain_steps).split(","))
+    next_token = bool(ref_config.get("causal_context")) if args.ref_next_token_loss is None \
+        else bool(args.ref_next_token_loss)
     phases = [Phase("pretrain", ref_pre_steps, args.ref_pretrain_warmup, args.ref_pretrain_lr,
-                    args.batch_size, args.seq_len, eligible=float(args.seq_len))]
+                    args.batch_size, args.seq_len, eligible=float(args.seq_len), next_token=next_token)]
     if sft_rows is not None:
         elig = float(sft_rows.loss_mask.float().sum(1).mean())
         phases.append(Phase("sft", args.ref_sft_steps, args.ref_sft_warmup, args.ref_sft_lr, args.batch_size,
-                            args.seq_len, eligible=elig))
+                            args.seq_len, eligible=elig, next_token=next_token))
     for ph in phases:
         ph.plan(shape, args.budget)
     budget = {
-        "budget": args.budget, "reference": str(ref), "shape": asdict(shape), "body_params": shape.body_params,
-        "diffusion_flops_per_row": {ph.name: diffusion_flops_per_row(shape, ph.seq_len, ph.eligible) for ph in phases},
+        "budget": args.budget, "reference": _relative(ref), "shape": asdict(shape), "body_params": shape.body_params,
+        "diffusion_flops_per_row": {ph.name: diffusion_flops_per_row(shape, ph.seq_len, ph.eligible, ph.next_token)
+                                    for ph in phases},
         "ar_flops_per_row": {ph.name: ar_flops_per_row(shape, ph.seq_len, ph.eligible) for ph in phases},
         "phases": [asdict(ph) for ph in phases],
         "reference_total_flops": sum(ph.ref_flops for ph in phases),

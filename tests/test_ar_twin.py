@@ -71,3 +71,19 @@ def test_twin_info_finds_the_budget_in_the_run_or_the_committed_copy(tmp_path):
     (model / "budget.json").write_text(json.dumps({"budget": "flops", "where": "model"}))  # as `make twin` copies it
     info = twin_info(model)
     assert info["budget_detail"]["where"] == "model" and info["architecture"] == "Qwen3ForCausalLM"
+
+
+def test_budget_counts_the_next_token_rows_of_a_causal_context_reference():
+    """A reference trained with the clean rows' next-token loss spent 6 * D * V FLOPs more per eligible token
+    (those rows' LM head, forward and backward); the twin's steps grow by exactly that share."""
+    twin_mod = _twin_script()
+    shape = twin_mod.Shape(8192, 256, 4, 8, 4, 32, 768, 2048, 1e4, 1e-6, True)
+    plain = twin_mod.diffusion_flops_per_row(shape, 512, 512.0)
+    with_next = twin_mod.diffusion_flops_per_row(shape, 512, 512.0, next_token=True)
+    assert with_next - plain == 6 * 256 * 8192 * 512
+    assert plain == 35433480192.0  # the committed bench/models/ar-twin/budget.json's figure for this shape
+    a = twin_mod.Phase("pretrain", 700, 30, 1e-3, 16, 512, eligible=512.0)
+    b = twin_mod.Phase("pretrain", 700, 30, 1e-3, 16, 512, eligible=512.0, next_token=True)
+    a.plan(shape, "flops")
+    b.plan(shape, "flops")
+    assert a.steps == 1400 and b.steps == round(1400 * with_next / plain)

@@ -10,18 +10,21 @@ from unmask.engine.params import GenerationParams
 from unmask.errors import ContextLengthError, InvalidRequestError
 from unmask.models.loader import load_model
 
-BLOCK_CAUSAL = ["sdar", "fast_dllm_v2", "llada2", "unmask_shifted"]
+BLOCK_CAUSAL = ["sdar", "fast_dllm_v2", "llada2", "unmask_shifted", "unmask_causal_context"]
 ALL = ["llada", "dream"] + BLOCK_CAUSAL
 
 
-def make_unmask_shifted(out):
+def make_unmask_shifted(out, causal_context: bool = False):
     """unmask's own format as `unmask train --objective causal` exports it: shifted logits, so each block's
-    first token comes from the previous block's commit pass (what `unmask-tiny` is since it is AR-initialised)."""
+    first token comes from the previous block's commit pass (what `unmask-tiny` is since it is AR-initialised).
+    `causal_context`: as `unmask train --causal-context` exports it (committed text attends token-causally)."""
     from unmask.train.checkpoint import export_model
     from unmask.train.model_init import fresh_model, init_weights, new_unmask_config
 
     cfg = new_unmask_config(96, 32, 2, 4, 2, 8, 64, 256, 4, mask_id=3, eos_ids=[2], tie_embeddings=True)
     cfg["shift_logits"] = True
+    if causal_context:
+        cfg["causal_context"] = True
     tm = fresh_model(cfg, {"eos_token_id": [2]}, seed=0)
     init_weights(tm.model, 0, std=0.2)  # logits far from uniform, so a wrong row shows
     return export_model(tm, out, None)
@@ -29,7 +32,8 @@ def make_unmask_shifted(out):
 
 @pytest.fixture(scope="module")
 def models(family_dirs, tmp_path_factory):
-    dirs = {**family_dirs, "unmask_shifted": make_unmask_shifted(tmp_path_factory.mktemp("unmask") / "m")}
+    dirs = {**family_dirs, "unmask_shifted": make_unmask_shifted(tmp_path_factory.mktemp("unmask") / "m"),
+            "unmask_causal_context": make_unmask_shifted(tmp_path_factory.mktemp("unmask") / "c", causal_context=True)}
     return {f: load_model(dirs[f]) for f in ALL}
 
 
@@ -50,7 +54,13 @@ def naive_generate(model, spec, prompt, params: GenerationParams):
         while (seq[start:stop_blk] == mask).any():
             L = end if bidir else stop_blk
             pos = torch.arange(L)
-            m = None if bidir else ((pos[None, :] // B) <= (pos[:, None] // B))[None, None]
+            if bidir:
+                m = None
+            elif spec.causal_context:  # committed tokens causal, the active block one bidirectional group
+                ids = torch.where(pos < start, pos, start)
+                m = (ids[None, :] <= ids[:, None])[None, None]
+            else:
+                m = ((pos[None, :] // B) <= (pos[:, None] // B))[None, None]
             with torch.inference_mode():
                 logits = model.logits(model.forward_dense(seq[None, :L], pos[None], m))[0]
             targets = (seq[start:stop_blk] == mask).nonzero(as_tuple=True)[0] + start
@@ -92,12 +102,13 @@ def test_engine_matches_naive_loop(family, policy, models):
         assert s.output_ids == naive_generate(model, spec, p, params), (family, p)
 
 
-def test_shifted_unmask_with_one_token_blocks_is_greedy_autoregressive(models):
+@pytest.mark.parametrize("family", ["unmask_shifted", "unmask_causal_context"])
+def test_shifted_unmask_with_one_token_blocks_is_greedy_autoregressive(family, models):
     """With one-token blocks every token is a block's first, read from the previous commit pass: plain
     next-token greedy decoding with a KV cache, compared against a full causal recompute per token."""
     from unmask.models.transformer import CAUSAL
 
-    model, spec = models["unmask_shifted"]
+    model, spec = models[family]
     params = GenerationParams(max_tokens=12, policy="topk", tokens_per_step=1, block_size=1)
     seqs, eng = run(model, spec, PROMPTS, params)
     for p, s in zip(PROMPTS, seqs):
@@ -290,7 +301,7 @@ def test_prefix_cache_reuses_prompt_blocks_exactly(models):
     assert c.cached == 0
 
 
-@pytest.mark.parametrize("family", ["fast_dllm_v2", "unmask_shifted"])
+@pytest.mark.parametrize("family", ["fast_dllm_v2", "unmask_shifted", "unmask_causal_context"])
 def test_shifted_families_restore_all_but_the_block_before_the_answer(family, models):
     """A block-aligned prompt whose blocks are all cached: a shifted family still needs the last prompt
     block's final row for the answer's first token, so that block runs again (it used to hang)."""
@@ -355,3 +366,38 @@ def test_min_tokens_holds_stop_strings_and_stop_tokens(models):
     assert len(out[1].output_ids) == 5 and out[1].finish_reason == "stop"
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         GenerationParams(max_tokens=4, min_tokens=5)
+
+
+def test_causal_context_writes_the_prompt_as_a_causal_model_does(models):
+    """The prompt's cached K/V under a causal context are a left-to-right model's (prompt rows never see
+    later prompt tokens of their block), and differ from the block-causal model's on the same weights."""
+    from unmask.models.transformer import CAUSAL
+
+    model, spec = models["unmask_causal_context"]
+    assert spec.causal_context and not models["unmask_shifted"][1].causal_context
+    prompt = list(range(20, 32))  # three whole blocks: the answer's first token is read from causal row 11
+    eng = Engine(model, spec, prefix_cache_bytes=0)
+    seq = eng.add_request(prompt, GenerationParams(max_tokens=4, block_size=4))
+    eng.step()  # the first pass writes the whole prompt, [0, 12), and reads the answer block
+    assert seq.cached == 12
+    k0 = seq.cache.k[0][:, :12].clone()
+    with torch.no_grad():  # layer-0 keys of a causal pass: recompute them from the dense causal forward
+        h = model.model.embed_tokens(torch.tensor([prompt[:12]]))
+        attn = model.model.layers[0].self_attn
+        x = model.model.layers[0].input_layernorm(h)
+        k = attn.k_norm(attn.k_proj(x).view(1, 12, attn.kv, attn.d))
+        cos, sin = model.rope.cos_sin(torch.arange(12)[None])
+        k = model.rope.apply(k, cos, sin)[0].transpose(0, 1)
+    assert torch.allclose(k0, k, atol=1e-5)  # layer 0 keys depend on the token alone
+    k_last = seq.cache.k[-1][:, :12].clone()
+    with torch.no_grad():
+        hd = model.forward_dense(torch.tensor([prompt[:12]]), torch.arange(12)[None], CAUSAL)
+        logits = model.logits(hd)[0, 11]
+    # the causal row 11 predicts the answer's first token: the engine's first committed token is its argmax
+    eng.run_to_completion()
+    logits[spec.mask_id] = float("-inf")
+    assert seq.output_ids[0] == int(logits.argmax())
+    block_causal = Engine(models["unmask_shifted"][0], models["unmask_shifted"][1], prefix_cache_bytes=0)
+    other = block_causal.add_request(prompt, GenerationParams(max_tokens=4, block_size=4))
+    block_causal.step()
+    assert not torch.allclose(other.cache.k[-1][:, :12], k_last, atol=1e-4)

@@ -119,3 +119,37 @@ def test_next_token_loss_is_the_causal_cross_entropy(tmp_path):
     expected = float(F.cross_entropy(logits[0], x[0, 1:]))
     got = next_token_loss(llm, docs, seq_len=x.shape[1])
     assert abs(got - expected) < 1e-4 and 0 < got < 10
+
+
+def test_masked_token_loss_reads_a_causal_context_model_with_its_own_mask(tmp_path):
+    """A checkpoint whose config says causal_context is scored under the mask it decodes with, not the
+    block-causal one (the same weights give a different number under the other)."""
+    import json
+    import shutil
+
+    import torch
+
+    from unmask.defaults import default_model_path
+    from unmask.engine.llm import LLM
+    from unmask.evaluation import masked_token_loss
+    from unmask.train.data import pack_documents
+    from unmask.train.objectives import Objective, diffusion_loss_sum, draw_noise
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(default_model_path(), model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "causal_context": True}))
+    llm = LLM(str(model_dir))
+    docs = [CorpusFile("stdlib", "m.py", CODE[:400])]
+    got = masked_token_loss(llm, docs, 4, seq_len=64)
+
+    rows = pack_documents([llm.tokenizer.encode(CODE[:400])], 64, llm.tokenizer.token_id("<|endoftext|>")).ids.long()
+
+    def by_hand(causal_context: bool) -> float:
+        obj = Objective(mask_id=3, block_sizes=(4,), shift=True, causal_context=causal_context)
+        noise = draw_noise(obj, torch.ones_like(rows, dtype=torch.bool), torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            return float(diffusion_loss_sum(llm.model, rows, noise, obj)) / rows.numel()
+
+    assert abs(got - by_hand(True)) < 1e-5
+    assert abs(got - by_hand(False)) > 1e-3

@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,79 @@ def test_loss_hand_computation():
     assert not n.masked[:, 0].any()
 
 
+@pytest.mark.parametrize("L,bs", [(8, 4), (12, 5), (6, 1)])
+def test_causal_context_mask_matches_brute_force(L, bs):
+    got = block_diffusion_mask(L, bs, causal_context=True)
+    want = block_diffusion_mask(L, bs).clone()
+    for q in range(L, 2 * L):  # clean rows: token-causal instead of block-causal; noisy rows unchanged
+        for k in range(L, 2 * L):
+            want[q, k] = k <= q
+    assert torch.equal(got, want)
+
+
+def test_causal_context_loss_is_what_block_by_block_decoding_reads():
+    """Shifted block diffusion with a causal context: each masked token j of block b is scored from row j-1
+    of [x_0 before the block, written causally ; x_t of the block, bidirectional], the sequence the engine
+    runs; with next_token_weight w, plus w times the causal next-token CE of every eligible token."""
+    from unmask.models.transformer import CAUSAL
+
+    model = tiny_model()
+    B, L = 4, 8
+    x0 = torch.randint(16, 60, (2, L), generator=torch.Generator().manual_seed(1))
+    masked = torch.rand(2, L, generator=torch.Generator().manual_seed(2)) < 0.5
+    masked[:, 0] = False
+    masked[0, 4] = masked[1, 5] = True  # a block's first token (read from the clean row 3) and an inner one
+    p = torch.rand(2, L, generator=torch.Generator().manual_seed(3)) * 0.9 + 0.1
+    obj = Objective(mask_id=3, block_sizes=(B,), shift=True, causal_context=True)
+    got = diffusion_loss_sum(model, x0, Noise(B, masked, p), obj)
+    want = 0.0
+    for b in range(2):
+        for j in masked[b].nonzero().flatten().tolist():
+            start = j // B * B
+            seq = torch.cat([x0[b, :start], torch.where(masked[b, start:start + B], 3, x0[b, start:start + B])])
+            pos = torch.arange(seq.numel())
+            ids = torch.where(pos < start, pos, start)
+            with torch.no_grad():
+                lg = model.logits(model.forward_dense(seq[None], pos[None], (ids[None, :] <= ids[:, None])[None, None]))
+            want += -F.log_softmax(lg[0, j - 1], -1)[x0[b, j]].item() / p[b, j].item()
+    assert got.item() == pytest.approx(want, rel=1e-5)
+
+    eligible = torch.ones(2, L, dtype=torch.bool)
+    eligible[:, 0] = False
+    eligible[1, :3] = False  # an SFT prompt is never scored
+    weighted = Objective(mask_id=3, block_sizes=(B,), shift=True, causal_context=True, next_token_weight=0.5)
+    with torch.no_grad():
+        lg = model.logits(model.forward_dense(x0, torch.arange(L).expand(2, L), CAUSAL))
+    next_token = sum(-F.log_softmax(lg[b, j - 1], -1)[x0[b, j]].item() for b, j in eligible.nonzero().tolist())
+    got = diffusion_loss_sum(model, x0, Noise(B, masked, p), weighted, eligible)
+    assert got.item() == pytest.approx(want + 0.5 * next_token, rel=1e-5)
+    with pytest.raises(ValueError, match="causal_context"):
+        Objective(mask_id=3, block_sizes=(B,), causal_context=True)  # needs shifted logits
+    with pytest.raises(ValueError, match="causal_context"):
+        Objective(mask_id=3, block_sizes=(B,), shift=True, next_token_weight=1.0)
+
+
+def test_suffix_masks_are_block_tails_at_the_drawn_rate():
+    """suffix_fraction 1: each block masks its last ceil(p B) positions (a clean prefix before them); 0 draws
+    exactly what the objective drew before the option existed; a mix gives both kinds of block."""
+    lm = torch.ones(64, 32, dtype=torch.bool)
+    base = Objective(mask_id=3, block_sizes=(8,), shift=True)
+    tails = Objective(mask_id=3, block_sizes=(8,), shift=True, suffix_fraction=1.0)
+    n = draw_noise(tails, lm, torch.Generator().manual_seed(0))
+    blocks, p = n.masked.view(64, 4, 8), n.p.view(64, 4, 8)[..., 0]
+    k = torch.ceil(p * 8).long()
+    want = torch.arange(8)[None, None, :] >= 8 - k[..., None]
+    want[:, 0, 0] = False  # shifted: position 0 has no predictor
+    assert torch.equal(blocks, want)
+    same = draw_noise(replace(base, suffix_fraction=0.0), lm, torch.Generator().manual_seed(0))
+    assert torch.equal(same.masked, draw_noise(base, lm, torch.Generator().manual_seed(0)).masked)
+    mixed = draw_noise(replace(base, suffix_fraction=0.5), lm, torch.Generator().manual_seed(1)).masked.view(-1, 8)
+    is_tail = torch.tensor([torch.equal(r.int(), torch.sort(r.int())[0]) for r in mixed.unbind(0)])
+    assert 0.5 < is_tail.float().mean() < 0.95  # tails, plus iid blocks that happen to be sorted
+    with pytest.raises(ValueError, match="suffix_fraction"):
+        Objective(mask_id=3, suffix_fraction=0.5)  # no blocks
+
+
 def test_causal_objective_is_next_token_cross_entropy():
     """objective 'causal': every eligible token j >= 1 scored from row j-1 of a left-to-right pass, weight 1."""
     from unmask.models.transformer import CAUSAL
@@ -220,6 +294,25 @@ def test_causal_base_then_shifted_block_diffusion(tmp_path, tokdir, corpus):
         finetune(tiny_cfg(tmp_path / "ft", objective="causal"), base.model_dir, tmp_path / "none.jsonl")
     with pytest.raises(TrainConfigError, match="objective"):
         tiny_cfg(tmp_path / "x", objective="ar")
+
+    # a causal context: recorded in the config, read by the loader, kept by fine-tuning; the next-token term
+    # adds the base's own loss to the first step's (same batch, same noise: the seed is the run's)
+    ctx_runs = {w: train(tiny_cfg(tmp_path / f"ctx{w}", total_steps=1, lr=1e-4, causal_context=True,
+                                  next_token_weight=w), corpus, tokdir, init_from=base.model_dir)
+                for w in (0.0, 1.0)}
+    assert json.loads((ctx_runs[1.0].model_dir / "config.json").read_text())["causal_context"] is True
+    _, spec = load_model(ctx_runs[1.0].model_dir, dtype="float32")
+    assert spec.causal_context and spec.shift and spec.ar_first_token
+    gap = ctx_runs[1.0].losses[0] - ctx_runs[0.0].losses[0]
+    assert abs(gap - base.losses[-1]) < 0.5, (gap, base.losses)  # about the base's next-token loss
+    data = tmp_path / "sft.jsonl"
+    data.write_text((json.dumps(CHAT) + "\n") * 6)
+    ft = finetune(tiny_cfg(tmp_path / "ctx-ft", total_steps=1, seq_len=96), ctx_runs[1.0].model_dir, data)
+    assert json.loads((ft.model_dir / "config.json").read_text())["causal_context"] is True
+    with pytest.raises(TrainConfigError, match="shifted"):  # a fresh model has no next-token head to read
+        train(tiny_cfg(tmp_path / "bad", total_steps=1, causal_context=True), corpus, tokdir)
+    with pytest.raises(TrainConfigError, match="block-diffusion setting"):
+        tiny_cfg(tmp_path / "bad2", objective="causal", causal_context=True)
 
 
 def test_continuing_with_a_differently_numbered_tokenizer_is_refused(tmp_path, tokdir, corpus):

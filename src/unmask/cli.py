@@ -130,6 +130,12 @@ def _train_config(out: Path, steps: int, batch_size: int, seq_len: int, lr: floa
 
 BF16_HELP = ("bf16 autocast (weights and optimizer stay float32). Default: on where the device computes bf16 natively "
              "(CUDA with bf16, CPUs with AVX512-BF16 or AMX); elsewhere it is many times slower than float32.")
+CONTEXT_HELP = ("Block diffusion from a causal base (--init-from) whose committed text is read token-causally, as "
+                "the base reads it; recorded in the model's config (\"causal_context\": true), which the engine "
+                "and fine-tuning follow.")
+SUFFIX_HELP = ("Share of blocks whose masked positions are the block's tail (a clean prefix, as decoding that "
+               "commits left to right sees it) instead of an independent draw; block diffusion only.")
+NEXT_TOKEN_HELP = "With a causal context: weight of the next-token loss on the clean rows (0: off)."
 COMPILE_HELP = ("torch.compile each transformer block: 1.2-1.5x faster steps measured on CPU, after ~45 s of "
                 "compiling (needs a C++ compiler).")
 
@@ -152,6 +158,9 @@ def train(
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help=BF16_HELP, show_default=False),
     objective: str = typer.Option("diffusion", help="diffusion | causal: next-token training of the same network, "
                                   "the base that block diffusion continues from (--init-from) with shifted logits."),
+    causal_context: bool = typer.Option(False, "--causal-context", help=CONTEXT_HELP),
+    next_token_weight: float = typer.Option(1.0, min=0.0, help=NEXT_TOKEN_HELP),
+    suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
 ):
     """Pre-train a masked block-diffusion model from scratch (multi-process: launch with torchrun)."""
     from unmask.errors import UnmaskError
@@ -165,6 +174,10 @@ def train(
         if objective not in ("diffusion", "causal"):
             fail(f"--objective must be diffusion or causal, got {objective!r}")
         cfg.objective = objective
+        if causal_context and objective == "causal":
+            fail("--causal-context is a block-diffusion setting; --objective causal trains all rows causally")
+        cfg.causal_context, cfg.next_token_weight = causal_context, next_token_weight
+        cfg.suffix_fraction = suffix_fraction
         if tokenizer is None:
             tokenizer = init_from if init_from is not None and (init_from / "tokenizer.json").is_file() \
                 else Path("data/tokenizer")
@@ -190,6 +203,8 @@ def finetune(
     resume: bool = typer.Option(False),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help=BF16_HELP, show_default=False),
+    next_token_weight: float = typer.Option(1.0, min=0.0, help=NEXT_TOKEN_HELP + " Models without one ignore it."),
+    suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
 ):
     """Supervised fine-tuning on chat JSONL (loss on assistant tokens only)."""
     from unmask.errors import UnmaskError
@@ -200,6 +215,7 @@ def finetune(
                             lora_rank=lora_rank, block_sizes=block_sizes, on_error=on_error)
         cfg.sft_pack = pack
         cfg.compile, cfg.bf16 = compile, bf16
+        cfg.next_token_weight, cfg.suffix_fraction = next_token_weight, suffix_fraction
         if mix_text is not None:
             if not 0.0 < mix_fraction < 1.0:
                 fail(f"--mix-fraction must be between 0 and 1 (exclusive), got {mix_fraction}")

@@ -222,7 +222,8 @@ def masked_token_loss(llm: LLM, docs, block_size: int, seq_len: int = 512, max_r
     sep = llm.tokenizer.token_id("<|endoftext|>")
     sep = sep if sep is not None else llm.spec.eos_id
     rows = pack_documents((llm.tokenizer.encode(d.text) for d in docs), seq_len, sep).ids[:max_rows].long()
-    obj = Objective(mask_id=llm.spec.mask_id, block_sizes=(block_size,), shift=llm.spec.shift)
+    obj = Objective(mask_id=llm.spec.mask_id, block_sizes=(block_size,), shift=llm.spec.shift,
+                    causal_context=llm.spec.causal_context)  # the mask the model was trained and decodes with
     gen = torch.Generator().manual_seed(seed)
     total, count = 0.0, 0
     with torch.no_grad():

@@ -42,6 +42,7 @@ class ModelTraits:
     stop_ids: tuple[int, ...]
     ar_first_token: bool
     max_context: int
+    causal_context: bool = False  # committed tokens attend token-causally (unmask.train.objectives)
     # the checkpoint's config.json / generation_config.json, for families with their own sequence class
     config: dict = field(default_factory=dict, compare=False)
     generation_config: dict = field(default_factory=dict, compare=False)
@@ -183,7 +184,12 @@ class Sequence:
     def _make_plan(self, lo: int, hi: int, write: int, targets: Tensor | None, suffix: int = 0) -> StepPlan:
         positions = torch.arange(lo, hi)
         uses_cache = write > 0 or lo > 0 or suffix > 0
-        block_ids = None if self.bidirectional else positions // self.B
+        if self.bidirectional:
+            block_ids = None
+        elif self.traits.causal_context:  # written tokens causal; the active block one bidirectional group
+            block_ids = torch.clamp(positions, max=self.block_start)
+        else:
+            block_ids = positions // self.B
         segment = Segment(start=lo, length=hi - lo, write=write, suffix=suffix,
                           cache=self.cache if uses_cache else None, block_ids=block_ids)
         if targets is None or targets.numel() == 0:

@@ -38,6 +38,10 @@ class ModelSpec:
         return self.family.shifted(self.config)
 
     @property
+    def causal_context(self) -> bool:
+        return self.family.causal_context(self.config)
+
+    @property
     def ar_first_token(self) -> bool:
         return self.family.first_token_from_commit(self.config)
 
@@ -108,6 +112,9 @@ def load_spec(path: str | Path) -> ModelSpec:
         arch = family.parse_config(config)
     except KeyError as e:
         raise ModelLoadError(f"{root / 'config.json'} lacks required key {e.args[0]!r} for family {family.name}") from None
+    if family.causal_context(config) and not family.shifted(config):
+        raise ModelLoadError(f"{root / 'config.json'}: {family.context_key!r} needs {family.shift_key!r}: true "
+                             "(a causal context reads each next token from the row before it)")
     gen_path = root / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     stops: list[int] = []

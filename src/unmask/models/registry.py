@@ -60,6 +60,9 @@ class Family:
     # next-token head, as Fast-dLLM v2 does); a shifted block-causal model of such a family also
     # takes each block's first token from the commit pass, which is what its objective trains
     shift_key: str | None = None
+    # config.json key that marks a shifted block-causal checkpoint whose committed blocks are written with
+    # token-causal attention (a causal context: unmask.train.objectives); absent or false: block-causal
+    context_key: str | None = None
     # checkpoint-format hooks for parameters that are not 1:1 renames (fused QKV)
     split_params: Callable[[StateDict, ArchConfig], StateDict] | None = None
     fuse_params: Callable[[StateDict, ArchConfig], StateDict] | None = None
@@ -72,6 +75,9 @@ class Family:
         if self.shift_key is not None and self.shift_key in config:
             return bool(config[self.shift_key])
         return self.shift
+
+    def causal_context(self, config: dict) -> bool:
+        return self.context_key is not None and bool(config.get(self.context_key))
 
     def first_token_from_commit(self, config: dict) -> bool:
         return self.ar_first_token or (self.shift_key is not None and self.shifted(config)

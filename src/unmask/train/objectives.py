@@ -9,6 +9,16 @@ Block diffusion (BD3-LM, arXiv 2503.09573; SDAR; Fast-dLLM v2): the model reads 
 every block of x_t as if the blocks before it had been generated already, which is exactly what
 block-by-block inference with a KV cache of committed blocks sees.
 
+Causal context (`causal_context=True`, needs shift): the clean stream x_0 attends causally, token by
+token, instead of block-causally, so the committed text's K/V are those of a left-to-right model and
+every clean row is a next-token predictor; `next_token_weight` > 0 adds that next-token loss over all
+eligible tokens (for the cost of the LM head on those rows) so the block-diffusion phase of an
+AR-initialised model keeps the left-to-right path its base learned. The noisy stream is unchanged: its
+block reads itself bidirectionally and the clean rows of strictly earlier blocks. Inference writes the
+committed blocks' K/V under the same causal rule (`unmask.engine.sequence`). The same split, a causal
+writer of the cache and a bidirectional reader of it, is DiffusionGemma's (transformers
+`DiffusionGemmaForBlockDiffusion`).
+
 Causal (`causal=True`): plain next-token training of the same network under left-to-right
 attention, no noise. It trains the base of an AR-initialised diffusion model (Fast-dLLM v2,
 arXiv 2509.26328; SDAR; Dream), which then continues with shifted block diffusion: the causal
@@ -44,8 +54,21 @@ class Objective:
     t_per_block: bool = True    # one t per block (BD3-LM, Fast-dLLM v2) instead of per sequence (SDAR)
     stratified_t: bool = True   # low-discrepancy t over the batch (MDLM): same mean, less variance
     causal: bool = False        # next-token training under causal attention (no noise; needs shift)
+    causal_context: bool = False  # clean stream attends token-causally (block diffusion with shift only)
+    next_token_weight: float = 0.0  # weight of the clean stream's next-token loss (causal_context only)
+    # share of blocks whose masked set is the block's last ceil(t B) positions instead of an iid draw: the
+    # clean-prefix, masked-suffix pattern that left-to-right-leaning decoding (threshold, credit) meets
+    suffix_fraction: float = 0.0
 
     def __post_init__(self):
+        if self.causal_context and (self.block_sizes is None or not self.shift or self.causal):
+            raise ValueError("causal_context is a form of shifted block diffusion (block_sizes and shift=True)")
+        if not 0.0 <= self.suffix_fraction <= 1.0:
+            raise ValueError(f"suffix_fraction must be in [0, 1], got {self.suffix_fraction}")
+        if self.suffix_fraction and (self.block_sizes is None or not self.t_per_block):
+            raise ValueError("suffix_fraction shapes each block's mask: it needs block_sizes and t_per_block")
+        if self.next_token_weight and not self.causal_context:
+            raise ValueError("next_token_weight scores the clean stream's next-token rows: it needs causal_context")
         if self.causal and (not self.shift or self.block_sizes is not None):
             raise ValueError("a causal objective reads row i for token i+1 (shift=True) and has no blocks")
         if self.block_sizes is not None and (not self.block_sizes or min(self.block_sizes) < 1):
@@ -64,22 +87,24 @@ class Noise:
         return Noise(self.block_size, self.masked[sl], self.p[sl])
 
 
-def block_diffusion_mask(length: int, block_size: int) -> Tensor:
+def block_diffusion_mask(length: int, block_size: int, causal_context: bool = False) -> Tensor:
     """[2L, 2L] bool (True = may attend) over [x_t ; x_0].
 
     noisy q -> noisy k of its own block, and clean k of strictly earlier blocks;
-    clean q -> clean k of its own and earlier blocks (block-causal); clean q never sees noise.
+    clean q -> clean k of its own and earlier blocks (block-causal), or of earlier positions and itself
+    (`causal_context`); clean q never sees noise.
     """
-    return _bd_mask(length, block_size).clone()
+    return _bd_mask(length, block_size, causal_context).clone()
 
 
 @lru_cache(maxsize=32)
-def _bd_mask(length: int, block_size: int) -> Tensor:
-    blk = torch.arange(length) // block_size
+def _bd_mask(length: int, block_size: int, causal_context: bool = False) -> Tensor:
+    pos = torch.arange(length)
+    blk = pos // block_size
     bq, bk = blk[:, None], blk[None, :]
     noisy_noisy = bq == bk
     noisy_clean = bk < bq
-    clean_clean = bk <= bq
+    clean_clean = pos[None, :] <= pos[:, None] if causal_context else bk <= bq
     top = torch.cat([noisy_noisy, noisy_clean], dim=1)
     bottom = torch.cat([torch.zeros_like(clean_clean), clean_clean], dim=1)
     return torch.cat([top, bottom], dim=0)
@@ -116,13 +141,21 @@ def draw_noise(obj: Objective, loss_mask: Tensor, gen: torch.Generator) -> Noise
         t = t.repeat_interleave(bs, dim=1)[:, :L]
     p = ((1 - obj.eps) * t + obj.eps).expand(B, L).contiguous()
     u = torch.rand(B, L, generator=gen)
+    masked = u < p
+    if obj.suffix_fraction:  # chosen blocks mask their tail: offset >= B - ceil(t B), about the share t
+        suffix = (torch.rand(B, per_row, generator=gen) < obj.suffix_fraction).repeat_interleave(bs, dim=1)[:, :L]
+        offset = torch.arange(L) % bs
+        tail = offset >= bs - torch.ceil(p * bs)
+        masked = torch.where(suffix, tail, masked)
     eligible = loss_eligible(loss_mask.cpu(), obj.shift)
-    return Noise(bs, (u < p) & eligible, p)
+    return Noise(bs, masked & eligible, p)
 
 
-def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, obj: Objective) -> Tensor:
+def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, obj: Objective,
+                       eligible: Tensor | None = None) -> Tensor:
     """Sum over masked positions of CE(x0) / p (causal: over scored positions, p = 1). Only those rows
-    go through the LM head."""
+    go through the LM head. With `obj.next_token_weight` > 0, plus that weight times the next-token CE of
+    every `eligible` token ([B, L] bool, shifted: j >= 1) read from the clean row before it."""
     B, L = x0.shape
     dev = x0.device
     masked, p = noise.masked.to(dev), noise.p.to(dev)
@@ -133,7 +166,7 @@ def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, ob
     elif noise.block_size is None:
         hidden = model.forward_dense(xt, pos, None)  # [B, L, D], bidirectional
     else:
-        attn = _bd_mask(L, noise.block_size).to(dev)[None, None]
+        attn = _bd_mask(L, noise.block_size, obj.causal_context).to(dev)[None, None]
         hidden = model.forward_dense(torch.cat([xt, x0], 1), torch.cat([pos, pos], 1), attn)  # [B, 2L, D]
     b, j = masked.nonzero(as_tuple=True)
     src = j
@@ -141,8 +174,13 @@ def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, ob
         src = j - 1  # as in Fast-dLLM v2 inference where it comes from the previous block's commit pass
         if noise.block_size is not None and not obj.causal:
             src = torch.where(j % noise.block_size == 0, L + j - 1, src)
-    if b.numel() == 0:  # keep every parameter in the graph (DDP) with a zero-weight row
-        return model.logits(hidden[:1, 0]).sum() * 0.0
-    logits = model.logits(hidden[b, src])  # [N, V] float32
-    ce = F.cross_entropy(logits, x0[b, j], reduction="none")
-    return (ce / p[b, j]).sum()
+    total = model.logits(hidden[:1, 0]).sum() * 0.0  # keeps every parameter in the graph (DDP) with no rows
+    if b.numel():
+        logits = model.logits(hidden[b, src])  # [N, V] float32
+        total = total + (F.cross_entropy(logits, x0[b, j], reduction="none") / p[b, j]).sum()
+    if obj.next_token_weight and eligible is not None:
+        eb, ej = eligible.to(dev).nonzero(as_tuple=True)
+        if eb.numel():
+            ce = F.cross_entropy(model.logits(hidden[eb, L + ej - 1]), x0[eb, ej], reduction="sum")
+            total = total + obj.next_token_weight * ce
+    return total

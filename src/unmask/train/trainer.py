@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -41,7 +41,7 @@ class TrainConfigError(UnmaskError, ValueError):
 
 # settings a resumed run must share with the checkpoint for its batches and noise to line up
 _RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "model", "sft_pack", "mix_fraction",
-                "objective")
+                "objective", "causal_context", "next_token_weight", "suffix_fraction")
 
 
 @dataclass
@@ -78,6 +78,12 @@ class TrainConfig:
     # "causal": next-token pre-training under causal attention, exported with shift_logits so that
     # block-diffusion training continues from it (objectives.py); pre-training (`train`) only
     objective: Literal["diffusion", "causal"] = "diffusion"
+    # block diffusion whose committed text is read causally (objectives.py, "Causal context"): `train` sets
+    # it on a shifted model's config, fine-tuning follows the model's config; next_token_weight scores the
+    # clean stream's next-token rows alongside (0: off)
+    causal_context: bool = False
+    next_token_weight: float = 1.0
+    suffix_fraction: float = 0.0       # block diffusion: share of blocks masked as a tail (objectives.py)
     model: ModelShape = field(default_factory=ModelShape)  # fresh pre-training model only
 
     def __post_init__(self):
@@ -92,6 +98,12 @@ class TrainConfig:
             raise TrainConfigError("warmup_steps must be >= 0")
         if self.objective not in ("diffusion", "causal"):
             raise TrainConfigError(f"objective must be 'diffusion' or 'causal', got {self.objective!r}")
+        if not 0.0 <= self.suffix_fraction <= 1.0:
+            raise TrainConfigError(f"suffix_fraction must be in [0, 1], got {self.suffix_fraction}")
+        if self.next_token_weight < 0:
+            raise TrainConfigError(f"next_token_weight must be >= 0, got {self.next_token_weight}")
+        if self.causal_context and self.objective == "causal":
+            raise TrainConfigError("causal_context is a block-diffusion setting; objective 'causal' is all causal")
         if not 0.0 <= self.mix_fraction < 1.0:
             raise TrainConfigError(f"mix_fraction must be in [0, 1), got {self.mix_fraction}")
         if self.batch_size % self.grad_accum:
@@ -191,15 +203,21 @@ class _LossModule(nn.Module):
         super().__init__()
         self.model, self.obj = model, obj
 
-    def forward(self, x0: Tensor, masked: Tensor, p: Tensor, block_size: int) -> Tensor:
-        return diffusion_loss_sum(self.model, x0, Noise(block_size or None, masked, p), self.obj)
+    def forward(self, x0: Tensor, masked: Tensor, p: Tensor, block_size: int, eligible: Tensor) -> Tensor:
+        return diffusion_loss_sum(self.model, x0, Noise(block_size or None, masked, p), self.obj, eligible)
 
 
 def _describe(obj: Objective) -> str:
     if obj.causal:
         return "causal next-token"
     kind = f"block diffusion {obj.block_sizes}" if obj.block_sizes else "bidirectional masked diffusion"
-    return kind + (", shifted logits" if obj.shift else "")
+    kind += ", shifted logits" if obj.shift else ""
+    if obj.causal_context:
+        kind += ", causal context" + (f" + next-token loss x{obj.next_token_weight:g} (eval: diffusion only)"
+                                      if obj.next_token_weight else "")
+    if obj.suffix_fraction:
+        kind += f", {obj.suffix_fraction:.0%} of blocks masked as a tail"
+    return kind
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -239,7 +257,8 @@ def _train_step(cfg: TrainConfig, ctx: _Dist, loss_module: nn.Module, obj: Objec
                 noise: Noise, autocast) -> float:
     """Forward/backward over this rank's micro-batches; returns the global loss of the batch."""
     B, A, W = cfg.batch_size, cfg.grad_accum, ctx.world
-    n_eligible = max(1, int(loss_eligible(lm, obj.shift).sum()))  # of the global batch, on every rank
+    eligible = loss_eligible(lm, obj.shift)
+    n_eligible = max(1, int(eligible.sum()))  # of the global batch, on every rank
     loss_sum = 0.0
     for m in range(A):
         lo = m * (B // A) + ctx.rank * (B // (A * W))
@@ -247,7 +266,8 @@ def _train_step(cfg: TrainConfig, ctx: _Dist, loss_module: nn.Module, obj: Objec
         sync = contextlib.nullcontext() if (W == 1 or m == A - 1) else loss_module.no_sync()
         with sync:
             with autocast:
-                part = loss_module(x0[mine].to(ctx.device), noise.masked[mine], noise.p[mine], noise.block_size or 0)
+                part = loss_module(x0[mine].to(ctx.device), noise.masked[mine], noise.p[mine], noise.block_size or 0,
+                                   eligible[mine])
             (part * (W / n_eligible)).backward()  # DDP divides by W when it averages
         loss_sum += float(part.detach())
     return ctx.sum([loss_sum])[0] / n_eligible
@@ -321,6 +341,8 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
                 "train_time": train_time})
         ctx.barrier()
 
+    eval_obj = replace(obj, next_token_weight=0.0)  # the diffusion loss alone, comparable across recipes
+
     def evaluate() -> float:
         model.eval()
         total, n = 0.0, 0
@@ -329,7 +351,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
             for i, idx in enumerate(eval_batches(len(eval_rows), B, cfg.eval_batches)):
                 x0, lm = eval_rows.batch(idx)
                 noise = draw_noise(obj, lm, _noise_gen(cfg.seed, i, salt=7))  # the same noise at every eval
-                total += float(diffusion_loss_sum(model, x0[mine].to(ctx.device), noise.rows(mine), obj))
+                total += float(diffusion_loss_sum(model, x0[mine].to(ctx.device), noise.rows(mine), eval_obj))
                 n += int(loss_eligible(lm, obj.shift).sum())
         model.train()
         return ctx.sum([total])[0] / max(n, 1)
@@ -436,6 +458,8 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
             gen = {"eos_token_id": stops, "bos_token_id": ids["bos"], "pad_token_id": ids["pad"]}
             tm = fresh_model(config, gen, cfg.seed)
         _check_vocab(tm, rows)
+        if cfg.objective == "causal" and cfg.causal_context:
+            raise TrainConfigError("causal_context is a block-diffusion setting; objective 'causal' is all causal")
         if cfg.objective == "causal":
             if tm.family.shift_key is None and not tm.family.shifted(tm.config):
                 raise TrainConfigError(f"objective 'causal': the {tm.family.name} family has no shifted-logits "
@@ -444,7 +468,7 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
                 tm.config[tm.family.shift_key] = True  # the export reads logits at i as token i+1
             obj = Objective(mask_id=tm.mask_id, shift=True, causal=True)
         else:
-            obj = _objective(tm, sizes)
+            obj = _objective(tm, sizes, cfg)
         return run(cfg, _maybe_lora(tm, cfg), obj, rows, eval_rows, Path(tokenizer_dir), ctx, on_step)
     finally:
         _finish(ctx)
@@ -476,7 +500,7 @@ def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *,
             rows = mix_rows(rows, text, cfg.mix_fraction, cfg.seed)
         _check_vocab(tm, rows)
         sizes = cfg.block_sizes or tuple(tm.config.get("train_block_sizes") or [tm.block_size])
-        return run(cfg, _maybe_lora(tm, cfg), _objective(tm, sizes), rows, eval_rows, None, ctx, on_step)
+        return run(cfg, _maybe_lora(tm, cfg), _objective(tm, sizes, cfg), rows, eval_rows, None, ctx, on_step)
     finally:
         _finish(ctx)
 
@@ -499,11 +523,25 @@ def _special_ids(tok) -> dict[str, int | None]:
             "im_end": tok.token_id("<|im_end|>"), "endoftext": tok.token_id("<|endoftext|>")}
 
 
-def _objective(tm: TrainableModel, sizes: tuple[int, ...]) -> Objective:
+def _objective(tm: TrainableModel, sizes: tuple[int, ...], cfg: TrainConfig) -> Objective:
+    """The model's objective; `cfg.causal_context` switches a shifted block-causal model to a causal context
+    and records it in the exported config (a model that has it keeps it: its engine reads it)."""
     if tm.mask_id >= tm.arch.vocab_size:
         raise DataError(f"mask token id {tm.mask_id} is outside the vocabulary ({tm.arch.vocab_size})")
     block = None if tm.family.attention == "bidirectional" else tuple(sizes)
-    return Objective(mask_id=tm.mask_id, block_sizes=block, shift=tm.family.shifted(tm.config))
+    shift = tm.family.shifted(tm.config)
+    causal_context = tm.family.causal_context(tm.config)
+    if cfg.causal_context and not causal_context:
+        if tm.family.context_key is None or block is None or not shift:
+            raise TrainConfigError(f"causal_context needs a shifted block-causal model of a family that records it "
+                                   f"(unmask, from a causal base); {tm.family.name} "
+                                   f"{'is not shifted' if tm.family.context_key and not shift else 'has no such form'}")
+        tm.config[tm.family.context_key] = causal_context = True
+    if cfg.suffix_fraction and block is None:
+        raise TrainConfigError(f"suffix_fraction shapes the masks of blocks; {tm.family.name} is not block-causal")
+    return Objective(mask_id=tm.mask_id, block_sizes=block, shift=shift, causal_context=causal_context,
+                     next_token_weight=cfg.next_token_weight if causal_context else 0.0,
+                     suffix_fraction=cfg.suffix_fraction)
 
 
 def _check_same_tokenizer(tok: Tokenizer, tokenizer_dir: Path, model_dir: Path) -> None:
