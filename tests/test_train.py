@@ -309,6 +309,12 @@ def test_causal_base_then_shifted_block_diffusion(tmp_path, tokdir, corpus):
     data.write_text((json.dumps(CHAT) + "\n") * 6)
     ft = finetune(tiny_cfg(tmp_path / "ctx-ft", total_steps=1, seq_len=96), ctx_runs[1.0].model_dir, data)
     assert json.loads((ft.model_dir / "config.json").read_text())["causal_context"] is True
+    # the periodic eval is the diffusion loss under independent masks whatever the training noise: two runs
+    # that differ only in suffix_fraction and next_token_weight (weights barely moved) report the same eval
+    evals = [train(tiny_cfg(tmp_path / f"ev{i}", total_steps=1, lr=1e-9, warmup_steps=0, eval_every=1,
+                            causal_context=True, **kw), corpus, tokdir, init_from=base.model_dir).eval_losses[-1][1]
+             for i, kw in enumerate([dict(next_token_weight=0.0), dict(next_token_weight=1.0, suffix_fraction=1.0)])]
+    assert evals[0] == pytest.approx(evals[1], rel=1e-4)
     with pytest.raises(TrainConfigError, match="shifted"):  # a fresh model has no next-token head to read
         train(tiny_cfg(tmp_path / "bad", total_steps=1, causal_context=True), corpus, tokdir)
     with pytest.raises(TrainConfigError, match="block-diffusion setting"):

@@ -367,10 +367,14 @@ def _twin_text(sec: dict) -> str:
                          f"{b['diffusion_flops_per_row'][ph['name']]:.3g}", f"{b['ar_flops_per_row'][ph['name']]:.3g}",
                          f"{ph['ref_flops']:.3g}", f"{ph['steps']:,} × {ph['batch']} × {ph['seq_len']}",
                          f"{ph['steps'] * ph['twin_flops_per_step']:.3g}"])
+        next_token = any(ph.get("next_token") for ph in b["phases"])
         out.append(f"Compute accounting (`--budget {b['budget']}`; formulas in `scripts/train_ar_twin.py`): "
                    "a diffusion row reads [x_t ; x_0] (2L tokens, dense 2L×2L attention mask, LM head on the "
-                   "masked half of the rows on average); a twin row reads L tokens with causal attention and "
-                   "its LM head on every loss row.\n")
+                   "masked half of the rows on average"
+                   + ("; plus every clean row's next-token loss: causal context" if next_token else "")
+                   + "); a twin row reads L tokens with causal attention and its LM head on every loss row.\n")
+        if b.get("note"):
+            out.append(b["note"] + "\n")
         out.append(_table(["phase", "diffusion steps × rows × L", "diffusion FLOPs/row", "twin FLOPs/row",
                            "diffusion FLOPs", "twin steps × rows × L", "twin FLOPs"], rows))
         out.append(f"Data tokens: diffusion {b['reference_data_tokens']:,}, twin {b['twin_data_tokens']:,}.\n")

@@ -213,10 +213,12 @@ def _describe(obj: Objective) -> str:
     kind = f"block diffusion {obj.block_sizes}" if obj.block_sizes else "bidirectional masked diffusion"
     kind += ", shifted logits" if obj.shift else ""
     if obj.causal_context:
-        kind += ", causal context" + (f" + next-token loss x{obj.next_token_weight:g} (eval: diffusion only)"
+        kind += ", causal context" + (f" + next-token loss x{obj.next_token_weight:g}"
                                       if obj.next_token_weight else "")
     if obj.suffix_fraction:
         kind += f", {obj.suffix_fraction:.0%} of blocks masked as a tail"
+    if obj.next_token_weight or obj.suffix_fraction:
+        kind += " (eval: diffusion loss, independent masks)"
     return kind
 
 
@@ -341,7 +343,8 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
                 "train_time": train_time})
         ctx.barrier()
 
-    eval_obj = replace(obj, next_token_weight=0.0)  # the diffusion loss alone, comparable across recipes
+    # the diffusion loss alone, under independent masks: comparable across recipes
+    eval_obj = replace(obj, next_token_weight=0.0, suffix_fraction=0.0)
 
     def evaluate() -> float:
         model.eval()
@@ -350,7 +353,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         with torch.no_grad(), autocast:
             for i, idx in enumerate(eval_batches(len(eval_rows), B, cfg.eval_batches)):
                 x0, lm = eval_rows.batch(idx)
-                noise = draw_noise(obj, lm, _noise_gen(cfg.seed, i, salt=7))  # the same noise at every eval
+                noise = draw_noise(eval_obj, lm, _noise_gen(cfg.seed, i, salt=7))  # the same noise at every eval
                 total += float(diffusion_loss_sum(model, x0[mine].to(ctx.device), noise.rows(mine), eval_obj))
                 n += int(loss_eligible(lm, obj.shift).sum())
         model.train()
