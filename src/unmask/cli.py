@@ -174,8 +174,6 @@ def train(
         if objective not in ("diffusion", "causal"):
             fail(f"--objective must be diffusion or causal, got {objective!r}")
         cfg.objective = objective
-        if causal_context and objective == "causal":
-            fail("--causal-context is a block-diffusion setting; --objective causal trains all rows causally")
         cfg.causal_context, cfg.next_token_weight = causal_context, next_token_weight
         cfg.suffix_fraction = suffix_fraction
         if tokenizer is None:
