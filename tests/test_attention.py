@@ -57,3 +57,19 @@ def test_split_in_bfloat16_is_as_close_as_sdpa(monkeypatch):
     sdpa = _attend(bq, bk, bv, start, block, torch.bfloat16, False, monkeypatch).float()
     split = _attend(bq, bk, bv, start, block, torch.bfloat16, True, monkeypatch).float()
     assert split.dtype == torch.float32 and (split - exact).abs().max() <= 2 * (sdpa - exact).abs().max() + 1e-3
+
+
+def test_cache_growth_doubles_up_to_the_request_size():
+    """Capacity doubles as positions arrive, but not past max_capacity (the request's prompt + max_tokens);
+    a write past it still gets exactly the room it needs, and the stored K/V survive every move."""
+    cache = KVCache([(2, 4)], torch.float32, "cpu", capacity=64, max_capacity=100)
+    cache.k[0][:, :64] = 1.0
+    cache.length = 64
+    cache.reserve(70)
+    assert cache.capacity == 100                  # not 128
+    assert torch.equal(cache.k[0][:, :64], torch.ones(2, 64, 4))
+    cache.reserve(130)
+    assert cache.capacity == 130                  # need wins over the cap
+    free = KVCache([(2, 4)], torch.float32, "cpu", capacity=64)
+    free.reserve(70)
+    assert free.capacity == 128

@@ -448,6 +448,58 @@ def test_long_encoder_generation_token_identical(ref, native, long_encoder_spy, 
         assert "attend_prefix_causal" in long_encoder_spy
 
 
+def test_sliding_cache_keeps_only_the_window():
+    """GemmaKVCache against a cache that keeps everything: the keys a sliding layer reads (from start - (W - 1)
+    to the segment's end) are the same at every step, through growth, in-place compaction and shrinking after
+    a long chunk, while its buffers stay O(W + segment) rows."""
+    from unmask.models.diffusion_gemma import GemmaKVCache
+
+    window, shapes, sliding = 16, [(2, 4), (1, 8)], [True, False]
+    cache = GemmaKVCache(shapes, sliding, window, torch.float32, "cpu", capacity=8)
+    full = [torch.zeros(h, 400, d) for h, d in shapes]
+    g = torch.Generator().manual_seed(0)
+    # (encoder tokens, canvas scratch tokens) per step: chunked prefill, canvases, a long chunk, canvases again
+    plan = [(16, 0), (16, 0), (9, 4), (0, 4), (4, 4), (4, 4), (0, 4), (4, 4), (120, 4)] + [(4, 4)] * 12
+    most_rows = []
+    for n_enc, n_dec in plan:
+        start, n = cache.length, n_enc + n_dec
+        seg = Segment(start=start, length=n, write=n_enc, cache=cache)
+        seg.prepare()
+        for layer, (h, d) in enumerate(shapes):
+            kv = torch.randn(h, n, d, generator=g)
+            off = cache.first_position(layer)
+            cache.k[layer][:, start - off:start + n - off] = kv
+            full[layer][:, start:start + n] = kv
+            lo = max(0, start - window + 1) if sliding[layer] else 0
+            assert torch.equal(cache.k[layer][:, lo - off:start + n - off], full[layer][:, lo:start + n])
+        cache.length = start + n_enc
+        most_rows.append(cache.rows)
+    assert cache.base > 0 and cache.length == 221
+    assert max(most_rows) <= 2 * (window - 1 + 124)          # the long chunk's need, doubled
+    assert cache.rows <= 4 * (window - 1 + 8)                  # shrunk again afterwards
+    assert cache.capacity >= cache.length                      # the full layer keeps every position
+    with pytest.raises(ValueError, match="already dropped"):
+        cache.truncate(cache.base)
+        cache.reserve(cache.base + 4, cache.base)
+
+
+def test_long_generation_through_the_sliding_window_cache(ref, native):
+    """Sixteen canvases after a chunked prompt: the sliding layers' window moves on past the prompt and the
+    tokens still equal the reference's (which keeps its own sliding cache)."""
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.randint(3, VOCAB, (45,), generator=g).tolist()
+    want = ref_generate(ref, prompt, 21, 4, max_new_tokens=64, max_denoising_steps=3)
+    eng = _engine(native, max_batch_tokens=16)
+    seq = eng.add_request(prompt, GenerationParams(max_tokens=64, steps=3, block_size=4, seed=21))
+    cache = seq.cache
+    eng.run_to_completion()
+    assert seq.output_ids == want[:64]
+    assert cache.base > 45                                     # the window moved on past the prompt
+    assert cache.rows < 45 + 64                                # fewer rows than positions
+    sliding_layer = native[1].arch.layer_types.index("sliding_attention")
+    assert cache.k[sliding_layer].shape[1] == cache.rows
+
+
 def test_generate_token_identical_other_settings(ref, native):
     """Non-default entropy bound, schedule and stop rule, passed per request."""
     prompt = list(range(10, 30))

@@ -96,7 +96,8 @@ class Engine:
         if params.structured is not None:
             seq.constraint = self.structured_backend().constraint(params.structured)
         if not (seq.bidirectional and seq.cache_mode == "none"):
-            seq.cache = self.model.new_cache(capacity=min(len(prompt_ids) + params.max_tokens, 4096))
+            total = len(prompt_ids) + params.max_tokens + len(params.suffix_ids)
+            seq.cache = self.model.new_cache(capacity=min(total, 4096), max_capacity=total)
         if self.prefix_cache is not None:
             keys = block_keys(seq.prompt_ids[:seq.block_start], seq.B)
             seq.cached = self.prefix_cache.load(keys[:seq.prefill_limit // seq.B], seq.cache, seq.B)

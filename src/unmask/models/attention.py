@@ -29,11 +29,12 @@ class KVCache:
     sliding and global layers differ (DiffusionGemma)."""
 
     def __init__(self, shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device | str,
-                 capacity: int = 256):
+                 capacity: int = 256, max_capacity: int | None = None):
         self.shapes = shapes
         self.num_layers = len(shapes)
         self.dtype, self.device = dtype, device
         self.capacity = 0
+        self.max_capacity = max_capacity  # doubling stops here (the request's prompt + max_tokens); need still wins
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
         self.length = 0  # tokens whose K/V are valid, from position 0
@@ -42,7 +43,7 @@ class KVCache:
     def _grow(self, need: int) -> None:
         if need <= self.capacity:
             return
-        cap = max(need, 2 * self.capacity, 64)
+        cap = max(need, self._doubled())
         new_k = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for h, d in self.shapes]
         new_v = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for h, d in self.shapes]
         for i in range(len(self.k)):
@@ -50,7 +51,13 @@ class KVCache:
             new_v[i][:, : self.length] = self.v[i][:, : self.length]
         self.k, self.v, self.capacity = new_k, new_v, cap
 
-    def reserve(self, end: int) -> None:
+    def _doubled(self) -> int:
+        cap = max(2 * self.capacity, 64)
+        return cap if self.max_capacity is None else min(cap, self.max_capacity)
+
+    def reserve(self, end: int, start: int | None = None) -> None:
+        """Room for positions up to `end`; `start` (the first position the next write touches) lets a cache that
+        keeps only a window of old positions (DiffusionGemma's sliding layers) know what it may drop."""
         self._grow(end)
 
     def truncate(self, length: int) -> None:
@@ -79,7 +86,7 @@ class Segment:
         if self.cache is None and (self.start or self.suffix):
             raise ValueError("a segment that reads cached positions needs a cache")
         if self.cache is not None:
-            self.cache.reserve(self.start + self.length)
+            self.cache.reserve(self.start + self.length, self.start)
             if self.start > self.cache.length and self.start > 0:
                 raise ValueError(f"segment starts at {self.start} but the cache holds {self.cache.length}")
         self.inner = None

@@ -361,9 +361,10 @@ class GemmaAttention(nn.Module):
         if cache is not None:  # write in place (decoder tokens are scratch), attend to the cache view
             hi = seg.start + seg.length
             ck, cv = cache.k[self.layer], cache.v[self.layer]
-            ck[:, seg.start:hi] = k
-            cv[:, seg.start:hi] = v
-            k, v = ck[:, lo:hi], cv[:, lo:hi]
+            off = cache.first_position(self.layer)  # sliding layers keep a window (GemmaKVCache)
+            ck[:, seg.start - off:hi - off] = k
+            cv[:, seg.start - off:hi - off] = v
+            k, v = ck[:, lo - off:hi - off], cv[:, lo - off:hi - off]
         if isinstance(mask, LongEncoder):
             return self._long_encoder(q, k, v, seg.start, lo, mask)
         return attend(q, k, v, mask)
@@ -665,10 +666,89 @@ class DiffusionGemmaLM(nn.Module):
         cap = self.cfg.softcap
         return torch.tanh(out / cap) * cap if cap else out
 
-    def new_cache(self, capacity: int = 256) -> KVCache:
+    def new_cache(self, capacity: int = 256, max_capacity: int | None = None) -> "GemmaKVCache":
         a, p = self.cfg, self.lm_head.weight
-        # sliding layers keep every position too (simple, exact); only the last W - 1 are read
-        return KVCache(list(zip(a.kv_heads, a.head_dims)), p.dtype, p.device, capacity)
+        return GemmaKVCache(list(zip(a.kv_heads, a.head_dims)), [t == SLIDING for t in a.layer_types],
+                            a.sliding_window, p.dtype, p.device, capacity, max_capacity)
+
+
+class GemmaKVCache(KVCache):
+    """Full-attention layers keep every position (as KVCache); sliding layers keep only what they can still read.
+
+    A query at or after position `start` on a sliding layer reads keys from start - (W - 1) on (encoder rows:
+    (p - W, p]; canvas rows: the last W - 1 cached positions), so each sliding buffer holds the absolute
+    positions [base, base + rows). When a write would run past it, the positions from start - (W - 1) on move
+    to the front (into a buffer twice what they and the write need, when the current one is too small or over
+    four times too large). A sliding layer then costs O(W + longest segment) rows instead of O(context): the
+    released model has five sliding layers to each full one.
+    """
+
+    def __init__(self, shapes: list[tuple[int, int]], sliding: list[bool], window: int, dtype: torch.dtype,
+                 device: torch.device | str, capacity: int = 256, max_capacity: int | None = None):
+        self.sliding = tuple(sliding)
+        self.keep = window - 1
+        self.base = 0    # absolute position of row 0 of every sliding buffer
+        self.rows = 0    # rows of every sliding buffer
+        super().__init__(shapes, dtype, device, capacity=0, max_capacity=max_capacity)
+        self.k, self.v = [None] * len(shapes), [None] * len(shapes)
+        self._grow(capacity)
+        self._move_window(0, min(capacity, 2 * (self.keep + 1)))
+
+    def _alloc(self, layer: int, rows: int) -> Tensor:
+        h, d = self.shapes[layer]
+        return torch.empty(h, rows, d, dtype=self.dtype, device=self.device)
+
+    def _grow(self, need: int) -> None:
+        """Full layers: room for absolute positions [0, need)."""
+        if need <= self.capacity:
+            return
+        cap = max(need, self._doubled())
+        for i, windowed in enumerate(self.sliding):
+            if windowed:
+                continue
+            k, v = self._alloc(i, cap), self._alloc(i, cap)
+            if self.k[i] is not None:
+                k[:, :self.length], v[:, :self.length] = self.k[i][:, :self.length], self.v[i][:, :self.length]
+            self.k[i], self.v[i] = k, v
+        self.capacity = cap
+
+    def _move_window(self, first: int, rows: int) -> None:
+        """Sliding buffers of `rows` rows starting at absolute position `first` (>= base), valid rows kept."""
+        valid = max(0, self.length - first)
+        src = first - self.base
+        for i, windowed in enumerate(self.sliding):
+            if not windowed:
+                continue
+            for store in (self.k, self.v):
+                old = store[i]
+                if rows != self.rows or old is None:
+                    new = self._alloc(i, rows)
+                    if valid:
+                        new[:, :valid] = old[:, src:src + valid]
+                    store[i] = new
+                elif valid and src:
+                    old[:, :valid] = old[:, src:src + valid].clone()  # ranges may overlap
+        self.base, self.rows = first, rows
+
+    def reserve(self, end: int, start: int | None = None) -> None:
+        self._grow(end)
+        start = self.length if start is None else min(start, self.length)
+        first = max(0, start - self.keep)  # the first position a sliding layer still reads
+        if first < self.base:
+            raise ValueError(f"sliding-window cache: position {first} was already dropped (kept from {self.base})")
+        need = end - first
+        big = 4 * max(need, 32)  # a buffer over this is shrunk (after a long prefill chunk)
+        if end - self.base <= self.rows <= big:
+            return
+        # room for twice what is needed, so that compactions are rare, but not past the request's last position
+        target = max(2 * need, 64)
+        if self.max_capacity is not None:
+            target = max(need, min(target, self.max_capacity - first))
+        self._move_window(first, self.rows if target <= self.rows <= big else target)
+
+    def first_position(self, layer: int) -> int:
+        """The absolute position stored in row 0 of this layer's buffers."""
+        return self.base if self.sliding[layer] else 0
 
 
 # ---------------------------------------------------------------------------------------- checkpoint names

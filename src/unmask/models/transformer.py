@@ -153,7 +153,7 @@ class DiffusionTransformer(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden).float()
 
-    def new_cache(self, capacity: int = 256) -> KVCache:
+    def new_cache(self, capacity: int = 256, max_capacity: int | None = None) -> KVCache:
         c = self.cfg
         p = self.lm_head.weight
-        return KVCache([(c.num_kv_heads, c.head_dim)] * c.num_layers, p.dtype, p.device, capacity)
+        return KVCache([(c.num_kv_heads, c.head_dim)] * c.num_layers, p.dtype, p.device, capacity, max_capacity)
