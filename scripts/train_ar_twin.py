@@ -308,12 +308,12 @@ def main() -> None:
                     help="the causal base the diffusion model was initialised from (unmask format, shift_logits); "
                          "the twin starts from the same weights and matches the compute spent after it")
     # the reference recipe (Makefile `model`): what the diffusion model was trained with after the base
-    ap.add_argument("--ref-pretrain-steps", default="700",
+    ap.add_argument("--ref-pretrain-steps", default="592",
                     help="steps of each block-diffusion pre-training run after the base (comma-separated; the "
                          "twin runs their summed budget as one schedule)")
     ap.add_argument("--ref-pretrain-warmup", type=int, default=30)
     ap.add_argument("--ref-pretrain-lr", type=float, default=1e-3)
-    ap.add_argument("--ref-sft-steps", type=int, default=400)
+    ap.add_argument("--ref-sft-steps", type=int, default=359)
     ap.add_argument("--ref-sft-warmup", type=int, default=20)
     ap.add_argument("--ref-sft-lr", type=float, default=5e-4)
     ap.add_argument("--ref-sft-mix", type=float, default=0.25,
