@@ -35,21 +35,28 @@ class KVCache:
         self.dtype, self.device = dtype, device
         self.capacity = 0
         self.max_capacity = max_capacity  # doubling stops here (the request's prompt + max_tokens); need still wins
-        self.k: list[Tensor] = []
-        self.v: list[Tensor] = []
+        self.k: list[Tensor] = [None] * len(shapes)
+        self.v: list[Tensor] = [None] * len(shapes)
         self.length = 0  # tokens whose K/V are valid, from position 0
         self._grow(capacity)
+
+    def _absolute(self, layer: int) -> bool:
+        """Whether this layer stores positions [0, capacity) (a subclass may keep some layers otherwise)."""
+        return True
 
     def _grow(self, need: int) -> None:
         if need <= self.capacity:
             return
         cap = max(need, self._doubled())
-        new_k = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for h, d in self.shapes]
-        new_v = [torch.empty(h, cap, d, dtype=self.dtype, device=self.device) for h, d in self.shapes]
-        for i in range(len(self.k)):
-            new_k[i][:, : self.length] = self.k[i][:, : self.length]
-            new_v[i][:, : self.length] = self.v[i][:, : self.length]
-        self.k, self.v, self.capacity = new_k, new_v, cap
+        for i, (h, d) in enumerate(self.shapes):
+            if not self._absolute(i):
+                continue
+            for store in (self.k, self.v):
+                new = torch.empty(h, cap, d, dtype=self.dtype, device=self.device)
+                if store[i] is not None:
+                    new[:, : self.length] = store[i][:, : self.length]
+                store[i] = new
+        self.capacity = cap
 
     def _doubled(self) -> int:
         cap = max(2 * self.capacity, 64)

@@ -689,28 +689,15 @@ class GemmaKVCache(KVCache):
         self.keep = window - 1
         self.base = 0    # absolute position of row 0 of every sliding buffer
         self.rows = 0    # rows of every sliding buffer
-        super().__init__(shapes, dtype, device, capacity=0, max_capacity=max_capacity)
-        self.k, self.v = [None] * len(shapes), [None] * len(shapes)
-        self._grow(capacity)
+        super().__init__(shapes, dtype, device, capacity, max_capacity)  # full layers (KVCache._grow)
         self._move_window(0, min(capacity, 2 * (self.keep + 1)))
+
+    def _absolute(self, layer: int) -> bool:
+        return not self.sliding[layer]
 
     def _alloc(self, layer: int, rows: int) -> Tensor:
         h, d = self.shapes[layer]
         return torch.empty(h, rows, d, dtype=self.dtype, device=self.device)
-
-    def _grow(self, need: int) -> None:
-        """Full layers: room for absolute positions [0, need)."""
-        if need <= self.capacity:
-            return
-        cap = max(need, self._doubled())
-        for i, windowed in enumerate(self.sliding):
-            if windowed:
-                continue
-            k, v = self._alloc(i, cap), self._alloc(i, cap)
-            if self.k[i] is not None:
-                k[:, :self.length], v[:, :self.length] = self.k[i][:, :self.length], self.v[i][:, :self.length]
-            self.k[i], self.v[i] = k, v
-        self.capacity = cap
 
     def _move_window(self, first: int, rows: int) -> None:
         """Sliding buffers of `rows` rows starting at absolute position `first` (>= base), valid rows kept."""
