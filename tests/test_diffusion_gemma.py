@@ -460,11 +460,14 @@ def test_sliding_cache_keeps_only_the_window():
     g = torch.Generator().manual_seed(0)
     # (encoder tokens, canvas scratch tokens) per step: chunked prefill, canvases, a long chunk, canvases again
     plan = [(16, 0), (16, 0), (9, 4), (0, 4), (4, 4), (4, 4), (0, 4), (4, 4), (120, 4)] + [(4, 4)] * 12
-    most_rows = []
+    most_rows, moves = [], []
     for n_enc, n_dec in plan:
         start, n = cache.length, n_enc + n_dec
+        rows, base = cache.rows, cache.base
         seg = Segment(start=start, length=n, write=n_enc, cache=cache)
         seg.prepare()
+        if cache.base != base:
+            moves.append("in place" if cache.rows == rows else "resized")
         for layer, (h, d) in enumerate(shapes):
             kv = torch.randn(h, n, d, generator=g)
             off = cache.first_position(layer)
@@ -475,6 +478,7 @@ def test_sliding_cache_keeps_only_the_window():
         cache.length = start + n_enc
         most_rows.append(cache.rows)
     assert cache.base > 0 and cache.length == 221
+    assert "in place" in moves and "resized" in moves            # both ways of moving the window ran
     assert max(most_rows) <= 2 * (window - 1 + 124)          # the long chunk's need, doubled
     assert cache.rows <= 4 * (window - 1 + 8)                  # shrunk again afterwards
     assert cache.capacity >= cache.length                      # the full layer keeps every position
