@@ -441,7 +441,10 @@ def main() -> None:
     if args.compile:  # nn.Module.compile keeps parameter names, so checkpoints and the export are unchanged
         for layer in model.model.layers:
             layer.compile()
-    meta = {"kind": "autoregressive twin", "of": str(ref), "budget": args.budget, "quick": args.quick,
+    # Inside the repository the reference is recorded relative to it, so the committed file names no machine's path.
+    ref_path = Path(ref).resolve()
+    of = ref_path.relative_to(ROOT).as_posix() if ref_path.is_relative_to(ROOT) else str(ref)
+    meta = {"kind": "autoregressive twin", "of": of, "budget": args.budget, "quick": args.quick,
             "init_from": str(args.init_from) if args.init_from else None,
             # the command that reproduces the run: --resume only says how this process started
             "command": " ".join([Path(sys.executable).name, *(a for a in sys.argv if a != "--resume")]),

@@ -294,3 +294,46 @@ def test_heldout_files_give_heldout_records(files: list[CorpusFile]) -> None:
     assert all(r["path"] in held_keys for r in rh if "path" in r)
     prompts = lambda rs: {first_user_prompt(r) for r in rs if "messages" in r}  # noqa: E731
     assert prompts(rt) and prompts(rh) and not prompts(rt) & prompts(rh)
+
+
+def test_package_source_adds_training_text_only(roots: tuple[Path, Path], tmp_path: Path) -> None:
+    """`unmask corpus --package NAME`: the package's .py files join train.jsonl; heldout.jsonl (the
+    model card's evaluation set) is byte-identical to the build without it; its held-out files,
+    tests, vendored and generated files are kept out; the manifest records the version."""
+    lib, docs = roots
+    pkg = tmp_path / "fakepkg"
+    for i in range(60):  # enough paths that a few land on the held-out side at 0.3
+        (pkg / "sub").mkdir(parents=True, exist_ok=True)
+        (pkg / "sub" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n")
+    for skipped in ("testing/helpers.py", "tests/test_a.py", "_vendor/six.py", "sub/test_b.py",
+                    "conftest.py"):
+        (pkg / skipped).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / skipped).write_text("x = 1\n")
+    (pkg / "gen.py").write_text("# This is an auto-generated file. Please do not modify it by hand.\nx = 1\n")
+
+    plain = build_corpus(tmp_path / "plain", stdlib_dir=lib, docs_dir=docs, heldout_fraction=0.3)
+    stats = build_corpus(tmp_path / "with", stdlib_dir=lib, docs_dir=docs, heldout_fraction=0.3,
+                         packages=["fakepkg"], package_dirs={"fakepkg": (pkg, "1.2.3")})
+    assert (tmp_path / "with" / "heldout.jsonl").read_bytes() == (tmp_path / "plain" / "heldout.jsonl").read_bytes()
+    assert stats.outputs["heldout.jsonl"] == plain.outputs["heldout.jsonl"]
+
+    train_keys = {d.key for d in read_documents(tmp_path / "with" / "train.jsonl")}
+    held_pkg = {d.key for d in read_documents(tmp_path / "with" / "heldout-packages.jsonl")}
+    expected = {f"pkg:fakepkg/sub/m{i}.py" for i in range(60)}
+    assert held_pkg and held_pkg < expected
+    assert {k for k in train_keys if k.startswith("pkg:")} == expected - held_pkg
+    assert all(is_heldout(CorpusFile("pkg:fakepkg", k.split("/", 1)[1], "x"), 0.3) for k in held_pkg)
+    assert train_keys - expected == {d.key for d in read_documents(tmp_path / "plain" / "train.jsonl")}
+
+    manifest = json.loads((tmp_path / "with" / "manifest.json").read_text())
+    assert manifest["packages"] == {"fakepkg": "1.2.3"}
+    assert manifest["sources"]["pkg:fakepkg"]["files"] == 60
+    assert manifest["heldout_packages"]["files"] == len(held_pkg)
+    splits = {f["split"] for f in manifest["files"] if f["source"] == "pkg:fakepkg"}
+    assert splits == {"train", "heldout-packages"}
+
+
+def test_unknown_package_is_refused_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'no_such_pkg_xyz' is not an installed Python package"):
+        build_corpus(tmp_path / "out", packages=["no_such_pkg_xyz"])
+    assert not (tmp_path / "out").exists()

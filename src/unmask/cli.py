@@ -92,6 +92,10 @@ def corpus(
     tokenizer_out: Path = typer.Option(Path("data/tokenizer"), help="Where to write the trained tokenizer."),
     sft_out: Path = typer.Option(Path("data/sft"), help="Where to write the instruction data."),
     docs: bool = typer.Option(True, help="Include the Python documentation when installed."),
+    packages: Optional[list[str]] = typer.Option(
+        None, "--package", help="Also take the .py files of this installed package (repeatable; e.g. torch, "
+        "which the Makefile pins) as pre-training text. The tokenizer, the instruction data and heldout.jsonl "
+        "stay stdlib + docs only; the package's held-out files go to heldout-packages.jsonl."),
     seed: int = typer.Option(0),
 ):
     """Build the offline corpus, the BPE tokenizer and the instruction data (deterministic)."""
@@ -99,10 +103,14 @@ def corpus(
     from unmask.train.instructions import build_instructions, first_user_prompt, write_jsonl
     from unmask.train.tokenizer import save_hf_tokenizer, train_tokenizer
 
-    stats = build_corpus(out, include_docs=docs)
+    try:
+        stats = build_corpus(out, include_docs=docs, packages=packages or ())
+    except ValueError as exc:
+        fail(str(exc))
     typer.echo(f"corpus: {stats.train_files} train files ({stats.train_bytes / 1e6:.1f} MB), "
                f"{stats.heldout_files} held out -> {out}")
-    tok = train_tokenizer(d.text for d in read_documents(out / "train.jsonl"))
+    # The tokenizer never sees package text, so adding a package leaves every token id unchanged.
+    tok = train_tokenizer(d.text for d in read_documents(out / "train.jsonl") if not d.source.startswith("pkg:"))
     save_hf_tokenizer(tok, tokenizer_out)
     typer.echo(f"tokenizer: {tok.get_vocab_size()} tokens -> {tokenizer_out}")
     train_files, held_files = split_files(collect_files(include_docs=docs))
