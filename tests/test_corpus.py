@@ -334,6 +334,6 @@ def test_package_source_adds_training_text_only(roots: tuple[Path, Path], tmp_pa
 
 
 def test_unknown_package_is_refused_before_writing(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'no_such_pkg_xyz' is not an installed Python package"):
+    with pytest.raises(ValueError, match="^--package: 'no_such_pkg_xyz' is not an installed Python package$"):
         build_corpus(tmp_path / "out", packages=["no_such_pkg_xyz"])
     assert not (tmp_path / "out").exists()

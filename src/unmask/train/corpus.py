@@ -138,7 +138,7 @@ def package_root(name: str) -> tuple[Path, str]:
 
     spec = importlib.util.find_spec(name) if name.isidentifier() else None
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"--packages: {name!r} is not an installed Python package")
+        raise ValueError(f"--package: {name!r} is not an installed Python package")
     try:
         version = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
