@@ -331,8 +331,13 @@ def test_continuing_with_a_differently_numbered_tokenizer_is_refused(tmp_path, t
     (other / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(DataError, match="numbers tokens differently"):
         train(tiny_cfg(tmp_path / "cont", total_steps=1), corpus, other, init_from=base.model_dir)
+    # the source's other files travel with the export, except its training record, which describes the source
+    (base.model_dir / "README.md").write_text("base card")
+    (base.model_dir / "training.json").write_text('{"what": "the base"}')
     res = train(tiny_cfg(tmp_path / "cont2", total_steps=1), corpus, base.model_dir, init_from=base.model_dir)
     assert res.steps == 1
+    assert (res.model_dir / "README.md").read_text() == "base card"
+    assert not (res.model_dir / "training.json").exists()
 
 
 def test_tied_embeddings_export(tmp_path):

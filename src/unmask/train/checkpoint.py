@@ -15,6 +15,8 @@ from unmask.errors import UnmaskError
 from unmask.train.model_init import TrainableModel, canonical_state
 
 CHECKPOINT = "checkpoint.pt"
+# A source model's own training record describes how that model was made, not the one exported from it.
+_PROVENANCE_FILES = ("training.json",)
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json", "config.json", "generation_config.json")
 _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,7 +92,8 @@ def export_model(tm: TrainableModel, out_dir: Path, tokenizer_dir: Path | None, 
         if src is None:
             continue
         for f in Path(src).iterdir():
-            if f.is_file() and f.name not in _WEIGHT_FILES and not f.name.endswith((".safetensors", ".bin", ".pt")):
+            if (f.is_file() and f.name not in _WEIGHT_FILES and f.name not in _PROVENANCE_FILES
+                    and not f.name.endswith((".safetensors", ".bin", ".pt"))):
                 shutil.copy2(f, tmp / f.name)
     state = canonical_state(tm.model, tm.arch)
     named = tm.family.from_canonical(state, tm.arch)
