@@ -153,3 +153,41 @@ def test_masked_token_loss_reads_a_causal_context_model_with_its_own_mask(tmp_pa
 
     assert abs(got - by_hand(True)) < 1e-5
     assert abs(got - by_hand(False)) > 1e-3
+
+
+def test_chat_endings_prompt_up_to_the_last_assistant_turn_and_count_stops_per_kind():
+    from unmask.evaluation import chat_endings
+
+    class ChatLLM:
+        def __init__(self):
+            self.prompts, self.params = [], None
+
+        def chat_prompt(self, messages, tools=None):
+            self.prompts.append(([m["content"] for m in messages], tools))
+            return [len(self.prompts)]
+
+        def generate(self, prompts, params):
+            self.params = params
+            reasons = {1: "stop", 2: "length", 3: "stop"}
+            return [RequestOutput("r", p, [7] * (3 if reasons[p[0]] == "stop" else params.max_tokens), "x",
+                                  reasons[p[0]], forwards=1) for p in prompts]
+
+    records = [
+        {"kind": "explain", "messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]},
+        {"fim": {"prefix": "a", "suffix": "b", "middle": "c"}, "kind": "fim"},  # no conversation: skipped
+        {"kind": "explain", "messages": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
+                                         {"role": "user", "content": "q3"}, {"role": "assistant", "content": "a3"}]},
+        {"kind": "tool_call", "tools": [{"type": "function"}],
+         "messages": [{"role": "user", "content": "q4"}, {"role": "assistant", "content": "a4"}]},
+        {"kind": "json", "messages": [{"role": "user", "content": "beyond the limit"},
+                                      {"role": "assistant", "content": "a5"}]},
+    ]
+    llm = ChatLLM()
+    results = chat_endings(llm, records, limit=3, max_tokens=16)
+    assert llm.prompts == [(["q1"], None), (["q2", "a2", "q3"], None), (["q4"], [{"type": "function"}])]
+    assert llm.params.max_tokens == 16 and llm.params.temperature == 0.0
+    by_kind = {r.kind: r for r in results}
+    assert [r.kind for r in results] == ["explain", "tool_call"]
+    assert (by_kind["explain"].n, by_kind["explain"].ended, by_kind["explain"].tokens) == (2, 1, 3 + 16)
+    assert by_kind["explain"].rate == 0.5 and by_kind["explain"].mean_length == 9.5
+    assert (by_kind["tool_call"].n, by_kind["tool_call"].ended, by_kind["tool_call"].rate) == (1, 1, 1.0)

@@ -242,16 +242,18 @@ def evaluate_cmd(
     block_size: Optional[int] = typer.Option(None),
     repetition_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
     frequency_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
+    chat_limit: int = typer.Option(200, help="Held-out chat records for the chat-ending rate (0: skip)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
 ):
     """Held-out masked-token loss, next-line completion, single-line infill exact match and function-body
-    continuation (valid Python so far, repetition), per policy."""
+    continuation (valid Python so far, repetition), per policy; the share of held-out chat answers that
+    end by themselves."""
     import json
 
     from unmask.engine.llm import LLM
     from unmask.errors import UnmaskError
-    from unmask.evaluation import (POLICIES, evaluate, function_tasks, infill_tasks, masked_token_loss,
-                                   next_line_tasks, next_token_loss)
+    from unmask.evaluation import (CHAT_TOKENS, POLICIES, chat_endings, evaluate, function_tasks, infill_tasks,
+                                   masked_token_loss, next_line_tasks, next_token_loss)
     from unmask.train.corpus import read_documents
     from unmask.train.instructions import read_jsonl
 
@@ -292,6 +294,15 @@ def evaluate_cmd(
         fn = next((t for t in results["tasks"] if t["task"] == "function"), None)
         if fn:
             typer.echo(f"function bodies of the held-out files themselves: repeat {fn['target_repeat']:.2f}")
+        if sft_heldout.is_file() and chat_limit > 0:
+            endings = chat_endings(llm, read_jsonl(sft_heldout), chat_limit)
+            results["chat_endings"] = [{**e.__dict__, "rate": e.rate, "mean_length": e.mean_length}
+                                       for e in endings]
+            n, ended = sum(e.n for e in endings), sum(e.ended for e in endings)
+            typer.echo(f"chat answers that end by themselves within {CHAT_TOKENS} tokens (greedy): "
+                       f"{ended}/{n} = {ended / max(n, 1):.1%}")
+            for e in endings:
+                typer.echo(f"  {e.kind:<12} {e.ended}/{e.n} = {e.rate:.0%}, mean length {e.mean_length:.0f} tokens")
     except UnmaskError as e:
         fail(str(e))
     if json_out:

@@ -14,6 +14,9 @@ separates a near miss from nonsense where exact match is 0 for both), tokens per
 Function bodies also report the share of answers that are valid Python so far (`codeop`: complete or
 incomplete, not an error) and the repeat rate (share of token 4-grams that repeat an earlier 4-gram of the
 same answer: 0 for no repetition, near 1 for a loop; the held-out bodies themselves score `target_repeat`).
+Chat endings: the held-out instruction records' conversations up to their last assistant turn, answered
+greedily; reported per record kind is the share of answers that end by themselves (a stop token) within
+CHAT_TOKENS, the product's "a chat answer ends by itself", and their mean length.
 """
 from __future__ import annotations
 
@@ -74,6 +77,48 @@ class PolicyResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
+
+
+CHAT_TOKENS = 192
+
+
+@dataclass
+class EndingResult:
+    kind: str
+    n: int
+    ended: int        # answers that stopped on a stop token before CHAT_TOKENS
+    tokens: int
+
+    @property
+    def rate(self) -> float:
+        return self.ended / max(self.n, 1)
+
+    @property
+    def mean_length(self) -> float:
+        return self.tokens / max(self.n, 1)
+
+
+def chat_endings(llm: LLM, records, limit: int = 200, max_tokens: int = CHAT_TOKENS) -> list[EndingResult]:
+    """Greedy answers to the first `limit` chat records (FIM records skipped), each prompted with its
+    conversation up to its last assistant turn; one result per record kind, sorted by kind."""
+    prompts, kinds = [], []
+    for rec in records:
+        msgs = rec.get("messages")
+        last = max((i for i, m in enumerate(msgs or []) if m.get("role") == "assistant"), default=None)
+        if last is None:
+            continue
+        prompts.append(llm.chat_prompt(msgs[:last], tools=rec.get("tools")))
+        kinds.append(rec.get("kind", "chat"))
+        if len(prompts) == limit:
+            break
+    outs = llm.generate(prompts, GenerationParams(max_tokens=max_tokens)) if prompts else []
+    by_kind: dict[str, EndingResult] = {}
+    for kind, out in zip(kinds, outs):
+        r = by_kind.setdefault(kind, EndingResult(kind, 0, 0, 0))
+        r.n += 1
+        r.ended += out.finish_reason == "stop"
+        r.tokens += len(out.token_ids)
+    return [by_kind[k] for k in sorted(by_kind)]
 
 
 def _chosen(key: str, rate: float) -> bool:
