@@ -185,9 +185,12 @@ def test_chat_endings_prompt_up_to_the_last_assistant_turn_and_count_stops_per_k
     llm = ChatLLM()
     results = chat_endings(llm, records, limit=3, max_tokens=16)
     assert llm.prompts == [(["q1"], None), (["q2", "a2", "q3"], None), (["q4"], [{"type": "function"}])]
-    assert llm.params.max_tokens == 16 and llm.params.temperature == 0.0
+    assert llm.params.max_tokens == 16 and llm.params.temperature == 0.0 and llm.params.block_size is None
     by_kind = {r.kind: r for r in results}
     assert [r.kind for r in results] == ["explain", "tool_call"]
     assert (by_kind["explain"].n, by_kind["explain"].ended, by_kind["explain"].tokens) == (2, 1, 3 + 16)
     assert by_kind["explain"].rate == 0.5 and by_kind["explain"].mean_length == 9.5
     assert (by_kind["tool_call"].n, by_kind["tool_call"].ended, by_kind["tool_call"].rate) == (1, 1, 1.0)
+    llm = ChatLLM()  # block size and penalties reach every answer; None keeps the default
+    chat_endings(llm, records[:1], block_size=4, repetition_penalty=1.2, frequency_penalty=None)
+    assert (llm.params.block_size, llm.params.repetition_penalty, llm.params.frequency_penalty) == (4, 1.2, 0.0)

@@ -295,7 +295,7 @@ def evaluate_cmd(
         if fn:
             typer.echo(f"function bodies of the held-out files themselves: repeat {fn['target_repeat']:.2f}")
         if sft_heldout.is_file() and chat_limit > 0:
-            endings = chat_endings(llm, read_jsonl(sft_heldout), chat_limit)
+            endings = chat_endings(llm, read_jsonl(sft_heldout), chat_limit, block_size=block_size, **penalties)
             results["chat_endings"] = [{**e.__dict__, "rate": e.rate, "mean_length": e.mean_length}
                                        for e in endings]
             n, ended = sum(e.n for e in endings), sum(e.ended for e in endings)

@@ -98,9 +98,11 @@ class EndingResult:
         return self.tokens / max(self.n, 1)
 
 
-def chat_endings(llm: LLM, records, limit: int = 200, max_tokens: int = CHAT_TOKENS) -> list[EndingResult]:
+def chat_endings(llm: LLM, records, limit: int = 200, max_tokens: int = CHAT_TOKENS,
+                 **overrides) -> list[EndingResult]:
     """Greedy answers to the first `limit` chat records (FIM records skipped), each prompted with its
-    conversation up to its last assistant turn; one result per record kind, sorted by kind."""
+    conversation up to its last assistant turn; one result per record kind, sorted by kind. `overrides`
+    (block size, penalties; None: the default) apply to every answer, under the default policy."""
     prompts, kinds = [], []
     for rec in records:
         msgs = rec.get("messages")
@@ -111,7 +113,8 @@ def chat_endings(llm: LLM, records, limit: int = 200, max_tokens: int = CHAT_TOK
         kinds.append(rec.get("kind", "chat"))
         if len(prompts) == limit:
             break
-    outs = llm.generate(prompts, GenerationParams(max_tokens=max_tokens)) if prompts else []
+    knobs = {k: v for k, v in overrides.items() if v is not None}
+    outs = llm.generate(prompts, GenerationParams(max_tokens=max_tokens, **knobs)) if prompts else []
     by_kind: dict[str, EndingResult] = {}
     for kind, out in zip(kinds, outs):
         r = by_kind.setdefault(kind, EndingResult(kind, 0, 0, 0))
