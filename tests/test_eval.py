@@ -169,7 +169,8 @@ def test_chat_endings_prompt_up_to_the_last_assistant_turn_and_count_stops_per_k
         def generate(self, prompts, params):
             self.params = params
             reasons = {1: "stop", 2: "length", 3: "stop"}
-            return [RequestOutput("r", p, [7] * (3 if reasons[p[0]] == "stop" else params.max_tokens), "x",
+            texts = {1: "a1", 2: "x", 3: '{"name": "f", "arguments": {"a": 1}}'}
+            return [RequestOutput("r", p, [7] * (3 if reasons[p[0]] == "stop" else params.max_tokens), texts[p[0]],
                                   reasons[p[0]], forwards=1) for p in prompts]
 
     records = [
@@ -178,7 +179,8 @@ def test_chat_endings_prompt_up_to_the_last_assistant_turn_and_count_stops_per_k
         {"kind": "explain", "messages": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
                                          {"role": "user", "content": "q3"}, {"role": "assistant", "content": "a3"}]},
         {"kind": "tool_call", "tools": [{"type": "function"}],
-         "messages": [{"role": "user", "content": "q4"}, {"role": "assistant", "content": "a4"}]},
+         "messages": [{"role": "user", "content": "q4"}, {"role": "assistant", "content": "", "tool_calls": [
+             {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
         {"kind": "json", "messages": [{"role": "user", "content": "beyond the limit"},
                                       {"role": "assistant", "content": "a5"}]},
     ]
@@ -191,6 +193,10 @@ def test_chat_endings_prompt_up_to_the_last_assistant_turn_and_count_stops_per_k
     assert (by_kind["explain"].n, by_kind["explain"].ended, by_kind["explain"].tokens) == (2, 1, 3 + 16)
     assert by_kind["explain"].rate == 0.5 and by_kind["explain"].mean_length == 9.5
     assert (by_kind["tool_call"].n, by_kind["tool_call"].ended, by_kind["tool_call"].rate) == (1, 1, 1.0)
+    # similarity to the reference answer: "a1" matches exactly, "x" shares nothing with "a3"; the tool call is
+    # compared as the template writes it, and it is the only record whose reference is JSON
+    assert by_kind["explain"].mean_similarity == 0.5 and by_kind["tool_call"].mean_similarity == 1.0
+    assert (by_kind["explain"].json_n, by_kind["tool_call"].json_n, by_kind["tool_call"].json_valid) == (0, 1, 1)
     llm = ChatLLM()  # block size and penalties reach every answer; None keeps the default
     chat_endings(llm, records[:1], block_size=4, repetition_penalty=1.2, frequency_penalty=None)
     assert (llm.params.block_size, llm.params.repetition_penalty, llm.params.frequency_penalty) == (4, 1.2, 0.0)

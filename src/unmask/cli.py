@@ -296,13 +296,15 @@ def evaluate_cmd(
             typer.echo(f"function bodies of the held-out files themselves: repeat {fn['target_repeat']:.2f}")
         if sft_heldout.is_file() and chat_limit > 0:
             endings = chat_endings(llm, read_jsonl(sft_heldout), chat_limit, block_size=block_size, **penalties)
-            results["chat_endings"] = [{**e.__dict__, "rate": e.rate, "mean_length": e.mean_length}
-                                       for e in endings]
+            results["chat_endings"] = [{**e.__dict__, "rate": e.rate, "mean_length": e.mean_length,
+                                        "mean_similarity": e.mean_similarity} for e in endings]
             n, ended = sum(e.n for e in endings), sum(e.ended for e in endings)
             typer.echo(f"chat answers that end by themselves within {CHAT_TOKENS} tokens (greedy): "
                        f"{ended}/{n} = {ended / max(n, 1):.1%}")
             for e in endings:
-                typer.echo(f"  {e.kind:<12} {e.ended}/{e.n} = {e.rate:.0%}, mean length {e.mean_length:.0f} tokens")
+                valid = f", valid JSON {e.json_valid}/{e.json_n}" if e.json_n else ""
+                typer.echo(f"  {e.kind:<12} {e.ended}/{e.n} = {e.rate:.0%}, mean length {e.mean_length:.0f} tokens, "
+                           f"similarity {e.mean_similarity:.2f}{valid}")
     except UnmaskError as e:
         fail(str(e))
     if json_out:

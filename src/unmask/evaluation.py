@@ -16,13 +16,16 @@ incomplete, not an error) and the repeat rate (share of token 4-grams that repea
 same answer: 0 for no repetition, near 1 for a loop; the held-out bodies themselves score `target_repeat`).
 Chat endings: the held-out instruction records' conversations up to their last assistant turn, answered
 greedily; reported per record kind is the share of answers that end by themselves (a stop token) within
-CHAT_TOKENS, the product's "a chat answer ends by itself", and their mean length.
+CHAT_TOKENS, the product's "a chat answer ends by itself", their mean length, their edit similarity to the
+reference answer, and, where the reference is one JSON value (JSON answers, single tool calls), how many
+answers parse as JSON.
 """
 from __future__ import annotations
 
 import codeop
 import difflib
 import hashlib
+import json
 import textwrap
 import time
 import warnings
@@ -85,9 +88,16 @@ CHAT_TOKENS = 192
 @dataclass
 class EndingResult:
     kind: str
-    n: int
-    ended: int        # answers that stopped on a stop token before CHAT_TOKENS
-    tokens: int
+    n: int = 0
+    ended: int = 0         # answers that stopped on a stop token before CHAT_TOKENS
+    tokens: int = 0
+    similarity: float = 0.0  # summed edit similarity to the reference answers
+    json_n: int = 0        # records whose reference answer is one JSON value
+    json_valid: int = 0    # ... whose answer parses as JSON too
+
+    @property
+    def mean_similarity(self) -> float:
+        return self.similarity / max(self.n, 1)
 
     @property
     def rate(self) -> float:
@@ -103,7 +113,7 @@ def chat_endings(llm: LLM, records, limit: int = 200, max_tokens: int = CHAT_TOK
     """Greedy answers to the first `limit` chat records (FIM records skipped), each prompted with its
     conversation up to its last assistant turn; one result per record kind, sorted by kind. `overrides`
     (block size, penalties; None: the default) apply to every answer, under the default policy."""
-    prompts, kinds = [], []
+    prompts, kinds, references = [], [], []
     for rec in records:
         msgs = rec.get("messages")
         last = max((i for i, m in enumerate(msgs or []) if m.get("role") == "assistant"), default=None)
@@ -111,17 +121,42 @@ def chat_endings(llm: LLM, records, limit: int = 200, max_tokens: int = CHAT_TOK
             continue
         prompts.append(llm.chat_prompt(msgs[:last], tools=rec.get("tools")))
         kinds.append(rec.get("kind", "chat"))
+        references.append(_answer_text(msgs[last]))
         if len(prompts) == limit:
             break
     knobs = {k: v for k, v in overrides.items() if v is not None}
     outs = llm.generate(prompts, GenerationParams(max_tokens=max_tokens, **knobs)) if prompts else []
     by_kind: dict[str, EndingResult] = {}
-    for kind, out in zip(kinds, outs):
-        r = by_kind.setdefault(kind, EndingResult(kind, 0, 0, 0))
+    for kind, out, ref in zip(kinds, outs, references):
+        r = by_kind.setdefault(kind, EndingResult(kind))
         r.n += 1
         r.ended += out.finish_reason == "stop"
         r.tokens += len(out.token_ids)
+        r.similarity += edit_similarity(out.text.strip(), ref)
+        if _parses_as_json(ref):
+            r.json_n += 1
+            r.json_valid += _parses_as_json(out.text)
     return [by_kind[k] for k in sorted(by_kind)]
+
+
+def _answer_text(message: dict) -> str:
+    """An assistant message as the answer text reads once special tokens are dropped: its content, then each
+    tool call as the chat template writes it between <tool_call> tags, one per line."""
+    parts = [message.get("content") or ""]
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call)
+        args = fn.get("arguments")
+        parts.append(f'{{"name": {json.dumps(fn.get("name"))}, "arguments": '
+                     f'{args if isinstance(args, str) else json.dumps(args)}}}')
+    return "\n".join(p for p in parts if p)
+
+
+def _parses_as_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _chosen(key: str, rate: float) -> bool:
