@@ -128,6 +128,12 @@ def test_server_defaults_take_the_models_penalties():
         "temperature": 0.7, "presence_penalty": 1}
     assert sampling_defaults({"temperature": 0.7}) == {}  # greedy unless the model samples
     assert sampling_defaults({"repetition_penalty": 1.1}) == {"repetition_penalty": 1.1}  # the transformers key
+    # chat_defaults override the model-wide penalties for chat only; junk in it is ignored
+    gen = {"frequency_penalty": 0.1, "presence_penalty": 0.2,
+           "chat_defaults": {"frequency_penalty": 0.3, "temperature": 0.9, "repetition_penalty": "high"}}
+    assert sampling_defaults(gen) == {"frequency_penalty": 0.1, "presence_penalty": 0.2}
+    assert sampling_defaults(gen, chat=True) == {"frequency_penalty": 0.3, "presence_penalty": 0.2}
+    assert sampling_defaults({"chat_defaults": [1]}, chat=True) == {}
 
 
 def test_ban_early_stops_only_below_min_tokens_and_only_stop_tokens():

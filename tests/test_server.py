@@ -494,7 +494,7 @@ def test_errors_are_counted(server):
     assert server.metrics()["unmask:request_errors_total"] == before + 1
 
 
-def stub_serving(model_dir: Path, engine, **cfg):
+def stub_serving(model_dir: Path, engine, generation_config: dict | None = None, **cfg):
     """In-process serving layer over a stand-in engine (no model, no HTTP)."""
     from types import SimpleNamespace
 
@@ -503,7 +503,7 @@ def stub_serving(model_dir: Path, engine, **cfg):
     from unmask.tokenizer import Tokenizer
 
     spec = SimpleNamespace(max_context=4096, mask_id=151669, arch=SimpleNamespace(vocab_size=151936),
-                           generation_config={})
+                           generation_config=generation_config or {})
     llm = SimpleNamespace(tokenizer=Tokenizer(model_dir), spec=spec)
     return OpenAIServing(llm, engine, Metrics(), ServingConfig(model_name="m", **cfg))
 
@@ -587,3 +587,22 @@ def test_graceful_shutdown_drains_running_streams(server, client):
     assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] == ["length"]
     assert rest[-1].usage.completion_tokens == 120
     assert server.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+
+
+def test_chat_requests_take_the_models_chat_defaults_and_completions_do_not(model_dir):
+    from unmask.engine.outputs import StepOutput
+    from unmask.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    seen = []
+
+    class RecordingEngine:
+        async def generate(self, prompt_ids, params, request_id=None):
+            seen.append(params)
+            yield StepOutput(request_id, [40], "A", True, "stop", len(prompt_ids), 1, 1)
+
+    gen = {"repetition_penalty": 1.1, "chat_defaults": {"frequency_penalty": 0.3}}
+    serving = stub_serving(model_dir, RecordingEngine(), generation_config=gen)
+    asyncio.run(serving.chat(ChatCompletionRequest(messages=CHAT, max_tokens=4)))
+    asyncio.run(serving.completion(CompletionRequest(prompt="hi", max_tokens=4)))
+    asyncio.run(serving.chat(ChatCompletionRequest(messages=CHAT, max_tokens=4, frequency_penalty=0.0)))
+    assert [(p.frequency_penalty, p.repetition_penalty) for p in seen] == [(0.3, 1.1), (0.0, 1.1), (0.0, 1.1)]

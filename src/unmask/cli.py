@@ -295,7 +295,11 @@ def evaluate_cmd(
         if fn:
             typer.echo(f"function bodies of the held-out files themselves: repeat {fn['target_repeat']:.2f}")
         if sft_heldout.is_file() and chat_limit > 0:
-            endings = chat_endings(llm, read_jsonl(sft_heldout), chat_limit, block_size=block_size, **penalties)
+            chat_penalties = _with_model_defaults(llm, {"repetition_penalty": repetition_penalty,
+                                                        "frequency_penalty": frequency_penalty,
+                                                        "presence_penalty": None}, chat=True)
+            endings = chat_endings(llm, read_jsonl(sft_heldout), chat_limit, block_size=block_size, **chat_penalties)
+            results["chat_penalties"] = {k: v for k, v in chat_penalties.items() if v is not None}
             results["chat_endings"] = [{**e.__dict__, "rate": e.rate, "mean_length": e.mean_length,
                                         "mean_similarity": e.mean_similarity} for e in endings]
             n, ended = sum(e.n for e in endings), sum(e.ended for e in endings)
@@ -311,12 +315,15 @@ def evaluate_cmd(
         json_out.write_text(json.dumps(results, indent=2))
 
 
-def _with_model_defaults(llm, knobs: dict) -> dict:
-    """The model's recommended penalties (generation_config.json) where a flag left them unset."""
-    gen = llm.spec.generation_config
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if knobs.get(key) is None and isinstance(gen.get(key), (int, float)):
-            knobs[key] = gen[key]
+def _with_model_defaults(llm, knobs: dict, chat: bool = False) -> dict:
+    """The model's recommended penalties (generation_config.json; with `chat`, its chat_defaults) where a
+    flag left them unset."""
+    from unmask.engine.params import PENALTY_KEYS, sampling_defaults
+
+    model = sampling_defaults(llm.spec.generation_config, chat=chat)
+    for key in PENALTY_KEYS:
+        if knobs.get(key) is None and key in model:
+            knobs[key] = model[key]
     return knobs
 
 
@@ -349,7 +356,7 @@ def chat(
         llm = LLM(model, dtype=dtype, device=device)
         if not llm.tokenizer.has_chat_template:
             fail(f"{llm.spec.path} has no chat template: use `unmask generate` for plain completion")
-        params = _params(**_with_model_defaults(llm, knobs))
+        params = _params(**_with_model_defaults(llm, knobs, chat=True))
     except UnmaskError as e:
         fail(str(e))
     opening = [{"role": "system", "content": system}] if system else []

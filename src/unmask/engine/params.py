@@ -133,3 +133,25 @@ class GenerationParams:
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: dict, chat: bool = False) -> dict:
+    """The model's own sampling settings (generation_config.json) for fields a request leaves out:
+    temperature / top_p / top_k when it samples (`do_sample`), and its presence / frequency penalties
+    (OpenAI-style keys) and `repetition_penalty` (the transformers key). With `chat`, the penalties under
+    `chat_defaults` override those: chat answers and raw completions want different settings (a frequency
+    penalty ends chat answers but breaks code, docs/model-card.md), and one generation_config key cannot say so."""
+    def penalties(cfg) -> dict:
+        cfg = cfg if isinstance(cfg, dict) else {}
+        return {k: cfg[k] for k in PENALTY_KEYS if isinstance(cfg.get(k), (int, float))}
+
+    out = penalties(generation_config)
+    if chat:
+        out.update(penalties(generation_config.get("chat_defaults")))
+    if generation_config.get("do_sample"):
+        out.update({k: generation_config[k] for k in ("temperature", "top_p", "top_k")
+                    if generation_config.get(k) is not None})
+    return out

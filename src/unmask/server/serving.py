@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from unmask.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from unmask.engine.llm import LLM
 from unmask.engine.outputs import StepOutput
-from unmask.engine.params import GenerationParams
+from unmask.engine.params import GenerationParams, sampling_defaults
 from unmask.errors import InvalidRequestError, ModelLoadError, UnmaskError
 from unmask.server.metrics import Metrics
 from unmask.server.protocol import (
@@ -86,18 +86,6 @@ class ChoiceState:
             self.finish_reason = out.finish_reason
 
 
-def sampling_defaults(generation_config: dict) -> dict:
-    """The model's own sampling settings (generation_config.json) for fields a request leaves out:
-    temperature / top_p / top_k when it samples (`do_sample`), and its presence / frequency penalties
-    (OpenAI-style keys) and `repetition_penalty` (the transformers key), docs/model-card.md."""
-    out = {k: generation_config[k] for k in PENALTY_KEYS if isinstance(generation_config.get(k), (int, float))}
-    if generation_config.get("do_sample"):
-        out.update({k: generation_config[k] for k in ("temperature", "top_p", "top_k")
-                    if generation_config.get(k) is not None})
-    return out
-
-
-PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def sse(obj: BaseModel | str) -> str:
@@ -123,6 +111,7 @@ class OpenAIServing:
         self.llm, self.engine, self.metrics, self.cfg = llm, engine, metrics, cfg
         self.tok, self.spec = llm.tokenizer, llm.spec
         self.defaults = sampling_defaults(llm.spec.generation_config)
+        self.chat_defaults = sampling_defaults(llm.spec.generation_config, chat=True)
         self.inflight = 0        # engine requests admitted and not yet released
         self.created = int(time.time())
         self._template_tools: bool | None = None   # does the chat template render `tools`? (probed once)
@@ -220,7 +209,8 @@ class OpenAIServing:
         if len(prompts) * req.n > self.capacity:
             raise APIError(400, f"{len(prompts) * req.n} choices requested; this server holds at most "
                                 f"{self.capacity} requests (--max-num-seqs + --max-queue)", param="n")
-        kw = {**self.defaults, **req.generation_kwargs()}
+        defaults = self.chat_defaults if isinstance(req, ChatCompletionRequest) else self.defaults
+        kw = {**defaults, **req.generation_kwargs()}
         if structured is not None:
             try:  # compiled here so that a stream can still answer 400 (the engine reuses the compiled grammar)
                 self.llm.engine.structured_backend().compile(structured)
