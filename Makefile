@@ -78,7 +78,7 @@ model: $(STAMP)
 		--out runs/sft --steps 359 --warmup 20 --lr 5e-4 --pack --mix-text data/corpus --mix-fraction 0.25 \
 		--eval-every 100 --save-every 50 --compile
 	rm -rf src/unmask/assets/unmask-tiny && cp -r runs/sft/model src/unmask/assets/unmask-tiny
-	# chat answers default to frequency_penalty 0.3 (completions keep none): docs/model-card.md, "Penalties"
+	# chat answers default to frequency_penalty 0.3 (completions keep none): docs/model-card.md, "Penalties against the loops"
 	$(BIN)/python -c "import json, pathlib; p = pathlib.Path('src/unmask/assets/unmask-tiny/generation_config.json'); \
 		g = json.loads(p.read_text()); g['chat_defaults'] = {'frequency_penalty': 0.3}; \
 		p.write_text(json.dumps(g, indent=2, ensure_ascii=False) + '\n')"
