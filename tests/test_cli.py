@@ -62,6 +62,23 @@ def test_generate_takes_penalties(family_dirs, monkeypatch, tmp_path):
     assert (streamed[0].frequency_penalty, streamed[0].repetition_penalty) == (0.3, 1.3)
 
 
+def test_generate_takes_dry_flags(family_dirs, monkeypatch):
+    from unmask.engine import llm as llm_module
+
+    seen = []
+    original = llm_module.LLM.generate
+    monkeypatch.setattr(llm_module.LLM, "generate", lambda self, ids, p: seen.append(p) or original(self, ids, p))
+    common = ("generate", "--model", str(family_dirs["sdar"]), "--max-tokens", "4", "--block-size", "4")
+    assert invoke(*common, "--dry-multiplier", "0.8", "--dry-base", "2", "--dry-allowed-length", "3",
+                  "--dry-sequence-breaker", "\\n", "--dry-sequence-breaker", ";", "hi").exit_code == 0
+    assert (seen[0].dry_multiplier, seen[0].dry_base, seen[0].dry_allowed_length,
+            seen[0].dry_sequence_breakers) == (0.8, 2.0, 3, ["\n", ";"])
+    assert invoke(*common, "--dry-multiplier", "0.8", "--dry-sequence-breaker", "none", "hi").exit_code == 0
+    assert seen[1].dry_sequence_breakers == [] and seen[1].dry_base == 1.75
+    assert invoke(*common, "hi").exit_code == 0
+    assert seen[2].dry_multiplier == 0.0 and seen[2].dry_sequence_breakers == ["\n", ":", "\"", "*"]
+
+
 @pytest.mark.parametrize("args, message", [
     (("--model", "/no/such/dir"), "error: model directory '/no/such/dir' not found"),
     (("--policy", "bogus"), "error: name: unknown decoding policy 'bogus'"),
@@ -70,6 +87,8 @@ def test_generate_takes_penalties(family_dirs, monkeypatch, tmp_path):
     (("--max-tokens", "5000"), "over this model's context of 4096"),
     (("--presence-penalty", "3"), "error: presence_penalty must be in [-2, 2], got 3.0"),
     (("--repetition-penalty", "0"), "error: repetition_penalty must be in (0, 10] (1 = off), got 0.0"),
+    (("--dry-multiplier", "11"), "error: dry_multiplier must be in [0, 10] (0 = off), got 11.0"),
+    (("--dry-allowed-length", "0"), "error: dry_allowed_length must be an integer in [1, 64], got 0"),
 ])
 def test_bad_input_is_one_line(family_dirs, args, message):
     base = [] if "--model" in args else ["--model", str(family_dirs["sdar"])]

@@ -704,6 +704,8 @@ def test_request_validation(native):
         eng.add_request([3, 4], GenerationParams(max_tokens=8, top_k=5))
     with pytest.raises(InvalidRequestError, match="t_max"):  # t_max below the default t_min (0.4)
         eng.add_request([3, 4], GenerationParams(max_tokens=8, t_max=0.3))
+    with pytest.raises(InvalidRequestError, match="dry_multiplier is not supported for the diffusion_gemma"):
+        eng.add_request([3, 4], GenerationParams(max_tokens=8, dry_multiplier=0.8))
 
 
 def test_generation_config_defaults_are_read(native, tmp_path):

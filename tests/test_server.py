@@ -241,6 +241,16 @@ def test_logit_bias_and_penalties(client):
     favoured = client.completions.create(**rep_args).choices[0].logprobs.tokens
     repelled = client.completions.create(**{**rep_args, "extra_body": {"ignore_eos": True, "repetition_penalty": 10}})
     assert favoured == [favoured[0]] * 6 and favoured[0] not in repelled.choices[0].logprobs.tokens
+    # llama.cpp's DRY (multiplier 10, base 10, allowed length 1): continuing a repeat of 1 token costs 10, of 2
+    # tokens 100, more than the bias of 50. It applies at the first open position (its left context is all
+    # committed): so the prompt's run is not continued, and with block size 1 (every position the first open
+    # one) the output never holds three forced tokens in a row
+    dry = {"ignore_eos": True, "dry_multiplier": 10, "dry_base": 10, "dry_allowed_length": 1, "dry_sequence_breakers": []}
+    dry_args = {**rep_args, "logit_bias": {"45": 50}}
+    first = client.completions.create(**{**dry_args, "extra_body": dry}).choices[0].logprobs.tokens
+    each = client.completions.create(**{**dry_args, "extra_body": {**dry, "block_size": 1}}).choices[0].logprobs.tokens
+    assert first[0] != favoured[0] and each[0] != favoured[0] and favoured[0] in each
+    assert not any(each[i:i + 3] == [favoured[0]] * 3 for i in range(len(each)))
 
 
 def test_stop_strings(client):
@@ -471,6 +481,8 @@ def test_cors(restricted, server):
     ({"messages": CHAT, "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty"),
     ({"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"messages": CHAT, "dry_multiplier": 11}, "dry_multiplier"),
+    ({"messages": CHAT, "dry_sequence_breakers": [""]}, "dry_sequence_breakers"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
       "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"messages": CHAT, "response_format": {"type": "yaml"}}, "response_format"),

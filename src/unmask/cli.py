@@ -27,6 +27,21 @@ def fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+DRY_HELP = ("DRY loop penalty (llama.cpp's): penalise the token that would extend a repeat of an earlier "
+            "run of tokens, multiplier * base^(length - allowed length); 0 = off (default: the model's "
+            "generation_config). docs/decoding.md")
+
+
+def _breakers(values: Optional[list[str]]) -> Optional[list[str]]:
+    """--dry-sequence-breaker values: unset -> None (the default set), 'none' -> no breakers; a typed \\n or
+    \\t is a newline or tab, as in llama.cpp's CLI."""
+    if not values:
+        return None
+    if values == ["none"]:
+        return []
+    return [v.replace("\\n", "\n").replace("\\t", "\t") for v in values]
+
+
 def _params(**kw):
     from unmask.engine.params import GenerationParams
 
@@ -53,6 +68,12 @@ def generate(
     repetition_penalty: Optional[float] = typer.Option(
         None, help="Divides positive (multiplies negative) logits of prompt and output tokens (1 = off; default: "
                    "the model's generation_config)."),
+    dry_multiplier: Optional[float] = typer.Option(None, help=DRY_HELP),
+    dry_base: Optional[float] = typer.Option(None, help="DRY: growth per repeated token (default 1.75)."),
+    dry_allowed_length: Optional[int] = typer.Option(None, help="DRY: repeats this long go free (default 2)."),
+    dry_penalty_last_n: Optional[int] = typer.Option(None, help="DRY: tokens of context searched (-1 = all)."),
+    dry_sequence_breaker: Optional[list[str]] = typer.Option(
+        None, help="DRY: text that ends a repeat (repeatable; default \\n : \" *; 'none' for no breakers)."),
     cache: str = typer.Option("auto", help="Bidirectional families: none | prefix | dual."),
     stop: list[str] = typer.Option([], help="Stop string (repeatable, up to 4)."),
     chat: bool = typer.Option(False, help="Render the prompt as one user turn with the chat template."),
@@ -69,7 +90,9 @@ def generate(
                      policy=policy, threshold=threshold, block_size=block_size, steps=steps,
                      tokens_per_step=tokens_per_step, cache=cache, stop=list(stop),
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                     repetition_penalty=repetition_penalty)
+                     repetition_penalty=repetition_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,
+                     dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
+                     dry_sequence_breakers=_breakers(dry_sequence_breaker))
         _params(**knobs)  # bad flags fail before the model loads
         llm = LLM(model, dtype=dtype, device=device)
         params = _params(**_with_model_defaults(llm, knobs))
@@ -242,6 +265,9 @@ def evaluate_cmd(
     block_size: Optional[int] = typer.Option(None),
     repetition_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
     frequency_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
+    dry_multiplier: Optional[float] = typer.Option(None, help=DRY_HELP),
+    dry_sequence_breaker: Optional[list[str]] = typer.Option(
+        None, help="DRY: text that ends a repeat (repeatable; 'none' for no breakers)."),
     chat_limit: int = typer.Option(200, help="Held-out chat records for the chat-ending rate (0: skip)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
 ):
@@ -268,8 +294,9 @@ def evaluate_cmd(
         llm = LLM(model)
         docs = list(read_documents(held))
         bs = block_size or llm.spec.block_size
-        penalties = _with_model_defaults(llm, {"repetition_penalty": repetition_penalty,
-                                               "frequency_penalty": frequency_penalty, "presence_penalty": None})
+        flags = {"repetition_penalty": repetition_penalty, "frequency_penalty": frequency_penalty,
+                 "dry_multiplier": dry_multiplier, "dry_sequence_breakers": _breakers(dry_sequence_breaker)}
+        penalties = _with_model_defaults(llm, dict(flags))
         penalties = {k: v for k, v in penalties.items() if v is not None}
         results = {"model": str(llm.spec.path), "block_size": bs, "penalties": penalties,
                    "masked_token_loss": masked_token_loss(llm, docs, bs), "tasks": []}
@@ -295,9 +322,7 @@ def evaluate_cmd(
         if fn:
             typer.echo(f"function bodies of the held-out files themselves: repeat {fn['target_repeat']:.2f}")
         if sft_heldout.is_file() and chat_limit > 0:
-            chat_penalties = _with_model_defaults(llm, {"repetition_penalty": repetition_penalty,
-                                                        "frequency_penalty": frequency_penalty,
-                                                        "presence_penalty": None}, chat=True)
+            chat_penalties = _with_model_defaults(llm, dict(flags), chat=True)
             endings = chat_endings(llm, read_jsonl(sft_heldout), chat_limit, block_size=block_size, **chat_penalties)
             results["chat_penalties"] = {k: v for k, v in chat_penalties.items() if v is not None}
             results["chat_endings"] = [{**e.__dict__, "rate": e.rate, "mean_length": e.mean_length,
@@ -339,6 +364,7 @@ def chat(
     presence_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
     frequency_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
     repetition_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
+    dry_multiplier: Optional[float] = typer.Option(None, help=DRY_HELP),
     stats: bool = typer.Option(False, help="After each reply: tokens, forwards, tokens per forward, tokens/s."),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: float32 on CPU)."),
     device: str = typer.Option("cpu"),
@@ -350,7 +376,7 @@ def chat(
 
     knobs = dict(max_tokens=max_tokens, temperature=temperature, seed=seed, policy=policy, threshold=threshold,
                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                 repetition_penalty=repetition_penalty)
+                 repetition_penalty=repetition_penalty, dry_multiplier=dry_multiplier)
     try:
         _params(**knobs)
         llm = LLM(model, dtype=dtype, device=device)

@@ -112,6 +112,13 @@ class Tokenizer:
             return self._plain.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_texts(self, n: int) -> list[str]:
+        """The text of each of the first `n` token ids alone (special tokens as written)."""
+        ids = [[i] for i in range(n)]
+        if self._plain is not None:
+            return self._plain.decode_batch(ids, skip_special_tokens=False)
+        return self.hf.batch_decode(ids, skip_special_tokens=False)
+
     def token_id(self, token: str) -> int | None:
         if self._plain is not None:
             return self._plain.token_to_id(token)

@@ -5,6 +5,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from unmask.decoding.dry import breaker_mask
 from unmask.engine.detokenizer import TextStream
 from unmask.engine.outputs import StepOutput
 from unmask.engine.params import GenerationParams
@@ -52,6 +53,8 @@ class Engine:
         self.stats = EngineStats()
         self._structured = None                  # unmask.structured.backend.GuidanceBackend, on first use
         self._structured_lock = threading.Lock()
+        self._token_texts: list[str] | None = None  # DRY sequence breakers, on first use
+        self._dry_breakers: dict = {}
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_ids: list[int], params: GenerationParams) -> None:
@@ -78,6 +81,10 @@ class Engine:
                 f"over this model's context of {self.traits.max_context}", "max_tokens")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
+        if params.dry_multiplier and self.spec.family.sequence_class is not None:
+            raise InvalidRequestError(f"dry_multiplier is not supported for the {self.spec.family.name} family "
+                                      "(its decoder commits whole canvases, with no left context to match)",
+                                      "dry_multiplier")
         if params.structured is not None:
             self.structured_backend().compile(params.structured)  # 400 for what it cannot enforce
 
@@ -95,6 +102,8 @@ class Engine:
             seq.request_id = request_id
         if params.structured is not None:
             seq.constraint = self.structured_backend().constraint(params.structured)
+        if seq.dry is not None and self.tokenizer is not None:
+            seq.dry_breakers = self.dry_breakers(seq.dry.breakers)
         if not (seq.bidirectional and seq.cache_mode == "none"):
             total = len(prompt_ids) + params.max_tokens + len(params.suffix_ids)
             seq.cache = self.model.new_cache(capacity=min(total, 4096), max_capacity=total)
@@ -108,6 +117,18 @@ class Engine:
                                                          params.min_tokens)
         self.scheduler.add(seq)
         return seq
+
+    def dry_breakers(self, breakers: tuple[str, ...]):
+        """[V] bool: the tokens whose text holds one of `breakers` (cached per breaker set)."""
+        if breakers not in self._dry_breakers:
+            if self._token_texts is None:
+                n = min(self.tokenizer.vocab_size, self.spec.arch.vocab_size)
+                self._token_texts = self.tokenizer.token_texts(n)
+                self._token_texts += [""] * (self.spec.arch.vocab_size - n)
+            if len(self._dry_breakers) > 16:
+                self._dry_breakers.clear()
+            self._dry_breakers[breakers] = breaker_mask(self._token_texts, breakers)
+        return self._dry_breakers[breakers]
 
     def structured_backend(self):
         """The grammar engine (unmask.structured), built on the first constrained request."""

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from unmask.decoding import PolicyConfig, SamplingParams
+from unmask.decoding.dry import DEFAULT_BREAKERS, DryParams, validate as validate_dry
 from unmask.decoding.logit_adjust import LogitAdjust, validate as validate_adjust
 from unmask.errors import InvalidRequestError
 from unmask.structured.spec import StructuredSpec
@@ -40,6 +41,12 @@ class GenerationParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0     # vLLM / transformers: > 1 shrinks logits of prompt / output tokens
+    # DRY loop penalty (unmask.decoding.dry), llama.cpp's server parameters and defaults; multiplier 0 = off
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] = field(default_factory=lambda: list(DEFAULT_BREAKERS))
     # uniform-noise families (DiffusionGemma); None: the checkpoint's generation_config, else the reference defaults
     t_min: float | None = None                 # temperature at the last denoising step
     t_max: float | None = None                 # temperature at the first denoising step
@@ -120,6 +127,11 @@ class GenerationParams:
                                   self.repetition_penalty)
         if problem:
             bad(problem, problem.split(" ", 1)[0])
+        if not isinstance(self.dry_sequence_breakers, (list, tuple)):
+            bad("dry_sequence_breakers must be a list of strings", "dry_sequence_breakers")
+        problem = validate_dry(self.dry())
+        if problem:
+            bad(problem, problem.split(" ", 1)[0])
 
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(name=self.policy, threshold=self.threshold, steps=self.steps, factor=self.factor,
@@ -131,22 +143,31 @@ class GenerationParams:
         return LogitAdjust(bias, float(self.presence_penalty), float(self.frequency_penalty),
                            float(self.repetition_penalty))
 
+    def dry(self) -> DryParams:
+        return DryParams(float(self.dry_multiplier), float(self.dry_base), self.dry_allowed_length,
+                         self.dry_penalty_last_n, tuple(self.dry_sequence_breakers))
+
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
 
-PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 
 
 def sampling_defaults(generation_config: dict, chat: bool = False) -> dict:
     """The model's own sampling settings (generation_config.json) for fields a request leaves out:
     temperature / top_p / top_k when it samples (`do_sample`), and its presence / frequency penalties
-    (OpenAI-style keys) and `repetition_penalty` (the transformers key). With `chat`, the penalties under
+    (OpenAI-style keys), `repetition_penalty` (the transformers key) and the DRY settings (llama.cpp's
+    keys; `dry_sequence_breakers` too). With `chat`, the penalties under
     `chat_defaults` override those: chat answers and raw completions want different settings (a frequency
     penalty ends chat answers but breaks code, docs/model-card.md), and one generation_config key cannot say so."""
     def penalties(cfg) -> dict:
         cfg = cfg if isinstance(cfg, dict) else {}
-        return {k: cfg[k] for k in PENALTY_KEYS if isinstance(cfg.get(k), (int, float))}
+        out = {k: cfg[k] for k in PENALTY_KEYS if isinstance(cfg.get(k), (int, float))}
+        if isinstance(cfg.get("dry_sequence_breakers"), list):
+            out["dry_sequence_breakers"] = list(cfg["dry_sequence_breakers"])
+        return out
 
     out = penalties(generation_config)
     if chat:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from unmask.decoding import BlockState, decide
+from unmask.decoding.dry import dry_penalty
 from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
 from unmask.decoding.sampling import top_logprobs
 from unmask.engine.params import GenerationParams
@@ -117,6 +118,8 @@ class Sequence:
         self.sampling = p.sampling()
         adjust = p.logit_adjust()
         self.adjuster = Adjuster(adjust, self.prompt_ids) if adjust.active else None
+        self.dry = p.dry() if p.dry().active else None
+        self.dry_breakers: Tensor | None = None   # [V] bool, set by the engine from its tokenizer
         if self.bidirectional:
             self.block_start = self.P                 # LLaDA semi-AR: blocks count from the answer start
             self.seq = torch.full((self.end + self.S,), t.mask_id, dtype=torch.long)
@@ -215,6 +218,10 @@ class Sequence:
         offsets = plan.targets - self.block_start
         if self.adjuster is not None:
             self.adjuster.adjust(logits)
+        if self.dry is not None and int(plan.targets[0]) == self.final_end:  # its left context is all committed
+            ids, penalty = dry_penalty(self.seq[: self.final_end], self.dry, self.dry_breakers)
+            if ids.numel():
+                logits[0, ids.to(logits.device)] -= penalty.to(logits.device, logits.dtype)
         logits[:, self.traits.mask_id] = float("-inf")  # never propose the mask itself (dInfer does the same)
         ban_early_stops(logits, plan.targets - self.P, self.params.min_tokens, self.stops)
         if self.constraint is not None:

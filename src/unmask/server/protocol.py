@@ -90,6 +90,7 @@ EFFORT_ALIASES = {"minimal": "instant", "none": "instant"}  # OpenAI's lowest le
 
 
 # uniform-noise decoding (DiffusionGemma): entropy-bound acceptance, temperature schedule, stop rule
+DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 UNIFORM_FIELDS = ("entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold", "uniform_draws")
 
 
@@ -106,7 +107,7 @@ class GenerationRequest(RequestModel):
                 kw[name] = getattr(self, name)
         kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw["ignore_eos"] = self.ignore_eos
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", *DRY_FIELDS):
             if getattr(self, name, None) is not None:
                 kw[name] = getattr(self, name)
         if getattr(self, "logit_bias", None):
@@ -189,6 +190,12 @@ class ChatCompletionRequest(GenerationRequest):
     # ---- unmask extensions
     top_k: int | None = None
     repetition_penalty: float | None = None   # vLLM's extra sampling parameter
+    # llama.cpp server's DRY loop penalty (unmask.decoding.dry)
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
     diffusing: bool = False
     policy: str | None = None
     threshold: float | None = None
@@ -238,6 +245,12 @@ class CompletionRequest(GenerationRequest):
     reasoning_effort: ReasoningEffort | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None   # vLLM's extra sampling parameter
+    # llama.cpp server's DRY loop penalty (unmask.decoding.dry)
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
     diffusing: bool = False
     policy: str | None = None
     threshold: float | None = None
