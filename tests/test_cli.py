@@ -186,3 +186,27 @@ def test_train_and_finetune_pass_the_bf16_choice(monkeypatch, tmp_path, flag, ex
 
 class _Done:
     steps, model_dir = 0, "nowhere"
+
+
+def test_eval_samples_the_completion_tasks_reproducibly(family_dirs, tmp_path):
+    """`unmask eval --temperature T --seed S`: the same seed gives the same scores, and the JSON records the
+    sampling settings; out-of-range values are one-line errors."""
+    from unmask.train.corpus import CorpusFile, write_documents
+
+    code = "\n".join(["import os", "", "", "def f(x):", "    y = x + 1", "    return y * 2", ""] * 30)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_documents([CorpusFile("stdlib", f"m{i}.py", code) for i in range(3)], corpus / "heldout.jsonl")
+    args = ("eval", "-m", str(family_dirs["sdar"]), "--corpus", str(corpus), "--sft-heldout", str(tmp_path / "none"),
+            "--limit", "3", "--policies", "threshold_0.9", "--chat-limit", "0", "--temperature", "1.0", "--seed", "5")
+    runs = []
+    for i in range(2):
+        r = invoke(*args, "--json", str(tmp_path / f"{i}.json"))
+        assert r.exit_code == 0, r.output
+        runs.append(json.loads((tmp_path / f"{i}.json").read_text()))
+    assert runs[0]["sampling"] == {"temperature": 1.0, "top_p": 1.0, "seed": 5}
+    scores = [[(t["task"], t["accuracy"], t["edit_similarity"], t["tokens"]) for t in run["tasks"]] for run in runs]
+    assert scores[0] == scores[1] and {s[0] for s in scores[0]} == {"next_line", "function"}
+    r = invoke(*args[:-4], "--temperature", "3")
+    assert r.exit_code == 1 and r.stderr.strip().splitlines() == [
+        "error: --temperature must be in [0, 2] and --top-p in (0, 1], got 3.0 and 1.0"]

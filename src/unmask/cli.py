@@ -268,6 +268,10 @@ def evaluate_cmd(
     dry_multiplier: Optional[float] = typer.Option(None, help=DRY_HELP),
     dry_sequence_breaker: Optional[list[str]] = typer.Option(
         None, help="DRY: text that ends a repeat (repeatable; 'none' for no breakers)."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature of the completion tasks (0 = greedy; "
+                                      "the chat part stays greedy)."),
+    top_p: float = typer.Option(1.0, help="Top-p of the completion tasks."),
+    seed: int = typer.Option(0, help="Seed of the completion tasks when they sample."),
     chat_limit: int = typer.Option(200, help="Held-out chat records for the chat-ending rate (0: skip)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
 ):
@@ -287,6 +291,8 @@ def evaluate_cmd(
     if not held.is_file():
         fail(f"{held} not found: run `unmask corpus` first")
     names = [p.strip() for p in policies.split(",") if p.strip()]
+    if not 0.0 <= temperature <= 2.0 or not 0.0 < top_p <= 1.0:
+        fail(f"--temperature must be in [0, 2] and --top-p in (0, 1], got {temperature} and {top_p}")
     bad = [n for n in names if n not in POLICIES]
     if bad:
         fail(f"unknown eval policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
@@ -298,7 +304,8 @@ def evaluate_cmd(
                  "dry_multiplier": dry_multiplier, "dry_sequence_breakers": _breakers(dry_sequence_breaker)}
         penalties = _with_model_defaults(llm, dict(flags))
         penalties = {k: v for k, v in penalties.items() if v is not None}
-        results = {"model": str(llm.spec.path), "block_size": bs, "penalties": penalties,
+        sampling = dict(temperature=temperature, top_p=top_p, seed=seed) if temperature > 0 else {}
+        results = {"model": str(llm.spec.path), "block_size": bs, "penalties": penalties, "sampling": sampling,
                    "masked_token_loss": masked_token_loss(llm, docs, bs), "tasks": []}
         typer.echo(f"masked-token loss (block {bs}): {results['masked_token_loss']:.3f}")
         results["next_token_loss"] = next_token_loss(llm, docs)
@@ -312,7 +319,7 @@ def evaluate_cmd(
                    f"{'tok/fwd':>8} {'tok/s':>8}")
         for tasks in task_sets:
             for name in names:
-                r = evaluate(llm, tasks, name, block_size=block_size, **penalties)
+                r = evaluate(llm, tasks, name, block_size=block_size, **penalties, **sampling)
                 results["tasks"].append({**r.__dict__, "tokens_per_forward": r.tokens_per_forward,
                                          "tokens_per_s": r.tokens_per_s})
                 valid, repeat = (("-", "-") if r.valid is None else (f"{r.valid:.0%}", f"{r.repeat:.2f}"))

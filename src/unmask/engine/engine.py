@@ -102,7 +102,7 @@ class Engine:
             seq.request_id = request_id
         if params.structured is not None:
             seq.constraint = self.structured_backend().constraint(params.structured)
-        if seq.dry is not None and self.tokenizer is not None:
+        if getattr(seq, "dry", None) is not None and self.tokenizer is not None:  # GemmaSequence has none
             seq.dry_breakers = self.dry_breakers(seq.dry.breakers)
         if not (seq.bidirectional and seq.cache_mode == "none"):
             total = len(prompt_ids) + params.max_tokens + len(params.suffix_ids)
