@@ -10,7 +10,7 @@ recur in any code) and only stops a verbatim repeat of a run of tokens from grow
 end a match, so repeats across lines and sentences stay allowed.
 
 For a diffusion model the penalty applies to the first not-yet-committed position, whose left context is
-all committed; positions behind a hole have no fixed left context. Pure tensor functions, no model.
+all committed; positions behind a hole have no fixed left context. Pure functions, no model.
 """
 from __future__ import annotations
 

@@ -118,7 +118,8 @@ class Sequence:
         self.sampling = p.sampling()
         adjust = p.logit_adjust()
         self.adjuster = Adjuster(adjust, self.prompt_ids) if adjust.active else None
-        self.dry = p.dry() if p.dry().active else None
+        dry = p.dry()
+        self.dry = dry if dry.active else None
         self.dry_breakers: Tensor | None = None   # [V] bool, set by the engine from its tokenizer
         if self.bidirectional:
             self.block_start = self.P                 # LLaDA semi-AR: blocks count from the answer start
