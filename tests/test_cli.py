@@ -188,10 +188,15 @@ class _Done:
     steps, model_dir = 0, "nowhere"
 
 
-def test_eval_samples_the_completion_tasks_reproducibly(family_dirs, tmp_path):
-    """`unmask eval --temperature T --seed S`: the same seed gives the same scores, and the JSON records the
-    sampling settings; out-of-range values are one-line errors."""
+def test_eval_samples_the_completion_tasks_reproducibly(family_dirs, tmp_path, monkeypatch):
+    """`unmask eval --temperature T --seed S`: every completion request samples with them, the same seed gives
+    the same scores, and the JSON records the settings; out-of-range values are one-line errors."""
+    from unmask.engine import llm as llm_module
     from unmask.train.corpus import CorpusFile, write_documents
+
+    seen = []
+    original = llm_module.LLM.generate
+    monkeypatch.setattr(llm_module.LLM, "generate", lambda self, ids, p: seen.extend(p) or original(self, ids, p))
 
     code = "\n".join(["import os", "", "", "def f(x):", "    y = x + 1", "    return y * 2", ""] * 30)
     corpus = tmp_path / "corpus"
@@ -205,6 +210,7 @@ def test_eval_samples_the_completion_tasks_reproducibly(family_dirs, tmp_path):
         assert r.exit_code == 0, r.output
         runs.append(json.loads((tmp_path / f"{i}.json").read_text()))
     assert runs[0]["sampling"] == {"temperature": 1.0, "top_p": 1.0, "seed": 5}
+    assert seen and all((p.temperature, p.seed) == (1.0, 5) for p in seen)
     scores = [[(t["task"], t["accuracy"], t["edit_similarity"], t["tokens"]) for t in run["tasks"]] for run in runs]
     assert scores[0] == scores[1] and {s[0] for s in scores[0]} == {"next_line", "function"}
     r = invoke(*args[:-4], "--temperature", "3")

@@ -127,7 +127,11 @@ def test_engine_applies_dry_to_the_first_open_position(sdar, monkeypatch):
 
 
 def test_server_fields_reach_the_params():
-    from unmask.server.protocol import CompletionRequest
+    from unmask.engine.params import PENALTY_KEYS
+    from unmask.server.protocol import DRY_FIELDS, CompletionRequest
+
+    # the protocol module imports nothing of the engine, so it names the fields itself: they must agree
+    assert ("presence_penalty", "frequency_penalty", "repetition_penalty", *DRY_FIELDS) == PENALTY_KEYS
 
     req = CompletionRequest(prompt="x", dry_multiplier=0.8, dry_allowed_length=3, dry_sequence_breakers=["\n"])
     kw = req.generation_kwargs()
