@@ -430,6 +430,10 @@ def test_api_keys(restricted, server):
         for path in ("/v1/models", "/metrics", "/v1/models/restricted", "/nope"):
             assert_envelope(httpx.get(f"{restricted.url}{path}", headers=headers), 401)
         assert_envelope(raw_post(restricted, "/v1/chat/completions", {"messages": CHAT}, key), 401)
+        for path, body in (("/v1/responses", {"input": "hi"}), ("/tokenize", {"prompt": "hi"}),
+                           ("/detokenize", {"tokens": [1]})):
+            assert_envelope(raw_post(restricted, path, body, key), 401)
+    assert raw_post(restricted, "/tokenize", {"prompt": "hi"}, KEYS[0]).json()["count"] > 0
     with pytest.raises(openai.AuthenticationError):
         restricted.client("wrong-key").models.list()
     for key in KEYS:
@@ -445,6 +449,9 @@ def test_body_and_prompt_limits(restricted):
     long_prompt = {"prompt": "word " * 200, "max_tokens": 4}
     err = assert_envelope(raw_post(restricted, "/v1/completions", long_prompt, KEYS[0]), 400, "prompt")
     assert "64" in err["message"]
+    long_input = {"input": "word " * 200, "max_output_tokens": 4}
+    err = assert_envelope(raw_post(restricted, "/v1/responses", long_input, KEYS[0]), 400, "input")
+    assert "64" in err["message"] and err["code"] == "context_length_exceeded"
 
 
 def test_cors(restricted, server):

@@ -26,7 +26,8 @@ from starlette.middleware.cors import CORSMiddleware
 
 from unmask.errors import UnmaskError
 from unmask.server.metrics import Metrics
-from unmask.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, EditRequest, FIMCompletionRequest
+from unmask.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EditRequest,
+                                    FIMCompletionRequest, ResponsesRequest, TokenizeRequest)
 from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
 
 logger = logging.getLogger("unmask.server")
@@ -57,6 +58,7 @@ def load_serving(app: FastAPI, args: ServerArgs) -> None:
         from unmask.engine.llm import LLM
         from unmask.server.serving import OpenAIServing, ServingConfig
         from unmask.server.serving_edit import EditServing
+        from unmask.server.serving_responses import ResponsesServing
 
         t0 = time.perf_counter()
         llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
@@ -69,6 +71,7 @@ def load_serving(app: FastAPI, args: ServerArgs) -> None:
         app.state.metrics.attach(llm.engine)
         serving = OpenAIServing(llm, engine, app.state.metrics, cfg)
         app.state.editing = EditServing(serving)
+        app.state.responses = ResponsesServing(serving)
         app.state.serving = serving
         logger.info("model %s loaded in %.1f s; ready", args.served_model_name, time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - any load failure stops the server with one line
@@ -105,6 +108,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return respond(await serving(request).chat(body, request.is_disconnected))
 
 
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    serving(request)  # 503 while loading
+    return respond(await request.app.state.responses.create(body, request.is_disconnected))
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.suffix:  # fill in the middle
@@ -135,6 +144,16 @@ async def list_models(request: Request) -> Response:
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> Response:
     return respond(serving(request).model_card(model_id))
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    return respond(serving(request).tokenize(body))
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    return respond(serving(request).detokenize(body))
 
 
 @router.get("/health")
@@ -205,6 +224,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     app = FastAPI(title="unmask", lifespan=lifespan)
     app.state.serving = None
     app.state.editing = None
+    app.state.responses = None
     app.state.load_error = None
     app.state.metrics = Metrics()
     app.state.on_fatal = on_fatal

@@ -31,8 +31,9 @@ from unmask.server.metrics import Metrics
 from unmask.server.protocol import (
     APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChoiceLogprobs, CompletionChoice, CompletionChunk, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, Delta, DeltaFunction, DeltaToolCall, DiffusingFrame, FunctionCall,
-    ModelCard, ModelList, TokenLogprob, ToolCall, TopLogprob, Usage,
+    CompletionRequest, CompletionResponse, Delta, DeltaFunction, DeltaToolCall, DetokenizeRequest, DetokenizeResponse,
+    DiffusingFrame, FunctionCall, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, TokenLogprob, TokenPiece,
+    ToolCall, TopLogprob, Usage,
 )
 from unmask.structured import StructuredSpec, from_request
 from unmask.structured.tools import (ChatPlan, ToolParser, history_as_text, parse_tool_calls, plan_chat, special_tags,
@@ -138,17 +139,56 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, is_disconnected: Disconnected | None = None):
         t0 = time.perf_counter()
         self._validate(req)
+        plan, prompts, jobs = self.chat_jobs(req)
+        return await self._run(ChatFormat(self, req, plan), jobs, req, prompts, is_disconnected, t0)
+
+    def chat_jobs(self, req: ChatCompletionRequest, param: str = "messages") -> tuple[ChatPlan, list[list[int]],
+                                                                                      list[Job]]:
+        """A validated chat request -> (tool/constraint plan, [prompt ids], engine jobs); 400s on bad input."""
+        plan, prompt = self.chat_prompt(req, param)
+        return plan, [prompt], self._jobs([prompt], req, param, plan.structured)
+
+    def chat_prompt(self, req: ChatCompletionRequest, param: str = "messages",
+                    add_generation_prompt: bool = True) -> tuple[ChatPlan, list[int]]:
+        """The plan (tools, constraint, parser) and the prompt token ids a chat request is answered from."""
         if not req.messages:
-            raise APIError(400, "messages must not be empty", param="messages")
+            raise APIError(400, f"{param} must not be empty", param=param)
         plan = self._chat_plan(req)
         try:
-            text = self.tok.apply_chat_template(plan.messages, tools=plan.template_tools)
+            text = self.tok.apply_chat_template(plan.messages, tools=plan.template_tools,
+                                                add_generation_prompt=add_generation_prompt)
         except (ModelLoadError, jinja2.TemplateError) as e:
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        prompts = [self.tok.encode(text)]
-        fmt = ChatFormat(self, req, plan)
-        jobs = self._jobs(prompts, req, "messages", plan.structured)
-        return await self._run(fmt, jobs, req, prompts, is_disconnected, t0)
+            raise APIError(400, f"cannot apply the chat template: {e}", param=param) from None
+        return plan, self.tok.encode(text)
+
+    # ------------------------------------------------------------------ tokenizer
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """The token ids an endpoint would feed the model: a completion prompt as /v1/completions encodes it,
+        messages (and tools) as /v1/chat/completions renders and encodes them."""
+        self._check_model(req.model)
+        given = [name for name in ("prompt", "content", "messages") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise APIError(400, "send exactly one of prompt, content (llama.cpp's name) or messages",
+                           param=given[1] if len(given) > 1 else "prompt")
+        if req.messages is not None:
+            chat = ChatCompletionRequest(messages=req.messages, tools=req.tools)
+            ids = self.chat_prompt(chat, add_generation_prompt=req.add_generation_prompt)[1]
+        else:
+            ids = self.tok.encode(req.prompt if req.prompt is not None else req.content)
+        pieces = [self.tok.decode([t], skip_special_tokens=False) for t in ids] if (
+            req.return_token_strs or req.with_pieces) else None
+        tokens = [TokenPiece(id=t, piece=p) for t, p in zip(ids, pieces)] if req.with_pieces else ids
+        return TokenizeResponse(tokens=tokens, count=len(ids), max_model_len=self.spec.max_context,
+                                token_strs=pieces if req.return_token_strs else None)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(req.model)
+        vocab = self.spec.arch.vocab_size
+        bad = next((t for t in req.tokens if t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside this model's vocabulary [0, {vocab})", param="tokens")
+        text = self.tok.decode(req.tokens, skip_special_tokens=False)
+        return DetokenizeResponse(prompt=text, content=text)
 
     def _chat_plan(self, req: ChatCompletionRequest) -> ChatPlan:
         """Tools, tool_choice and output constraints -> prompt messages, constraint, parser (400 on errors)."""
@@ -359,29 +399,31 @@ class OpenAIServing:
             yield ""  # admitted; the caller primes the stream up to here
             states = {job.index: ChoiceState() for job in jobs}
             for chunk in fmt.opening(sorted(states)):
-                yield sse(chunk)
+                yield fmt.frame(chunk)
             async with aclosing(self._events(jobs, t0)) as events:
                 async for index, out in events:
                     st = states[index]
                     st.add(out)
                     for chunk in fmt.chunks(index, st, out):
-                        yield sse(chunk)
+                        yield fmt.frame(chunk)
                     if diffusing and out.snapshot is not None:
-                        yield sse(fmt.diffusing(DiffusingFrame(index=index, **self._render(out.snapshot))))
-            if include_usage:
-                yield sse(fmt.usage_chunk(self._usage(prompt_tokens, states)))
+                        yield fmt.frame(fmt.diffusing(DiffusingFrame(index=index, **self._render(out.snapshot))))
+            for chunk in fmt.closing(states, self._usage(prompt_tokens, states), include_usage):
+                yield fmt.frame(chunk)
             self.metrics.e2e.observe(time.perf_counter() - t0)
-        except Exception as e:  # noqa: BLE001 - a stream reports its error in-band, then [DONE]
+        except Exception as e:  # noqa: BLE001 - a stream reports its error in-band, then its end marker
             try:
                 err = as_api_error(e)
             except Exception:  # noqa: BLE001
                 logger.exception("request failed while streaming")
                 err = APIError(500, "internal server error")
             self.metrics.error(err.status)
-            yield sse(err.response())
+            for chunk in fmt.failure(err):
+                yield fmt.frame(chunk)
         finally:
             self.inflight -= len(jobs)
-        yield sse("[DONE]")
+        for chunk in fmt.trailer():
+            yield fmt.frame(chunk)
 
     # ------------------------------------------------------------------ helpers
     def _render(self, snapshot: list[int]) -> dict:
@@ -414,6 +456,20 @@ class _Format:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.logprobs = logprobs
+
+    # stream framing: chat and completions send `data:` lines, then a usage chunk if asked, then [DONE]
+    @staticmethod
+    def frame(obj: BaseModel | str) -> str:
+        return sse(obj)
+
+    def closing(self, states: dict[int, ChoiceState], usage: Usage, include_usage: bool) -> list:
+        return [self.usage_chunk(usage)] if include_usage else []
+
+    def failure(self, err: APIError) -> list:
+        return [err.response()]
+
+    def trailer(self) -> list:
+        return ["[DONE]"]
 
     def token_strings(self, ids: list[int]) -> list[str]:
         return [self.tok.decode([t], skip_special_tokens=False) for t in ids]

@@ -1,0 +1,219 @@
+"""POST /v1/responses (stateless) and /tokenize, /detokenize, as clients see them: a real `unmask serve`
+process on the tiny SDAR text checkpoint of test_server, driven by the official `openai` client (its
+Responses stream helper accumulates and checks the event sequence) and httpx for the raw wire.
+
+Greedy answers must equal the chat endpoint's for the same conversation: both run the same engine path.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from test_server import assert_envelope, raw_post
+from test_structured import PERSON, TOOLS, client, server  # noqa: F401 - the module-scoped server fixtures
+
+MODEL = "tiny-sdar"
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # Responses tools are flat
+
+
+def chat_text(client, messages, max_tokens, **kw) -> tuple[str, object]:
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0.0, **kw)
+    return r.choices[0].message.content, r
+
+
+def raw_events(server, body: dict) -> list[tuple[str, dict]]:
+    """(event name, data) of every SSE event of a streamed Responses request."""
+    events, name = [], None
+    with httpx.stream("POST", f"{server.url}/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[len("data: "):])))
+    return events
+
+
+# ---------------------------------------------------------------------------------------- text
+def test_text_answer_equals_chat_and_reports_incomplete(client):
+    r = client.responses.create(model=MODEL, input="Say something.", instructions="Be brief.",
+                                max_output_tokens=12, temperature=0.0)
+    text, chat = chat_text(client, [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "Say something."}], 12)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.output_text == text and text
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    assert item.status == "incomplete" and [c.type for c in item.content] == ["output_text"]
+    assert r.usage.output_tokens == 12 and r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + 12
+    assert r.instructions == "Be brief." and r.max_output_tokens == 12 and r.store is False
+
+
+def test_stream_events_in_order_and_equal_to_the_whole_answer(server, client):
+    body = {"model": MODEL, "input": "Say something.", "max_output_tokens": 10, "temperature": 0.0}
+    whole = client.responses.create(**body)
+    events = raw_events(server, body)
+    names = [n for n, _ in events]
+    assert all(n == d["type"] for n, d in events)
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert names[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert set(names[4:-4]) == {"response.output_text.delta"}
+    deltas = "".join(d["delta"] for _, d in events if d["type"] == "response.output_text.delta")
+    done = events[-4][1]
+    final = events[-1][1]["response"]
+    assert deltas == done["text"] == whole.output_text
+    assert events[0][1]["response"]["status"] == "in_progress" and events[0][1]["response"]["output"] == []
+    assert final["status"] == "incomplete" and final["usage"]["output_tokens"] == 10
+    assert final["output"][0]["content"][0]["text"] == deltas
+    item_ids = {d.get("item_id") for _, d in events if "item_id" in d}
+    assert item_ids == {final["output"][0]["id"]}
+    assert "[DONE]" not in json.dumps(events)
+
+
+def test_diffusing_frames_as_events(server):
+    events = raw_events(server, {"model": MODEL, "input": "Hi.", "max_output_tokens": 8, "diffusing": True})
+    frames = [d for _, d in events if d["type"] == "response.diffusing"]
+    final = events[-1][1]["response"]["output"][0]["content"][0]["text"]
+    assert frames and frames[0]["masked"] > 0 and "\u2591" in frames[0]["text"]
+    assert all(set(f) == {"type", "sequence_number", "index", "text", "masked"} for f in frames)
+    assert final.startswith(frames[-1]["text"].split("\u2591")[0])
+
+
+def test_message_items_and_parts_map_to_chat_messages(client):
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+                    {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "More."}]
+    items = [{"type": "message", "role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "input_text", "text": "Hi."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+             {"role": "user", "content": "More."}]
+    r = client.responses.create(model=MODEL, input=items, max_output_tokens=8, temperature=0.0)
+    assert r.output_text == chat_text(client, conversation, 8)[0]
+
+
+def test_logprobs_through_include(client):
+    r = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=6, temperature=0.0,
+                                include=["message.output_text.logprobs"], top_logprobs=2)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == 6 and all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in lps)
+    assert "".join(lp.token for lp in lps) == r.output_text
+    r = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=6, temperature=0.0)
+    assert r.output[0].content[0].logprobs == []
+
+
+def test_passthrough_extensions_change_decoding(client):
+    a = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=16, temperature=1.0,
+                                extra_body={"seed": 7})
+    b = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=16, temperature=1.0,
+                                extra_body={"seed": 7})
+    assert a.output_text == b.output_text
+    r = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=16, extra_body={"choice": ["yes", "no"]})
+    assert r.output_text in ("yes", "no") and r.status == "completed"
+    r = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=4, reasoning={"effort": "low"})
+    assert r.reasoning.effort == "low" and r.usage.output_tokens == 4
+
+
+# ---------------------------------------------------------------------------------------- structured, tools
+def test_json_schema_text_format(client):
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    r = client.responses.create(model=MODEL, input="A person.", max_output_tokens=200, text={"format": fmt})
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+
+
+def test_required_tool_call_whole_and_streamed(client):
+    kw = dict(model=MODEL, input="What is the weather in Paris?", tools=FLAT_TOOLS, tool_choice="required",
+              parallel_tool_calls=False, max_output_tokens=160)
+    r = client.responses.create(**kw)
+    (call,) = r.output
+    assert call.type == "function_call" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert r.status == "completed" and call.status == "completed"
+    schema = next(t["parameters"] for t in FLAT_TOOLS if t["name"] == call.name)
+    jsonschema.validate(json.loads(call.arguments), schema)
+    with client.responses.stream(**kw) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[-1] == "response.completed" and "response.function_call_arguments.done" in kinds
+    (streamed,) = final.output
+    assert streamed.type == "function_call" and streamed.name == call.name
+    jsonschema.validate(json.loads(streamed.arguments), schema)
+
+
+def test_named_tool_choice(client):
+    r = client.responses.create(model=MODEL, input="Time?", tools=FLAT_TOOLS, max_output_tokens=120,
+                                tool_choice={"type": "function", "name": "get_time"})
+    assert [o.name for o in r.output if o.type == "function_call"] == ["get_time"]
+
+
+def test_tool_round_trip_items_equal_chat_history(client):
+    call_args = '{"city": "Paris", "unit": "c"}'
+    items = [{"role": "user", "content": "What is the weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": call_args},
+             {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature": 18}'}]
+    history = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": call_args}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18}'}]
+    r = client.responses.create(model=MODEL, input=items, tools=FLAT_TOOLS, tool_choice="none",
+                                max_output_tokens=8, temperature=0.0)
+    assert r.output_text == chat_text(client, history, 8, tools=TOOLS, tool_choice="none")[0]
+
+
+# ---------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("body,param,words", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "whole conversation"),
+    ({"conversation": "conv_1"}, "conversation", "whole conversation"),
+    ({"background": True}, "background", "background"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type", "input_image"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item_reference"),
+    ({"input": [{"role": "critic", "content": "x"}]}, "input[0].role", "critic"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments", "string"),
+    ({"input": []}, "input", "empty"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"if": {}, "then": {}}}], "tool_choice": "required"},
+     "tools[0].parameters", "if"),
+    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice", "allowed_tools"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type", "xml"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}}, "text.format.schema", "not"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+    ({"threshold": "high"}, "threshold", "threshold"),
+    ({"model": "other"}, "model", "other"),
+])
+def test_bad_requests_get_the_error_envelope(server, body, param, words):
+    for stream in (False, True):
+        r = raw_post(server, "/v1/responses", {"input": "Hi.", "max_output_tokens": 4, "stream": stream, **body})
+        err = assert_envelope(r, 404 if param == "model" else 400, param)
+        assert words in err["message"], err
+
+
+# ---------------------------------------------------------------------------------------- tokenizer
+def test_tokenize_counts_what_the_endpoints_feed(server, client):
+    messages = [{"role": "user", "content": "Say something."}]
+    r = raw_post(server, "/tokenize", {"model": MODEL, "messages": messages, "return_token_strs": True}).json()
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert r["count"] == len(r["tokens"]) == chat.usage.prompt_tokens and r["max_model_len"] > 0
+    assert len(r["token_strs"]) == r["count"]
+    text = "def add(a, b):\n    return a + b"
+    ids = raw_post(server, "/tokenize", {"prompt": text}).json()["tokens"]
+    done = client.completions.create(model=MODEL, prompt=text, max_tokens=1)
+    assert len(ids) == done.usage.prompt_tokens
+    back = raw_post(server, "/detokenize", {"tokens": ids}).json()
+    assert back == {"prompt": text, "content": text}
+    pieces = raw_post(server, "/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids and "".join(p["piece"] for p in pieces) == text
+
+
+def test_tokenize_errors(server):
+    assert_envelope(raw_post(server, "/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}),
+                    400, "messages")
+    assert_envelope(raw_post(server, "/tokenize", {}), 400, "prompt")
+    assert_envelope(raw_post(server, "/detokenize", {"tokens": [10 ** 9]}), 400, "tokens")
+    assert_envelope(raw_post(server, "/detokenize", {"tokens": ["a"]}), 400)
