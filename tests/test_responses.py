@@ -146,6 +146,14 @@ def test_required_tool_call_whole_and_streamed(client):
     jsonschema.validate(json.loads(streamed.arguments), schema)
 
 
+def test_max_tool_calls(client):
+    kw = dict(model=MODEL, input="Weather?", tools=FLAT_TOOLS, tool_choice="required", max_output_tokens=300,
+              temperature=1.0, extra_body={"seed": 4})
+    assert len(client.responses.create(**kw).output) == 2  # this seed writes two calls
+    (call,) = client.responses.create(max_tool_calls=1, **kw).output
+    assert call.type == "function_call"
+
+
 def test_named_tool_choice(client):
     r = client.responses.create(model=MODEL, input="Time?", tools=FLAT_TOOLS, max_output_tokens=120,
                                 tool_choice={"type": "function", "name": "get_time"})

@@ -288,6 +288,9 @@ def test_parse_results():
     assert parse_tool_calls(OUTPUTS[4][0], UNMASK) == ("<tool_call>not json</tool_call>", [])
     _, calls = parse_tool_calls(OUTPUTS[0][0], HERMES, parallel=False)
     assert [c.name for c in calls] == ["get_weather"]
+    for limit, names in ((1, ["get_weather"]), (2, ["get_weather", "get_time"]), (None, ["get_weather", "get_time"])):
+        content, calls = parse_tool_calls(OUTPUTS[0][0], HERMES, max_calls=limit)
+        assert [c.name for c in calls] == names and content == "Checking."
 
 
 # ---------------------------------------------------------------------------------------- server

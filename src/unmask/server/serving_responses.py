@@ -205,7 +205,8 @@ class ResponsesFormat(ChatFormat):
         self.open: list[int] = []          # output indices of items still in progress (streaming)
         self.message: int | None = None    # the message item that text deltas go to
         self.calls: dict[int, int] = {}    # parser call index -> output index
-        self.parser = ToolParser(self.tools, self.parallel) if self.tools is not None else None
+        self.max_calls = req.max_tool_calls  # calls past it are dropped (as unparallel second calls are)
+        self.parser = ToolParser(self.tools, self.parallel, self.max_calls) if self.tools is not None else None
         self.decoder = IncrementalDecoder(self.tok, skip_special_tokens=False) if self.tools is not None else None
 
     # ------------------------------------------------------------------ response objects
@@ -239,7 +240,7 @@ class ResponsesFormat(ChatFormat):
             content, calls = st.text, []
         else:
             content, calls = parse_tool_calls(self.tok.decode(st.token_ids, skip_special_tokens=False), self.tools,
-                                              self.parallel)
+                                              self.parallel, self.max_calls)
         output: list = []
         if content or not calls:
             output.append(ResponseMessageItem(id=_item_id("msg"), status=item_status, content=[

@@ -244,7 +244,7 @@ class _Block:
     """The call block being read: its call once the name is known, and how much of its arguments went out."""
 
     call: ParsedCall | None = None
-    dropped: bool = False          # a second call while parallel_tool_calls is false
+    dropped: bool = False          # a call past the limit (a second one while parallel_tool_calls is false)
     sent: int = 0
 
 
@@ -289,8 +289,9 @@ class ToolParser:
     JSON text, never re-serialised. A block without a readable name is returned as content.
     """
 
-    def __init__(self, fmt: ToolFormat, parallel: bool = True):
+    def __init__(self, fmt: ToolFormat, parallel: bool = True, max_calls: int | None = None):
         self.fmt, self.parallel = fmt, parallel
+        self.max_calls = 1 if not parallel else max_calls   # calls past it are dropped, like a second one
         self.calls: list[ParsedCall] = []
         self._buf = ""
         self._block: _Block | None = None   # inside a call block
@@ -361,7 +362,7 @@ class ToolParser:
             name = self._name(body)
             if name is None:
                 return []
-            if self.calls and not self.parallel:
+            if self.max_calls is not None and len(self.calls) >= self.max_calls:
                 b.dropped = True
                 return []
             b.call = ParsedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name)
@@ -401,9 +402,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str, fmt: ToolFormat, parallel: bool = True) -> tuple[str | None, list[ParsedCall]]:
+def parse_tool_calls(text: str, fmt: ToolFormat, parallel: bool = True,
+                     max_calls: int | None = None) -> tuple[str | None, list[ParsedCall]]:
     """Whole output -> (content or None, calls), through the streaming parser."""
-    parser = ToolParser(fmt, parallel)
+    parser = ToolParser(fmt, parallel, max_calls)
     content, _ = parser.feed(text)
     tail, _ = parser.finish()
     return (content + tail) or None, parser.calls
