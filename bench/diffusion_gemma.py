@@ -15,6 +15,9 @@ tokens/s counts generated tokens (up to each request's max_new_tokens, or the fi
 then one JSON line with the median / min / max of the per-round ratio unmask / reference.
 --draws lean lets unmask draw only the random numbers it uses (same output distribution, not the
 reference's stream); --mixed-lengths gives requests different budgets, as a server sees them.
+--device cuda runs both on a GPU (timings end with a device synchronise); a larger random checkpoint for it:
+    python bench/diffusion_gemma.py --make-tiny /tmp/dg-mid --hidden 1024 --layers 8 --vocab 32768
+    python bench/diffusion_gemma.py --model /tmp/dg-mid --device cuda --dtype bfloat16 --reps 5
 """
 from __future__ import annotations
 
@@ -89,22 +92,30 @@ def unmask_params(a, seed: int, max_new: int):
                             stop_token_ids=[a.eos] if a.eos is not None else [])
 
 
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 @torch.no_grad()
 def run_reference(ref, prompts, budgets, a, mode: str) -> tuple[float, int, list[list[int]]]:
+    dev = a.device
+    synchronize(dev)
     t0 = time.perf_counter()
     outs = []
     if mode == "sequential":
         for i, (p, n) in enumerate(zip(prompts, budgets)):
             torch.manual_seed(a.seed + i)
-            seq = ref.generate(torch.tensor([p]), **ref_kwargs(a, n)).sequences[0, len(p):].tolist()
+            seq = ref.generate(torch.tensor([p], device=dev), **ref_kwargs(a, n)).sequences[0, len(p):].tolist()
             outs.append(seq)
     else:  # one left-padded batch, run to the largest budget (one max_new_tokens per call)
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
         torch.manual_seed(a.seed)
         out = ref.generate(ids, attention_mask=mask, **ref_kwargs(a, max(budgets))).sequences[:, width:]
         outs = out.tolist()
+    synchronize(dev)
     wall = time.perf_counter() - t0
     return wall, sum(count(o, a.eos, n) for o, n in zip(outs, budgets)), outs
 
@@ -113,6 +124,7 @@ def run_unmask(model, spec, prompts, budgets, a, mode: str) -> tuple[float, int,
     from unmask.engine.engine import Engine
 
     eng = Engine(model, spec, max_num_seqs=max(len(prompts), 1))
+    synchronize(a.device)
     t0 = time.perf_counter()
     outs = []
     if mode == "sequential":
@@ -125,6 +137,7 @@ def run_unmask(model, spec, prompts, budgets, a, mode: str) -> tuple[float, int,
                 for i, (p, n) in enumerate(zip(prompts, budgets))]
         eng.run_to_completion()
         outs = [s.output_ids for s in seqs]
+    synchronize(a.device)
     wall = time.perf_counter() - t0
     return wall, sum(len(o) for o in outs), outs, eng.stats.steps
 
@@ -187,6 +200,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.make_tiny:
@@ -202,8 +216,8 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
-    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(a.model, dtype=dtype).eval()
-    model, spec = load_model(a.model, dtype=a.dtype)
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(a.model, dtype=dtype).to(a.device).eval()
+    model, spec = load_model(a.model, dtype=a.dtype, device=a.device)
     lo, hi = (int(x) for x in a.prompt_len.split(","))
     prompts = prompts_for(a.requests, spec.arch.vocab_size, lo, hi, a.seed)
     modes = ("sequential", "concurrent") if a.mode == "both" else (a.mode,)
@@ -211,6 +225,7 @@ def main() -> None:
 
     print(f"model={a.model.name} canvas={spec.block_size} requests={a.requests} max_new={a.max_new_tokens} "
           f"steps={a.steps} draws={a.draws} mixed_lengths={a.mixed_lengths} threads={a.threads} dtype={a.dtype} "
+          f"device={a.device} "
           f"reps={a.reps}")
     print(f"{'mode':<11} {'ref tok/s':>10} {'unmask tok/s':>13} {'ratio med':>10} {'min':>6} {'max':>6} "
           f"{'identical':>10}")
@@ -222,7 +237,7 @@ def main() -> None:
                       "requests": a.requests, "max_new_tokens": a.max_new_tokens, "steps": a.steps,
                       "draws": a.draws, "mixed_lengths": a.mixed_lengths, "stability_threshold": a.stability_threshold,
                       "confidence_threshold": a.confidence_threshold,
-                      "threads": a.threads, "dtype": a.dtype,
+                      "threads": a.threads, "dtype": a.dtype, "device": a.device,
                       "results": [{k: v for k, v in r.items() if k != "rounds"} for r in results]}))
 
 
