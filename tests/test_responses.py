@@ -10,6 +10,7 @@ import json
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from test_server import assert_envelope, raw_post
@@ -200,6 +201,15 @@ def test_bad_requests_get_the_error_envelope(server, body, param, words):
         r = raw_post(server, "/v1/responses", {"input": "Hi.", "max_output_tokens": 4, "stream": stream, **body})
         err = assert_envelope(r, 404 if param == "model" else 400, param)
         assert words in err["message"], err
+
+
+def test_nothing_is_stored(server, client):
+    r = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    for method in ("GET", "DELETE"):
+        err = assert_envelope(httpx.request(method, f"{server.url}/v1/responses/{r.id}"), 404, "response_id")
+        assert "stateless" in err["message"] and err["code"] == "response_not_found"
 
 
 # ---------------------------------------------------------------------------------------- tokenizer

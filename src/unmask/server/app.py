@@ -114,6 +114,12 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     return respond(await request.app.state.responses.create(body, request.is_disconnected))
 
 
+@router.api_route("/v1/responses/{response_id:path}", methods=["GET", "DELETE", "POST"])
+async def stored_response(response_id: str) -> Response:
+    raise APIError(404, f"response {response_id!r} was not stored: this server's /v1/responses is stateless "
+                        "(send the whole conversation in `input`)", param="response_id", code="response_not_found")
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.suffix:  # fill in the middle
