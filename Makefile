@@ -62,27 +62,30 @@ bench-quick: $(STAMP)
 llama-cpp: $(STAMP)
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF" $(BIN)/pip install -q -e '.[test,llama]'
 
-# Rebuild the built-in model from scratch (about 1 h 45 min on idle 2 cores with native bf16; longer in float32 on AVX2-only
+# Rebuild the built-in model from scratch (about 2 h 50 min on idle 2 cores with native bf16; longer in float32 on AVX2-only
 # CPUs; see docs/model-card.md):
-# a causal next-token base, block diffusion initialised from it (shifted logits, as Fast-dLLM v2, with a causal
-# context: committed text attends token-causally and keeps its next-token loss), then SFT with a quarter of
-# plain-text rows. The base is kept in bench/models: the AR twin (`make twin`) starts from it.
+# a causal next-token base (1,600 steps, then 2,400 more with a re-warmed schedule), block diffusion initialised from
+# it (shifted logits, as Fast-dLLM v2, with a causal context: committed text attends token-causally and keeps its
+# next-token loss), then SFT with a quarter of plain-text rows. The base is kept in bench/models: the AR twin
+# (`make twin`) starts from it.
 model: $(STAMP)
 	$(NEED_DOCS)
 	$(BIN)/unmask corpus
 	$(BIN)/unmask train --objective causal --out runs/base --steps 1600 --warmup 80 --lr 1.5e-3 --eval-every 200 \
 		--save-every 100 --compile
-	$(BIN)/unmask train --init-from runs/base/model --out runs/adapt --steps 592 --warmup 30 --lr 1e-3 \
+	$(BIN)/unmask train --objective causal --init-from runs/base/model --out runs/base2 --steps 2400 --warmup 50 \
+		--lr 1e-3 --seed 1 --eval-every 200 --save-every 100 --compile
+	$(BIN)/unmask train --init-from runs/base2/model --out runs/adapt --steps 592 --warmup 30 --lr 1e-3 \
 		--causal-context --eval-every 100 --save-every 50 --compile
 	$(BIN)/unmask finetune --model runs/adapt/model --data data/sft/train.jsonl --eval-data data/sft/heldout.jsonl \
 		--out runs/sft --steps 359 --warmup 20 --lr 5e-4 --pack --mix-text data/corpus --mix-fraction 0.25 \
 		--eval-every 100 --save-every 50 --compile
 	rm -rf src/unmask/assets/unmask-tiny && cp -r runs/sft/model src/unmask/assets/unmask-tiny
-	# chat answers default to frequency_penalty 0.3 (completions keep none): docs/model-card.md, "Penalties against the loops"
+	# chat answers default to frequency_penalty 0.5 (completions keep none): docs/model-card.md, "Penalties against the loops"
 	$(BIN)/python -c "import json, pathlib; p = pathlib.Path('src/unmask/assets/unmask-tiny/generation_config.json'); \
-		g = json.loads(p.read_text()); g['chat_defaults'] = {'frequency_penalty': 0.3}; \
+		g = json.loads(p.read_text()); g['chat_defaults'] = {'frequency_penalty': 0.5}; \
 		p.write_text(json.dumps(g, indent=2, ensure_ascii=False) + '\n')"
-	rm -rf bench/models/unmask-tiny-base && mkdir -p bench/models && cp -r runs/base/model bench/models/unmask-tiny-base
+	rm -rf bench/models/unmask-tiny-base && mkdir -p bench/models && cp -r runs/base2/model bench/models/unmask-tiny-base
 
 # The compute-matched autoregressive twin for `make bench` (scripts/train_ar_twin.py): from the same causal base,
 # the FLOPs of the block-diffusion and SFT phases spent on next-token training; Qwen3 format.
