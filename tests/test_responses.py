@@ -79,6 +79,17 @@ def test_stream_events_in_order_and_equal_to_the_whole_answer(server, client):
     assert "[DONE]" not in json.dumps(events)
 
 
+def test_an_empty_answer_is_still_one_announced_message(server, client):
+    first = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=4, temperature=0.0).output_text[0]
+    body = {"model": MODEL, "input": "Hi.", "max_output_tokens": 4, "temperature": 0.0, "stop": [first]}
+    whole = client.responses.create(**{k: v for k, v in body.items() if k != "stop"}, extra_body={"stop": [first]})
+    assert whole.status == "completed" and whole.output_text == "" and len(whole.output) == 1
+    events = raw_events(server, body)
+    names = [d["type"] for _, d in events]
+    assert names.count("response.output_item.added") == names.count("response.output_item.done") == 1
+    assert names[-1] == "response.completed" and events[-1][1]["response"]["output"][0]["content"][0]["text"] == ""
+
+
 def test_diffusing_frames_as_events(server):
     events = raw_events(server, {"model": MODEL, "input": "Hi.", "max_output_tokens": 8, "diffusing": True})
     frames = [d for _, d in events if d["type"] == "response.diffusing"]

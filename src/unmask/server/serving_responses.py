@@ -280,6 +280,8 @@ class ResponsesFormat(ChatFormat):
             for d in deltas:
                 events += self._call(d)
         if out.finished:
+            if not self.items:  # nothing was written: still one (empty) message, as the whole response has
+                events += self._text("", [])
             events += self._close_all("incomplete" if out.finish_reason == "length" else "completed")
         return events
 
@@ -345,9 +347,6 @@ class ResponsesFormat(ChatFormat):
 
     def closing(self, states: dict[int, ChoiceState], usage: Usage, include_usage: bool) -> list[dict]:
         status, reason = self._status(states[0].finish_reason)
-        if not self.items:  # nothing was generated: still one (empty) message, as the non-streamed response has
-            self.items.append(ResponseMessageItem(id=_item_id("msg"), status="incomplete" if reason else "completed",
-                                                  content=[ResponseOutputText(text="")]))
         kind = "response.incomplete" if reason else "response.completed"
         return [self._event(kind, response=self._response(status, list(self.items), usage, reason))]
 
