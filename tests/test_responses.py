@@ -38,6 +38,22 @@ def raw_events(server, body: dict) -> list[tuple[str, dict]]:
     return events
 
 
+# chat-request fields that OpenAI's chat API defines (the Responses request names these its own way or lacks them)
+OPENAI_CHAT_FIELDS = {"messages", "model", "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "n",
+                      "parallel_tool_calls", "reasoning_effort", "response_format", "stream", "stream_options",
+                      "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user", "seed", "stop",
+                      "frequency_penalty", "presence_penalty"}
+
+
+def test_every_chat_extension_passes_through():
+    """A name in RESPONSES_PASSTHROUGH that the chat request lacks would be accepted and silently ignored."""
+    from unmask.server.protocol import RESPONSES_PASSTHROUGH, ChatCompletionRequest
+
+    passed = set(RESPONSES_PASSTHROUGH)
+    assert passed <= set(ChatCompletionRequest.model_fields)
+    assert set(ChatCompletionRequest.model_fields) - OPENAI_CHAT_FIELDS <= passed
+
+
 # ---------------------------------------------------------------------------------------- text
 def test_text_answer_equals_chat_and_reports_incomplete(client):
     r = client.responses.create(model=MODEL, input="Say something.", instructions="Be brief.",
@@ -204,6 +220,7 @@ def test_tool_round_trip_items_equal_chat_history(client):
     ({"text": {"format": {"type": "xml"}}}, "text.format.type", "xml"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}}, "text.format.schema", "not"),
     ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+    ({"max_tool_calls": 0}, "max_tool_calls", "at least 1"),
     ({"threshold": "high"}, "threshold", "threshold"),
     ({"model": "other"}, "model", "other"),
 ])

@@ -540,8 +540,6 @@ class ResponsesRequest(RequestModel):
             return "background", "background responses are not supported (they need stored responses)"
         if self.prompt is not None:
             return "prompt", "stored prompt templates are not supported; send the instructions and input instead"
-        if self.max_tool_calls is not None and self.max_tool_calls < 1:
-            return "max_tool_calls", "max_tool_calls must be at least 1"
         return None
 
     def passthrough(self) -> dict[str, Any]:

@@ -137,8 +137,10 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    if req.max_output_tokens is not None and req.max_output_tokens < 1:
-        raise _bad("max_output_tokens", f"max_output_tokens must be at least 1, got {req.max_output_tokens}")
+    for name in ("max_output_tokens", "max_tool_calls"):
+        value = getattr(req, name)
+        if value is not None and value < 1:
+            raise _bad(name, f"{name} must be at least 1, got {value}")
     logprobs = LOGPROBS_INCLUDE in (req.include or [])
     body: dict[str, Any] = {
         "model": req.model, "messages": input_messages(req.input, req.instructions),
