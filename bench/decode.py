@@ -1,6 +1,7 @@
 """Decode benchmark: tokens/s, forwards, tokens per forward, and the step time spent outside the forward.
 
     python bench/decode.py --model DIR [--policy threshold --threshold 0.9 --block-size 8 --batch 1 --reps 5]
+                           [--dtype auto|float32|bfloat16|float32,bfloat16]
 
 Prints a table, then one JSON line. Overhead = (step time - forward time) / forward time, where the
 forward includes the output head; the rest is scheduling, planning, policies and bookkeeping.
@@ -54,27 +55,43 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto",
+                    help="auto (the engine's default) | float32 | bfloat16; several, comma-separated, alternate "
+                         "per repetition and the per-round tokens/s ratio of each to the first is reported")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from unmask.defaults import default_model_path
 
     path = args.model or default_model_path()
-    model, spec = load_model(path)
+    loaded = [load_model(path, dtype=d.strip()) for d in args.dtype.split(",")]
+    names = [str(m.lm_head.weight.dtype).removeprefix("torch.") for m, _ in loaded]
+    spec = loaded[0][1]
     tok = Tokenizer(spec.path)
     prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.batch)]
     params = GenerationParams(max_tokens=args.max_tokens, policy=args.policy, threshold=args.threshold,
                               tokens_per_step=args.tokens_per_step, block_size=args.block_size, ignore_eos=True)
-    run_once(model, spec, prompts, params, args.batch)  # warm-up
-    runs = [run_once(model, spec, prompts, params, args.batch) for _ in range(args.reps)]
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    runs: list[list[dict]] = [[] for _ in loaded]
+    for model, sp in loaded:
+        run_once(model, sp, prompts, params, args.batch)  # warm-up
+    for rep in range(args.reps):
+        order = range(len(loaded)) if rep % 2 == 0 else reversed(range(len(loaded)))
+        for i in order:
+            runs[i].append(run_once(*loaded[i], prompts, params, args.batch))
     print(f"model={spec.path.name} family={spec.family.name} policy={args.policy} batch={args.batch} "
           f"block={params.block_size or spec.block_size} threads={args.threads} reps={args.reps}")
-    print(f"{'tokens/s':>10} {'tok/fwd':>8} {'steps':>6} {'fwd ms':>8} {'step ms':>8} {'overhead':>9}")
-    print(f"{med['tokens_per_s']:10.1f} {med['tokens_per_forward']:8.2f} {med['steps']:6.0f} "
-          f"{med['forward_ms']:8.2f} {med['step_ms']:8.2f} {med['overhead_share']:9.1%}")
-    print(json.dumps({"bench": "decode", "model": str(spec.path.name), "policy": args.policy, "batch": args.batch,
-                      "median": med, "min_tokens_per_s": min(r["tokens_per_s"] for r in runs),
-                      "max_tokens_per_s": max(r["tokens_per_s"] for r in runs)}))
+    print(f"{'dtype':<9} {'tokens/s':>10} {'tok/fwd':>8} {'steps':>6} {'fwd ms':>8} {'step ms':>8} {'overhead':>9} "
+          f"{'ratio (min-max)':>20}")
+    for name, rs in zip(names, runs):
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs[0])]
+        ratio = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        print(f"{name:<9} {med['tokens_per_s']:10.1f} {med['tokens_per_forward']:8.2f} {med['steps']:6.0f} "
+              f"{med['forward_ms']:8.2f} {med['step_ms']:8.2f} {med['overhead_share']:9.1%} "
+              f"{ratio['median']:8.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})")
+        print(json.dumps({"bench": "decode", "model": str(spec.path.name), "dtype": name, "policy": args.policy,
+                          "batch": args.batch, "median": med, "ratio_to_first": ratio,
+                          "min_tokens_per_s": min(r["tokens_per_s"] for r in rs),
+                          "max_tokens_per_s": max(r["tokens_per_s"] for r in rs)}))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, spec = load_model(args.model)
+    model, spec = load_model(args.model, dtype="float32")  # the float32 of the committed figures
     lo, hi = (int(x) for x in args.prompt_len.split(","))
     prompts = prompts_for(args.requests, spec.arch.vocab_size, lo, hi, 0)
     on_threshold, on_split = dg.LONG_ENCODER, dg.can_split_on

@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
-    model, spec = load_model(args.model)
+    model, spec = load_model(args.model, dtype="float32")  # the float32 of the committed figures
     ids = corpus_ids(Tokenizer(args.model), args.corpus, max(lengths) + 8)
     bench = CostBench(model, spec, ids, max(lengths) + 200)
     default = attention.SPLIT_MIN_ELEMENTS

@@ -177,7 +177,7 @@ def main() -> None:
             sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
             from tiny_checkpoints import FAMILIES
             model = str(FAMILIES["sdar"](Path(tempfile.mkdtemp()) / "tiny-sdar"))
-    llm = LLM(model)
+    llm = LLM(model, dtype="float32")  # the float32 of the committed figures
     oracle = None
     if args.oracle is not None:
         oracle = OracleRunner(llm.spec.arch.vocab_size, args.oracle)

@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--twin-gguf", type=Path, default=None)
     ap.add_argument("--no-twin", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores available)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="weights of unmask and of the AR twin alike (default float32: the committed figures')")
     ap.add_argument("--corpus", type=Path, default=ROOT / "data/corpus")
     ap.add_argument("--sft-heldout", type=Path, default=ROOT / "data/sft/heldout.jsonl")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "docs", help="where benchmarks.{md,json} and bench/ go")
@@ -154,10 +156,10 @@ def main() -> None:
         elif old.get("meta", {}).get("mode") == mode and "longprefill" in old["sections"]:
             data["sections"]["longprefill"] = old["sections"]["longprefill"]  # kept across full runs (opt-in)
     machine = common.machine()
-    llm = LLM(args.model)
+    llm = LLM(args.model, dtype=args.dtype)
     spec = llm.spec
     model_info = {"model": rel(spec.path), "family": spec.family.name, "block_size": spec.block_size,
-                  "threads": args.threads}
+                  "threads": args.threads, "dtype": args.dtype}
     log(f"{mode} run of {', '.join(sections)}: model {rel(spec.path)} ({spec.family.name}), "
         f"{args.threads} thread(s), load average {machine['load_average_start']}")
 
@@ -171,7 +173,7 @@ def main() -> None:
         variants = policies.unmask_variants(spec.block_size, bidir)
         tw = {"path": None}
         if args.twin is not None:
-            hf = twin.HFTwin(args.twin)
+            hf = twin.HFTwin(args.twin, dtype=args.dtype)
             probe = "def f(x):\n    return x  # <|fim_prefix|>"
             if hf.tok.encode(probe, add_special_tokens=False) != llm.encode(probe):
                 sys.exit(f"twin {args.twin} does not share the model's tokenizer")

@@ -5,6 +5,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# numbers compared against references are float32's; "auto" would pick bf16 on CPUs with native bf16 only
+os.environ["UNMASK_DTYPE"] = "float32"
 torch.set_num_threads(1)  # tiny models: one thread avoids oversubscription on 2 cores
 
 

@@ -78,6 +78,24 @@ def test_bfloat16_load(family_dirs):
     assert 0 < diff < 0.1
 
 
+def test_default_dtype_follows_native_bf16(monkeypatch):
+    import unmask.models.loader as loader
+
+    monkeypatch.delenv("UNMASK_DTYPE", raising=False)
+    for native, expect in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(loader, "bf16_is_fast", lambda device, v=native: v)
+        assert loader.resolve_dtype(None, "cpu") is expect
+        assert loader.resolve_dtype("auto", "cpu") is expect
+        assert loader.resolve_dtype("float32", "cpu") is torch.float32  # explicit wins
+        assert loader.resolve_dtype(torch.float16, "cpu") is torch.float16
+    monkeypatch.setenv("UNMASK_DTYPE", "bfloat16")  # the variable beats auto, an argument beats the variable
+    assert loader.resolve_dtype(None, "cpu") is torch.bfloat16
+    assert loader.resolve_dtype("float32", "cpu") is torch.float32
+    monkeypatch.setenv("UNMASK_DTYPE", "fp8")
+    with pytest.raises(ModelLoadError, match=r"unknown dtype 'fp8'; choose one of auto, float32, bfloat16, float16"):
+        loader.resolve_dtype(None, "cpu")
+
+
 # ---------------------------------------------------------------- bad checkpoints
 
 def copy_dir(src, dst):

@@ -40,7 +40,7 @@ class HFTwin:
 
     name = "ar_twin_generate"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, dtype: str = "float32"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -49,7 +49,7 @@ class HFTwin:
         self.path = path
         self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
-                                                          dtype=torch.float32).eval()
+                                                          dtype=getattr(torch, dtype)).eval()
         self.params = sum(p.numel() for p in self.model.parameters())
         gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
         eos = gen.get("eos_token_id", self.model.config.eos_token_id)

@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from unmask.defaults import DTYPE_HELP
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -78,7 +80,7 @@ def generate(
     stop: list[str] = typer.Option([], help="Stop string (repeatable, up to 4)."),
     chat: bool = typer.Option(False, help="Render the prompt as one user turn with the chat template."),
     stats: bool = typer.Option(False, help="Print tokens, forwards, tokens per forward and tokens/s."),
-    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: float32 on CPU)."),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     device: str = typer.Option("cpu"),
 ):
     """Generate text for one prompt and print it."""
@@ -274,6 +276,7 @@ def evaluate_cmd(
     seed: int = typer.Option(0, help="Seed of the completion tasks when they sample."),
     chat_limit: int = typer.Option(200, help="Held-out chat records for the chat-ending rate (0: skip)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
 ):
     """Held-out masked-token loss, next-line completion, single-line infill exact match and function-body
     continuation (valid Python so far, repetition), per policy; the share of held-out chat answers that
@@ -297,7 +300,7 @@ def evaluate_cmd(
     if bad:
         fail(f"unknown eval policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
     try:
-        llm = LLM(model)
+        llm = LLM(model, dtype=dtype)
         docs = list(read_documents(held))
         bs = block_size or llm.spec.block_size
         flags = {"repetition_penalty": repetition_penalty, "frequency_penalty": frequency_penalty,
@@ -305,7 +308,8 @@ def evaluate_cmd(
         penalties = _with_model_defaults(llm, dict(flags))
         penalties = {k: v for k, v in penalties.items() if v is not None}
         sampling = dict(temperature=temperature, top_p=top_p, seed=seed) if temperature > 0 else {}
-        results = {"model": str(llm.spec.path), "block_size": bs, "penalties": penalties, "sampling": sampling,
+        results = {"model": str(llm.spec.path), "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."),
+                   "block_size": bs, "penalties": penalties, "sampling": sampling,
                    "masked_token_loss": masked_token_loss(llm, docs, bs), "tasks": []}
         typer.echo(f"masked-token loss (block {bs}): {results['masked_token_loss']:.3f}")
         results["next_token_loss"] = next_token_loss(llm, docs)
@@ -373,7 +377,7 @@ def chat(
     repetition_penalty: Optional[float] = typer.Option(None, help="Default: the model's generation_config."),
     dry_multiplier: Optional[float] = typer.Option(None, help=DRY_HELP),
     stats: bool = typer.Option(False, help="After each reply: tokens, forwards, tokens per forward, tokens/s."),
-    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: float32 on CPU)."),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     device: str = typer.Option("cpu"),
 ):
     """Chat in the terminal through the model's chat template; replies stream as their tokens are committed.
@@ -438,7 +442,7 @@ def bench(
     threshold: float = typer.Option(0.9), block_size: Optional[int] = typer.Option(None),
     steps: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
-    dtype: Optional[str] = typer.Option(None), device: str = typer.Option("cpu"),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP), device: str = typer.Option("cpu"),
 ):
     """Offline throughput at several batch sizes (unmask.throughput; the full suite is `make bench`)."""
     import json

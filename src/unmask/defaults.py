@@ -7,3 +7,6 @@ DEFAULT_MODEL_ID = "unmask-tiny"
 def default_model_path() -> Path:
     """The built-in model shipped inside the package."""
     return Path(__file__).resolve().parent / "assets" / DEFAULT_MODEL_ID
+
+DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (default: UNMASK_DTYPE, else auto: bfloat16 where the device "
+              "computes it natively, i.e. CUDA or a CPU with AVX512-BF16 / AMX, float32 elsewhere).")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from unmask.errors import ModelLoadError, UnsupportedModelError
 from unmask.models.registry import Family, family_for
 from unmask.models.transformer import ArchConfig, DiffusionTransformer
+from unmask.precision import bf16_is_fast
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,13 +53,18 @@ class ModelSpec:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """An explicit dtype wins, then UNMASK_DTYPE; "auto" (the default) is bfloat16 where the device computes
+    it natively (CUDA, CPUs with AVX512-BF16 or AMX) and float32 elsewhere. A small-batch decode step reads
+    every weight once and is bound by memory bandwidth, so bf16 weights run it faster where bf16 is native
+    (docs/benchmarks.md); without native support each bf16 GEMM is converted in software and far slower."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype in (None, "auto"):
-        # CPUs without bf16 matmul units run float32 fastest, and it keeps greedy outputs stable
-        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype is None:
+        dtype = os.environ.get("UNMASK_DTYPE") or "auto"
+    if dtype == "auto":
+        return torch.bfloat16 if bf16_is_fast(device) else torch.float32
     if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 

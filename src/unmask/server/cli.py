@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from unmask.defaults import DTYPE_HELP
+
 
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
@@ -40,7 +42,7 @@ def serve(
     force_include_usage: bool = typer.Option(False, envvar="UNMASK_FORCE_INCLUDE_USAGE",
                                              help="End every stream with a usage chunk, asked for or not."),
     dtype: Optional[str] = typer.Option(None, envvar="UNMASK_DTYPE",
-                                        help="float32 | bfloat16 | float16 (default: float32 on CPU)."),
+                                        help=DTYPE_HELP),
     device: str = typer.Option("cpu", envvar="UNMASK_DEVICE"),
     served_model_name: Optional[str] = typer.Option(None, envvar="UNMASK_SERVED_MODEL_NAME",
                                                     help="Model id in the API (default: the directory name)."),
