@@ -73,7 +73,9 @@ def load_serving(app: FastAPI, args: ServerArgs) -> None:
         app.state.editing = EditServing(serving)
         app.state.responses = ResponsesServing(serving)
         app.state.serving = serving
-        logger.info("model %s loaded in %.1f s; ready", args.served_model_name, time.perf_counter() - t0)
+        weights = llm.model.lm_head.weight
+        logger.info("model %s loaded in %.1f s (%s on %s); ready", args.served_model_name, time.perf_counter() - t0,
+                    str(weights.dtype).removeprefix("torch."), weights.device)
     except Exception as e:  # noqa: BLE001 - any load failure stops the server with one line
         app.state.load_error = str(e) if isinstance(e, UnmaskError) else f"{type(e).__name__}: {e}"
         logger.error("cannot load the model: %s", app.state.load_error)
