@@ -17,7 +17,7 @@ import torch
 
 from unmask.engine.engine import Engine
 from unmask.engine.params import GenerationParams
-from unmask.models.loader import load_model
+from unmask.models.loader import dtype_name, load_model
 from unmask.tokenizer import Tokenizer
 
 PROMPTS = [
@@ -64,7 +64,7 @@ def main() -> None:
 
     path = args.model or default_model_path()
     loaded = [load_model(path, dtype=d.strip()) for d in args.dtype.split(",")]
-    names = [str(m.lm_head.weight.dtype).removeprefix("torch.") for m, _ in loaded]
+    names = [dtype_name(m.lm_head.weight.dtype) for m, _ in loaded]
     spec = loaded[0][1]
     tok = Tokenizer(spec.path)
     prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.batch)]

@@ -91,6 +91,7 @@ def test_default_dtype_follows_native_bf16(monkeypatch):
     monkeypatch.setenv("UNMASK_DTYPE", "bfloat16")  # the variable beats auto, an argument beats the variable
     assert loader.resolve_dtype(None, "cpu") is torch.bfloat16
     assert loader.resolve_dtype("float32", "cpu") is torch.float32
+    assert [loader.dtype_name(loader.resolve_dtype(n, "cpu")) for n in loader.DTYPES] == list(loader.DTYPES)
     monkeypatch.setenv("UNMASK_DTYPE", "fp8")
     with pytest.raises(ModelLoadError, match=r"unknown dtype 'fp8'; choose one of auto, float32, bfloat16, float16"):
         loader.resolve_dtype(None, "cpu")

@@ -287,6 +287,7 @@ def evaluate_cmd(
     from unmask.errors import UnmaskError
     from unmask.evaluation import (CHAT_TOKENS, POLICIES, chat_endings, evaluate, function_tasks, infill_tasks,
                                    masked_token_loss, next_line_tasks, next_token_loss)
+    from unmask.models.loader import dtype_name
     from unmask.train.corpus import read_documents
     from unmask.train.instructions import read_jsonl
 
@@ -308,7 +309,7 @@ def evaluate_cmd(
         penalties = _with_model_defaults(llm, dict(flags))
         penalties = {k: v for k, v in penalties.items() if v is not None}
         sampling = dict(temperature=temperature, top_p=top_p, seed=seed) if temperature > 0 else {}
-        results = {"model": str(llm.spec.path), "dtype": str(llm.model.lm_head.weight.dtype).removeprefix("torch."),
+        results = {"model": str(llm.spec.path), "dtype": dtype_name(llm.model.lm_head.weight.dtype),
                    "block_size": bs, "penalties": penalties, "sampling": sampling,
                    "masked_token_loss": masked_token_loss(llm, docs, bs), "tasks": []}
         typer.echo(f"masked-token loss (block {bs}): {results['masked_token_loss']:.3f}")

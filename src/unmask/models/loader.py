@@ -52,6 +52,11 @@ class ModelSpec:
         return self.arch.max_position
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name `--dtype` takes for a torch dtype (the inverse of DTYPES)."""
+    return next((name for name, dt in DTYPES.items() if dt == dtype), str(dtype).removeprefix("torch."))
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     """An explicit dtype wins, then UNMASK_DTYPE; "auto" (the default) is bfloat16 where the device computes
     it natively (CUDA, CPUs with AVX512-BF16 or AMX) and float32 elsewhere. A small-batch decode step reads

@@ -56,6 +56,7 @@ def load_serving(app: FastAPI, args: ServerArgs) -> None:
     try:
         from unmask.engine.async_engine import AsyncEngine
         from unmask.engine.llm import LLM
+        from unmask.models.loader import dtype_name
         from unmask.server.serving import OpenAIServing, ServingConfig
         from unmask.server.serving_edit import EditServing
         from unmask.server.serving_responses import ResponsesServing
@@ -75,7 +76,7 @@ def load_serving(app: FastAPI, args: ServerArgs) -> None:
         app.state.serving = serving
         weights = llm.model.lm_head.weight
         logger.info("model %s loaded in %.1f s (%s on %s); ready", args.served_model_name, time.perf_counter() - t0,
-                    str(weights.dtype).removeprefix("torch."), weights.device)
+                    dtype_name(weights.dtype), weights.device)
     except Exception as e:  # noqa: BLE001 - any load failure stops the server with one line
         app.state.load_error = str(e) if isinstance(e, UnmaskError) else f"{type(e).__name__}: {e}"
         logger.error("cannot load the model: %s", app.state.load_error)
