@@ -10,10 +10,14 @@ tokenizer, width, depth, heads, MLP size and tied embeddings.
 `unmask-tiny` is AR-initialised (`make model`): a causal next-token base (`unmask train --objective
 causal`), then block diffusion from it, then SFT. The twin branches from that same base
 (`--init-from`, its weights loaded unchanged: the base is a causal LM in Qwen3 names) and spends the
-compute of the two diffusion phases on causal training instead: the same packed rows of `data/corpus`
-in the same order (same seed, same `BatchIterator`) as the block-diffusion phase, then the same packed
+compute of the diffusion phases on causal training instead: the same packed rows of `data/corpus`
+in the same order (same seed, same `BatchIterator`) as each block-diffusion run, then the same packed
 SFT rows of `data/sft/train.jsonl` with the loss on the same answer tokens, mixed with the same share of
 plain-text rows. Both models therefore have the base's compute plus equal compute after it.
+A recipe with several block-diffusion runs (`make model`: 592 steps at lr 1e-3, then 600 more at 5e-4)
+is mirrored stage by stage: `--ref-pretrain-steps 592,600 --ref-pretrain-lr 1e-3,5e-4`, each stage with
+its own warmup and cosine schedule and its data order restarted, as each `unmask train` run has.
+`--init-from` also takes an earlier twin's OUT/pretrain/model, to add a stage without redoing the first.
 Without `--init-from` the twin starts from the trainer's random initialisation (`--quick`, or a recipe
 without a causal base: then pass every pre-training run's steps to --ref-pretrain-steps).
 Optimizer, schedule shape, bf16 autocast (where native), weight decay, clipping and initialisation are the trainer's.
@@ -31,7 +35,8 @@ its warmup is scaled by the same factor. `--budget tokens` instead gives the twi
 reference's steps (the same data tokens, about half the compute). The accounting is written to
 OUT/budget.json and printed.
 
-Outputs: OUT/pretrain/model (after pre-training), OUT/model (final, after SFT): Hugging Face
+Outputs: OUT/pretrain/model (after pre-training; OUT/pretrain2/model, ... after each further stage),
+OUT/model (final, after SFT): Hugging Face
 directories that `AutoModelForCausalLM.from_pretrained` loads offline, with the tokenizer files.
 Checkpoints go to OUT/<phase>/checkpoint.pt every --save-every steps; --resume continues a killed run.
 """
@@ -158,13 +163,14 @@ def build_twin(shape: Shape, ref_config: dict, seed: int):
 
 
 def load_base(model, base_dir: Path) -> dict:
-    """Load a causal base written by `unmask train --objective causal` (unmask format = Qwen3 names)."""
+    """Load a causal base: one written by `unmask train --objective causal` (unmask format = Qwen3 names), or
+    an earlier twin (OUT/pretrain/model, a Qwen3ForCausalLM) to continue it the way a staged recipe does."""
     from safetensors.torch import load_file
 
     cfg = json.loads((base_dir / "config.json").read_text())
-    if not cfg.get("shift_logits"):
-        sys.exit(f"{base_dir}: not a causal base (config.json lacks \"shift_logits\": true; "
-                 "train one with `unmask train --objective causal`)")
+    if not (cfg.get("shift_logits") or "Qwen3ForCausalLM" in cfg.get("architectures", ())):
+        sys.exit(f"{base_dir}: not a causal base (config.json lacks \"shift_logits\": true and is no "
+                 "Qwen3ForCausalLM; train one with `unmask train --objective causal`)")
     state = {}
     for f in sorted(base_dir.glob("*.safetensors")):
         state.update(load_file(f))
@@ -201,6 +207,25 @@ def export(model, out: Path, tokenizer_dir: Path, generation_config: dict, meta:
 
 
 # ---------------------------------------------------------------------------------------------- loop
+
+def pretrain_stages(steps: str, warmup: str, lr: str) -> list[tuple[str, int, int, float]]:
+    """(name, steps, warmup, lr) of each pre-training stage from the comma-separated options; a single warmup or
+    lr applies to every stage. Stages are named pretrain, pretrain2, ... (their checkpoint folders)."""
+    def split(value: str, cast, what: str) -> list:
+        try:
+            items = [cast(x) for x in str(value).split(",")]
+        except ValueError:
+            sys.exit(f"--ref-pretrain-{what}: expected comma-separated numbers, got {value!r}")
+        return items
+
+    n = split(steps, int, "steps")
+    w, r = split(warmup, int, "warmup"), split(lr, float, "lr")
+    for what, items in (("warmup", w), ("lr", r)):
+        if len(items) not in (1, len(n)):
+            sys.exit(f"--ref-pretrain-{what}: {len(items)} values for {len(n)} stages (give one, or one per stage)")
+    w, r = w * len(n) if len(w) == 1 else w, r * len(n) if len(r) == 1 else r
+    return [("pretrain" if i == 0 else f"pretrain{i + 1}", n[i], w[i], r[i]) for i in range(len(n))]
+
 
 def run_phase(model, phase: Phase, rows: TokenRows, eval_rows: TokenRows | None, out: Path, args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
@@ -305,14 +330,15 @@ def main() -> None:
     ap.add_argument("--sft-eval", type=Path, default=Path("data/sft/heldout.jsonl"))
     ap.add_argument("--budget", choices=("flops", "tokens"), default="flops")
     ap.add_argument("--init-from", type=Path, default=None,
-                    help="the causal base the diffusion model was initialised from (unmask format, shift_logits); "
-                         "the twin starts from the same weights and matches the compute spent after it")
+                    help="the causal base the diffusion model was initialised from (unmask format, shift_logits), "
+                         "or an earlier twin stage (Qwen3ForCausalLM); the twin starts from the same weights and "
+                         "matches the compute spent after it")
     # the reference recipe (Makefile `model`): what the diffusion model was trained with after the base
     ap.add_argument("--ref-pretrain-steps", default="592",
-                    help="steps of each block-diffusion pre-training run after the base (comma-separated; the "
-                         "twin runs their summed budget as one schedule)")
-    ap.add_argument("--ref-pretrain-warmup", type=int, default=30)
-    ap.add_argument("--ref-pretrain-lr", type=float, default=1e-3)
+                    help="steps of each block-diffusion pre-training run after the base, comma-separated: each "
+                         "run is a stage of the twin with its own warmup + cosine schedule, as in the recipe")
+    ap.add_argument("--ref-pretrain-warmup", default="30", help="warmup of each stage (one value, or one per stage)")
+    ap.add_argument("--ref-pretrain-lr", default="1e-3", help="peak lr of each stage (one value, or one per stage)")
     ap.add_argument("--ref-sft-steps", type=int, default=359)
     ap.add_argument("--ref-sft-warmup", type=int, default=20)
     ap.add_argument("--ref-sft-lr", type=float, default=5e-4)
@@ -343,7 +369,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.batch_size, args.seq_len = 4, 128
-        args.ref_pretrain_steps, args.ref_pretrain_warmup, args.ref_sft_steps, args.ref_sft_warmup = "6", 2, 4, 1
+        args.ref_pretrain_steps, args.ref_pretrain_warmup, args.ref_sft_steps, args.ref_sft_warmup = "6", "2", 4, 1
         args.eval_every, args.eval_batches, args.save_every, args.log_every = 0, 1, 0, 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -394,11 +420,13 @@ def main() -> None:
             if args.sft_eval.is_file() and not args.quick:
                 sft_eval, _ = load_sft(args.sft_eval, enc, args.seq_len, "skip", pack=True)
 
-    ref_pre_steps = sum(int(x) for x in str(args.ref_pretrain_steps).split(","))
     next_token = bool(ref_config.get("causal_context")) if args.ref_next_token_loss is None \
         else bool(args.ref_next_token_loss)
-    phases = [Phase("pretrain", ref_pre_steps, args.ref_pretrain_warmup, args.ref_pretrain_lr,
-                    args.batch_size, args.seq_len, eligible=float(args.seq_len), next_token=next_token)]
+    phases = [Phase(name, steps, warmup, lr, args.batch_size, args.seq_len, eligible=float(args.seq_len),
+                    next_token=next_token)
+              for name, steps, warmup, lr in pretrain_stages(args.ref_pretrain_steps, args.ref_pretrain_warmup,
+                                                             args.ref_pretrain_lr)]
+    n_pre = len(phases)
     if sft_rows is not None:
         elig = float(sft_rows.loss_mask.float().sum(1).mean())
         phases.append(Phase("sft", args.ref_sft_steps, args.ref_sft_warmup, args.ref_sft_lr, args.batch_size,
@@ -449,12 +477,11 @@ def main() -> None:
             # the command that reproduces the run: --resume only says how this process started
             "command": " ".join([Path(sys.executable).name, *(a for a in sys.argv if a != "--resume")]),
             "phases": {}}
-    pre_dir = args.out / "pretrain"
-    res = run_phase(model, phases[0], rows, eval_rows, pre_dir, args)
-    meta["phases"]["pretrain"] = res
-    final = export(model, pre_dir / "model", args.tokenizer, ref_gen, meta)
+    for ph in phases[:n_pre]:  # each stage restarts the data order, as a new `unmask train` run does
+        meta["phases"][ph.name] = run_phase(model, ph, rows, eval_rows, args.out / ph.name, args)
+        final = export(model, args.out / ph.name / "model", args.tokenizer, ref_gen, meta)
     if sft_rows is not None:
-        res = run_phase(model, phases[1], sft_rows, sft_eval, args.out / "sft", args)
+        res = run_phase(model, phases[n_pre], sft_rows, sft_eval, args.out / "sft", args)
         meta["phases"]["sft"] = res
     meta["wall_s"] = time.perf_counter() - t_start
     final = export(model, args.out / "model", args.tokenizer, ref_gen, meta)

@@ -87,3 +87,28 @@ def test_budget_counts_the_next_token_rows_of_a_causal_context_reference():
     a.plan(shape, "flops")
     b.plan(shape, "flops")
     assert a.steps == 1400 and b.steps == round(1400 * with_next / plain)
+
+
+def test_twin_continues_from_an_earlier_twin_stage(tmp_path):
+    """`--init-from OUT/pretrain/model` (a Qwen3ForCausalLM the script exported) loads unchanged."""
+    twin_mod = _twin_script()
+    base_dir, _ = _base(tmp_path / "base")
+    shape, ref_config, _ = twin_mod.shape_from(base_dir)
+    stage = twin_mod.build_twin(shape, ref_config, seed=1).float().eval()
+    stage.save_pretrained(tmp_path / "stage", safe_serialization=True)
+    again = twin_mod.build_twin(shape, ref_config, seed=2).float().eval()
+    twin_mod.load_base(again, tmp_path / "stage")
+    ids = torch.randint(16, 90, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, stage(input_ids=ids).logits)
+
+
+def test_pretrain_stages_mirror_each_diffusion_run():
+    twin_mod = _twin_script()
+    assert twin_mod.pretrain_stages("592,600", "30", "1e-3,5e-4") == [
+        ("pretrain", 592, 30, 1e-3), ("pretrain2", 600, 30, 5e-4)]
+    assert twin_mod.pretrain_stages("592", "30", "1e-3") == [("pretrain", 592, 30, 1e-3)]
+    with pytest.raises(SystemExit, match=r"--ref-pretrain-lr: 3 values for 2 stages"):
+        twin_mod.pretrain_stages("592,600", "30", "1e-3,5e-4,1")
+    with pytest.raises(SystemExit, match=r"--ref-pretrain-steps: expected comma-separated numbers, got '592,x'"):
+        twin_mod.pretrain_stages("592,x", "30", "1e-3")
