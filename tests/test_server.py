@@ -345,6 +345,22 @@ def test_diffusion_controls(client):
         assert r.choices[0].message.content and r.usage.completion_tokens == 16
 
 
+def test_topk_tokens_per_step_and_factor_reach_the_policy(server, client):
+    """`tokens_per_step` fixes how many tokens the topk policy commits per forward; `factor` tunes its policy."""
+    def tokens_per_forward(extra):
+        before = server.metrics()
+        r = chat(client, max_tokens=16, extra_body={"ignore_eos": True, **extra})
+        after = server.metrics()
+        assert r.usage.completion_tokens == 16
+        return after["unmask:tokens_per_forward_sum"] - before["unmask:tokens_per_forward_sum"]
+
+    one, four = tokens_per_forward({"policy": "topk"}), tokens_per_forward({"policy": "topk", "tokens_per_step": 4})
+    assert one <= 1.0 and four > 2.5
+    # the factor rule commits more per step as f grows (f = 1000: every row of the block qualifies)
+    assert tokens_per_forward({"policy": "factor", "factor": 1000.0}) > 2.5 >= tokens_per_forward(
+        {"policy": "factor", "factor": 1e-6})
+
+
 # ---------------------------------------------------------------------------------------- batching, cancellation
 def test_sixteen_concurrent_streams_match_sequential_requests(server, client):
     prompts = [f"Prompt number {i}: tell me about topic {i * 7}." for i in range(16)]
@@ -482,6 +498,9 @@ def test_cors(restricted, server):
     ({"messages": CHAT, "max_tokens": 10**6}, "max_tokens"),
     ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": CHAT, "policy": "no-such-policy"}, "policy"),
+    ({"messages": CHAT, "policy": "factor", "factor": 0}, "factor"),
+    ({"messages": CHAT, "policy": "topk", "tokens_per_step": 0}, "tokens_per_step"),
+    ({"messages": CHAT, "threshold": 1.5}, "threshold"),
     ({"messages": CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"messages": CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"messages": CHAT, "logit_bias": {"5": 101}}, "logit_bias"),

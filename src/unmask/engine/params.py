@@ -114,8 +114,9 @@ class GenerationParams:
             self.infill_lengths = sorted(set(self.infill_lengths))
         try:
             self.policy_config()
-        except ValueError as e:
-            bad(str(e), "policy")
+        except ValueError as e:  # PolicyConfig's messages open with the field's name
+            name = str(e).split(" ", 1)[0]
+            bad(str(e), name if name in ("threshold", "factor", "steps", "entropy_bound", "tokens_per_step") else "policy")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
                 "min_tokens")

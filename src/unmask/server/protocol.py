@@ -101,8 +101,8 @@ class GenerationRequest(RequestModel):
         """Fields this request sets; the server fills in max_tokens, seed and its defaults."""
         effort = self.reasoning_effort
         kw = dict(REASONING_EFFORT[EFFORT_ALIASES.get(effort, effort)]) if effort else {}
-        for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "block_size", "min_tokens",
-                     *UNIFORM_FIELDS):
+        for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "factor", "tokens_per_step",
+                     "block_size", "min_tokens", *UNIFORM_FIELDS):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -200,6 +200,8 @@ class ChatCompletionRequest(GenerationRequest):
     policy: str | None = None
     threshold: float | None = None
     steps: int | None = None
+    factor: float | None = None
+    tokens_per_step: int | None = None
     block_size: int | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
@@ -255,6 +257,8 @@ class CompletionRequest(GenerationRequest):
     policy: str | None = None
     threshold: float | None = None
     steps: int | None = None
+    factor: float | None = None
+    tokens_per_step: int | None = None
     block_size: int | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
@@ -494,7 +498,8 @@ class CompletionChunk(ResponseModel):
 # ---------------------------------------------------------------------------------------- responses
 # chat-request fields a /v1/responses request may also set (unmask's and vLLM's extensions): passed through as they are
 RESPONSES_PASSTHROUGH = ("seed", "stop", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
-                         "top_k", *DRY_FIELDS, "policy", "threshold", "steps", "block_size", "ignore_eos", "min_tokens",
+                         "top_k", *DRY_FIELDS, "policy", "threshold", "steps", "factor", "tokens_per_step", "block_size",
+                         "ignore_eos", "min_tokens",
                          *UNIFORM_FIELDS, "regex", "choice", "grammar", "diffusing")
 
 
