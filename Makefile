@@ -62,12 +62,12 @@ bench-quick: $(STAMP)
 llama-cpp: $(STAMP)
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF" $(BIN)/pip install -q -e '.[test,llama]'
 
-# Rebuild the built-in model from scratch (about 2 h 50 min on idle 2 cores with native bf16; longer in float32 on AVX2-only
-# CPUs; see docs/model-card.md):
+# Rebuild the built-in model from scratch (about 3 h 20 min on idle 2 cores with native bf16; longer in float32 on
+# AVX2-only CPUs; see docs/model-card.md):
 # a causal next-token base (1,600 steps, then 2,400 more with a re-warmed schedule), block diffusion initialised from
 # it (shifted logits, as Fast-dLLM v2, with a causal context: committed text attends token-causally and keeps its
-# next-token loss), then SFT with a quarter of plain-text rows. The base is kept in bench/models: the AR twin
-# (`make twin`) starts from it.
+# next-token loss; 592 steps, then 600 more at half the peak lr), then SFT with a quarter of plain-text rows. The
+# base is kept in bench/models: the AR twin (`make twin`) starts from it.
 model: $(STAMP)
 	$(NEED_DOCS)
 	$(BIN)/unmask corpus
@@ -77,7 +77,9 @@ model: $(STAMP)
 		--lr 1e-3 --seed 1 --eval-every 200 --save-every 100 --compile
 	$(BIN)/unmask train --init-from runs/base2/model --out runs/adapt --steps 592 --warmup 30 --lr 1e-3 \
 		--causal-context --eval-every 100 --save-every 50 --compile
-	$(BIN)/unmask finetune --model runs/adapt/model --data data/sft/train.jsonl --eval-data data/sft/heldout.jsonl \
+	$(BIN)/unmask train --init-from runs/adapt/model --out runs/adapt-long --steps 600 --warmup 30 --lr 5e-4 \
+		--causal-context --eval-every 100 --save-every 50 --compile
+	$(BIN)/unmask finetune --model runs/adapt-long/model --data data/sft/train.jsonl --eval-data data/sft/heldout.jsonl \
 		--out runs/sft --steps 359 --warmup 20 --lr 5e-4 --pack --mix-text data/corpus --mix-fraction 0.25 \
 		--eval-every 100 --save-every 50 --compile
 	rm -rf src/unmask/assets/unmask-tiny && cp -r runs/sft/model src/unmask/assets/unmask-tiny
@@ -88,11 +90,13 @@ model: $(STAMP)
 	rm -rf bench/models/unmask-tiny-base && mkdir -p bench/models && cp -r runs/base2/model bench/models/unmask-tiny-base
 
 # The compute-matched autoregressive twin for `make bench` (scripts/train_ar_twin.py): from the same causal base,
-# the FLOPs of the block-diffusion and SFT phases spent on next-token training; Qwen3 format.
+# the FLOPs of each block-diffusion run (one twin stage each, with the run's lr) and of SFT spent on next-token
+# training; Qwen3 format.
 twin: $(STAMP)
 	$(NEED_DOCS)
 	test -f data/corpus/train.jsonl || $(BIN)/unmask corpus
-	$(BIN)/python scripts/train_ar_twin.py --init-from bench/models/unmask-tiny-base --out runs/ar-twin --compile
+	$(BIN)/python scripts/train_ar_twin.py --init-from bench/models/unmask-tiny-base --out runs/ar-twin \
+		--ref-pretrain-steps 592,600 --ref-pretrain-lr 1e-3,5e-4 --compile
 	rm -rf bench/models/ar-twin && cp -r runs/ar-twin/model bench/models/ar-twin && cp runs/ar-twin/budget.json bench/models/ar-twin/
 
 clean:
