@@ -1,7 +1,7 @@
 """Per-request generation parameters, validated once at the boundary."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from unmask.decoding import PolicyConfig, SamplingParams
@@ -9,6 +9,8 @@ from unmask.decoding.dry import DEFAULT_BREAKERS, DryParams, validate as validat
 from unmask.decoding.logit_adjust import LogitAdjust, validate as validate_adjust
 from unmask.errors import InvalidRequestError
 from unmask.structured.spec import StructuredSpec
+
+POLICY_KNOBS = frozenset(f.name for f in fields(PolicyConfig)) - {"name"}  # what its error messages open with
 
 CacheMode = Literal["auto", "none", "prefix", "dual"]
 
@@ -116,7 +118,7 @@ class GenerationParams:
             self.policy_config()
         except ValueError as e:  # PolicyConfig's messages open with the field's name
             name = str(e).split(" ", 1)[0]
-            bad(str(e), name if name in ("threshold", "factor", "steps", "entropy_bound", "tokens_per_step") else "policy")
+            bad(str(e), name if name in POLICY_KNOBS else "policy")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
                 "min_tokens")
