@@ -50,11 +50,15 @@ def test_generate_takes_penalties(family_dirs, monkeypatch, tmp_path):
     assert (seen[1].frequency_penalty, seen[1].presence_penalty, seen[1].repetition_penalty) == (0.5, 0.0, 1.3)
     assert invoke(*common, "--frequency-penalty", "0", "--repetition-penalty", "1.1", "hi").exit_code == 0
     assert (seen[2].frequency_penalty, seen[2].repetition_penalty) == (0.0, 1.1)
-    # chat_defaults apply to `unmask chat` only, over the model-wide penalties
+    # chat_defaults apply to chat answers only (`unmask chat`, `generate --chat`), over the model-wide penalties
     (model / "generation_config.json").write_text(json.dumps({**gen, "repetition_penalty": 1.3,
                                                               "chat_defaults": {"frequency_penalty": 0.3}}))
     assert invoke(*common, "hi").exit_code == 0
     assert (seen[3].frequency_penalty, seen[3].repetition_penalty) == (0.0, 1.3)
+    assert invoke(*common, "--chat", "hi").exit_code == 0
+    assert (seen[4].frequency_penalty, seen[4].repetition_penalty) == (0.3, 1.3)
+    assert invoke(*common, "--chat", "--frequency-penalty", "0", "hi").exit_code == 0
+    assert seen[5].frequency_penalty == 0.0
     streamed = []
     monkeypatch.setattr(llm_module.LLM, "stream", lambda self, ids, p: streamed.append(p) or iter(()))
     r = runner.invoke(app, ["chat", "--model", str(model), "--max-tokens", "4"], input="hi\n/exit\n")

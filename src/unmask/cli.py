@@ -79,7 +79,8 @@ def generate(
         None, help="DRY: text that ends a repeat (repeatable; default \\n : \" *; 'none' for no breakers)."),
     cache: str = typer.Option("auto", help="Bidirectional families: none | prefix | dual."),
     stop: list[str] = typer.Option([], help="Stop string (repeatable, up to 4)."),
-    chat: bool = typer.Option(False, help="Render the prompt as one user turn with the chat template."),
+    chat: bool = typer.Option(False, help="Render the prompt as one user turn with the chat template (and take the "
+                                          "model's chat_defaults penalties, as a chat request would)."),
     stats: bool = typer.Option(False, help="Print tokens, forwards, tokens per forward and tokens/s."),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     device: str = typer.Option("cpu"),
@@ -98,7 +99,7 @@ def generate(
                      dry_sequence_breakers=_breakers(dry_sequence_breaker))
         _params(**knobs)  # bad flags fail before the model loads
         llm = LLM(model, dtype=dtype, device=device)
-        params = _params(**_with_model_defaults(llm, knobs))
+        params = _params(**_with_model_defaults(llm, knobs, chat=chat))  # --chat: a chat answer, as the server's
         ids = llm.chat_prompt([{"role": "user", "content": prompt}]) if chat else llm.encode(prompt)
         t0 = time.perf_counter()
         out = llm.generate(ids, params)[0]
