@@ -401,3 +401,40 @@ def test_causal_context_writes_the_prompt_as_a_causal_model_does(models):
     other = block_causal.add_request(prompt, GenerationParams(max_tokens=4, block_size=4))
     block_causal.step()
     assert not torch.allclose(other.cache.k[-1][:, :12], k_last, atol=1e-4)
+
+
+def test_credit_policy_knobs_reach_the_policy(models):
+    """credit_weight 0 fuses nothing, so the credit policy decodes exactly as the threshold policy; a large
+    weight lets the fused top-1 proposals cross the threshold sooner (fewer forwards for the same 16 tokens)."""
+    model, spec = models["sdar"]
+    p = lambda **kw: GenerationParams(max_tokens=16, threshold=0.5, block_size=8, ignore_eos=True, **kw)  # noqa: E731
+    plain, eng_plain = run(model, spec, PROMPTS, p(policy="threshold"))
+    zero, eng_zero = run(model, spec, PROMPTS, p(policy="credit", credit_weight=0.0))
+    assert [s.output_ids for s in zero] == [s.output_ids for s in plain]
+    assert eng_zero.stats.tokens_fed == eng_plain.stats.tokens_fed
+    # a random model's top-1 p is ~1/V: gamma 0.05 and weight 1000 make its credit decisive
+    alone, eng_alone = run(model, spec, PROMPTS[:1], p(policy="threshold"))
+    heavy, eng_heavy = run(model, spec, PROMPTS[:1], p(policy="credit", credit_weight=1000.0, credit_gamma=0.05))
+    assert len(heavy[0].output_ids) == 16
+    assert eng_heavy.stats.steps < eng_alone.stats.steps / 2
+
+
+def test_alg_temp_samples_the_commit_order_per_seed(models):
+    """Dream's alg_temp: 0 commits the most confident rows whatever the seed; > 0 draws them, reproducibly."""
+    model, spec = models["sdar"]
+    p = lambda t, seed: GenerationParams(max_tokens=8, policy="maskgit_plus", steps=2, block_size=8,  # noqa: E731
+                                         ignore_eos=True, alg_temp=t, seed=seed)
+    out = lambda t, seed: run(model, spec, [PROMPTS[0]], p(t, seed))[0][0].output_ids  # noqa: E731
+    greedy = out(0.0, 1)
+    assert out(0.0, 2) == greedy
+    sampled = {seed: out(5.0, seed) for seed in range(4)}
+    assert out(5.0, 3) == sampled[3]
+    assert any(ids != greedy for ids in sampled.values())
+
+
+@pytest.mark.parametrize("field, value", [("alg_temp", -1.0), ("credit_decay", 1.5), ("credit_gamma", 0.0),
+                                          ("credit_weight", -0.1)])
+def test_policy_knob_errors_name_the_field(field, value):
+    with pytest.raises(InvalidRequestError) as e:
+        GenerationParams(policy="credit", **{field: value})
+    assert e.value.param == field and str(e.value).startswith(f"{field} must be")

@@ -359,6 +359,9 @@ def test_topk_tokens_per_step_and_factor_reach_the_policy(server, client):
     # the factor rule commits more per step as f grows (f = 1000: every row of the block qualifies)
     assert tokens_per_forward({"policy": "factor", "factor": 1000.0}) > 2.5 >= tokens_per_forward(
         {"policy": "factor", "factor": 1e-6})
+    # the credit policy's fusion knobs: weight 0 is the plain threshold rule; a decisive credit commits blocks whole
+    assert tokens_per_forward({"policy": "credit", "credit_weight": 1000.0, "credit_gamma": 0.05}) > 2.5 >= \
+        tokens_per_forward({"policy": "credit", "credit_weight": 0.0})
 
 
 # ---------------------------------------------------------------------------------------- batching, cancellation
@@ -500,6 +503,10 @@ def test_cors(restricted, server):
     ({"messages": CHAT, "policy": "no-such-policy"}, "policy"),
     ({"messages": CHAT, "policy": "factor", "factor": 0}, "factor"),
     ({"messages": CHAT, "policy": "topk", "tokens_per_step": 0}, "tokens_per_step"),
+    ({"messages": CHAT, "policy": "maskgit_plus", "alg_temp": -1}, "alg_temp"),
+    ({"messages": CHAT, "policy": "credit", "credit_decay": 1.5}, "credit_decay"),
+    ({"messages": CHAT, "policy": "credit", "credit_gamma": 0}, "credit_gamma"),
+    ({"messages": CHAT, "policy": "credit", "credit_weight": -1}, "credit_weight"),
     ({"messages": CHAT, "threshold": 1.5}, "threshold"),
     ({"messages": CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"messages": CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),

@@ -27,6 +27,10 @@ class GenerationParams:
     steps: int | None = None            # denoising steps per block for schedule-based policies
     tokens_per_step: int | None = None  # the `topk` policy's fixed k (1 = one token per forward)
     factor: float = 1.0
+    alg_temp: float = 0.0               # Dream: > 0 samples the committed rows from softmax(confidence / alg_temp)
+    credit_decay: float = 0.8           # the credit policy's EMA decay, exponent and fusion weight (dInfer's values)
+    credit_gamma: float = 0.2
+    credit_weight: float = 0.7
     entropy_bound: float | None = None  # None: the default (0.35 for entropy_bounded; DiffusionGemma: 0.1)
     block_size: int | None = None       # None: the model's default
     cache: CacheMode = "auto"           # bidirectional families: none (exact) | prefix | dual
@@ -139,7 +143,9 @@ class GenerationParams:
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(name=self.policy, threshold=self.threshold, steps=self.steps, factor=self.factor,
                             entropy_bound=0.35 if self.entropy_bound is None else self.entropy_bound,
-                            tokens_per_step=self.tokens_per_step)
+                            tokens_per_step=self.tokens_per_step, alg_temp=self.alg_temp,
+                            credit_decay=self.credit_decay, credit_gamma=self.credit_gamma,
+                            credit_weight=self.credit_weight)
 
     def logit_adjust(self) -> LogitAdjust:
         bias = tuple(sorted((int(t), float(v)) for t, v in (self.logit_bias or {}).items() if v))

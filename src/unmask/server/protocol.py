@@ -92,6 +92,8 @@ EFFORT_ALIASES = {"minimal": "instant", "none": "instant"}  # OpenAI's lowest le
 # uniform-noise decoding (DiffusionGemma): entropy-bound acceptance, temperature schedule, stop rule
 DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 UNIFORM_FIELDS = ("entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold", "uniform_draws")
+# policy knobs past threshold / steps / factor / tokens_per_step (docs/decoding.md)
+POLICY_FIELDS = ("alg_temp", "credit_decay", "credit_gamma", "credit_weight")
 
 
 class GenerationRequest(RequestModel):
@@ -102,7 +104,7 @@ class GenerationRequest(RequestModel):
         effort = self.reasoning_effort
         kw = dict(REASONING_EFFORT[EFFORT_ALIASES.get(effort, effort)]) if effort else {}
         for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "factor", "tokens_per_step",
-                     "block_size", "min_tokens", *UNIFORM_FIELDS):
+                     *POLICY_FIELDS, "block_size", "min_tokens", *UNIFORM_FIELDS):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -202,6 +204,10 @@ class ChatCompletionRequest(GenerationRequest):
     steps: int | None = None
     factor: float | None = None
     tokens_per_step: int | None = None
+    alg_temp: float | None = None
+    credit_decay: float | None = None
+    credit_gamma: float | None = None
+    credit_weight: float | None = None
     block_size: int | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
@@ -259,6 +265,10 @@ class CompletionRequest(GenerationRequest):
     steps: int | None = None
     factor: float | None = None
     tokens_per_step: int | None = None
+    alg_temp: float | None = None
+    credit_decay: float | None = None
+    credit_gamma: float | None = None
+    credit_weight: float | None = None
     block_size: int | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
@@ -498,8 +508,8 @@ class CompletionChunk(ResponseModel):
 # ---------------------------------------------------------------------------------------- responses
 # chat-request fields a /v1/responses request may also set (unmask's and vLLM's extensions): passed through as they are
 RESPONSES_PASSTHROUGH = ("seed", "stop", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
-                         "top_k", *DRY_FIELDS, "policy", "threshold", "steps", "factor", "tokens_per_step", "block_size",
-                         "ignore_eos", "min_tokens",
+                         "top_k", *DRY_FIELDS, "policy", "threshold", "steps", "factor", "tokens_per_step", *POLICY_FIELDS,
+                         "block_size", "ignore_eos", "min_tokens",
                          *UNIFORM_FIELDS, "regex", "choice", "grammar", "diffusing")
 
 
