@@ -105,6 +105,16 @@ def test_bad_input_is_one_line(family_dirs, args, message):
     assert len(lines) == 1 and message in lines[0], r.stderr
 
 
+def test_empty_prompt_is_one_line(family_dirs):
+    r = invoke("generate", "--model", str(family_dirs["sdar"]), "--max-tokens", "4", "")
+    assert r.exit_code == 1 and r.stderr.strip() == "error: the prompt is empty", r.stderr
+
+
+def test_serve_refuses_a_port_out_of_range():
+    r = invoke("serve", "--port", "70000")
+    assert r.exit_code == 2 and "--port" in r.stderr and "65535" in r.stderr  # click's usage error, before any load
+
+
 def test_chat_streams_replies_and_resets():
     """Two turns, a reset, a third turn; each reply printed after its prompt, stats on stderr."""
     r = runner.invoke(app, ["chat", "--max-tokens", "4", "--stats"], input="hi\nmore\n/reset\nagain\n/exit\nnot read\n")

@@ -613,3 +613,11 @@ def test_edit_errors(fim_server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     r = post(fim_server, "/v1/apply/completions", {"messages": [{"role": "user", "content": "<|original_code|>x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # a bad token limit is refused even where the merge needs no model call; the error names the field sent
+    snippet = "# ... existing code ...\ndef f(x):\n    y = x + 2\n    return y\n# ... existing code ..."
+    for limit, param in (({"max_tokens": -1}, "max_tokens"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
+                         ({"max_completion_tokens": 0, "max_tokens": 8}, "max_completion_tokens")):
+        r = post(fim_server, "/v1/apply/completions", {**apply_message(ORIGINAL, snippet), **limit})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (limit, r.text)
+        r = post(fim_server, "/v1/edit/completions", {"messages": [user], **limit})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (limit, r.text)

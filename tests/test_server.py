@@ -284,6 +284,66 @@ def test_seed_reproducibility(client):
     assert a == b and a != c
 
 
+def test_streamed_logprobs_cover_every_token_held_back_by_a_stop_string(server, client):
+    """A step can commit tokens whose text is held back (it may begin a stop string): their logprobs still
+    stream, without top_logprobs too, so the stream carries one entry per completion token."""
+    stop = ["zzzz-never"]   # every text ending in a prefix of it ("z", "zz", ...) is held until it cannot match
+    chunks = list(chat(client, max_tokens=16, logprobs=True, stop=stop, stream=True,
+                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == chunks[-1].usage.completion_tokens == 16
+    whole = chat(client, max_tokens=16, logprobs=True, stop=stop, extra_body={"ignore_eos": True})
+    assert [e.token for e in entries] == [e.token for e in whole.choices[0].logprobs.content]
+    streamed = list(client.completions.create(model="tiny-sdar", prompt="Once", max_tokens=16, logprobs=0,
+                                              stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert sum(len(c.choices[0].logprobs.tokens) for c in streamed if c.choices and c.choices[0].logprobs) == 16
+
+
+def test_null_means_the_default(server, client):
+    """Clients send null for arguments a caller passed as None; OpenAI reads that as the default."""
+    r = raw_post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "n": None, "logprobs": None,
+                                                  "stream": None, "ignore_eos": None, "diffusing": None,
+                                                  "temperature": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = raw_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": None, "n": None,
+                                             "stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]") and '"usage":{' not in r.text
+    assert_envelope(raw_post(server, "/v1/chat/completions", {"messages": None}), 400, "messages")  # required
+
+
+def test_openai_error_shapes(server):
+    # unknown model: 404 with OpenAI's type and code
+    err = assert_envelope(raw_post(server, "/v1/chat/completions", {"model": "nope", "messages": CHAT}), 404, "model")
+    assert err["type"] == "invalid_request_error" and err["code"] == "model_not_found"
+    # the field the client sent is the one named
+    for body, param in (({"max_completion_tokens": -1}, "max_completion_tokens"),
+                        ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
+                        ({"max_tokens": -1}, "max_tokens")):
+        err = assert_envelope(raw_post(server, "/v1/chat/completions", {"messages": CHAT, **body}), 400, param)
+        assert param in err["message"]
+    err = assert_envelope(raw_post(server, "/v1/chat/completions", {"messages": CHAT, "stream_options":
+                                                                    {"include_usage": True}}), 400, "stream_options")
+    assert "stream" in err["message"]
+    assert_envelope(raw_post(server, "/v1/completions", {"prompt": "hi", "stream_options": {}}), 400, "stream_options")
+    # the deprecated function-calling fields would be answered in a shape the client does not read
+    fn = {"name": "f", "parameters": {"type": "object"}}
+    assert_envelope(raw_post(server, "/v1/chat/completions", {"messages": CHAT, "functions": [fn]}), 400, "functions")
+    assert_envelope(raw_post(server, "/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}), 400,
+                    "function_call")
+    # `curl -d` without a JSON content type: the cause, not a pydantic message
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps({"messages": CHAT}),
+                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+    err = assert_envelope(r, 400)
+    assert err["code"] == "invalid_content_type" and "application/x-www-form-urlencoded" in err["message"]
+
+
+def test_assistant_refusal_parts_are_read_as_text(client):
+    history = [*CHAT, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+               {"role": "user", "content": [{"type": "text", "text": "Why not?"}]}]
+    assert chat(client, messages=history, max_tokens=2).usage.completion_tokens == 2
+
+
 def test_logprobs(client):
     r = chat(client, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
@@ -463,8 +523,8 @@ def test_api_keys(restricted, server):
 
 def test_body_and_prompt_limits(restricted):
     big = {"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 4}
-    err = assert_envelope(raw_post(restricted, "/v1/chat/completions", big, KEYS[0]), 400)
-    assert "4000" in err["message"]
+    err = assert_envelope(raw_post(restricted, "/v1/chat/completions", big, KEYS[0]), 413)
+    assert "4000" in err["message"] and err["type"] == "invalid_request_error"
     long_prompt = {"prompt": "word " * 200, "max_tokens": 4}
     err = assert_envelope(raw_post(restricted, "/v1/completions", long_prompt, KEYS[0]), 400, "prompt")
     assert "64" in err["message"]
@@ -477,6 +537,10 @@ def test_cors(restricted, server):
     preflight = {"Origin": "http://allowed.example", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type"}
     r = httpx.options(f"{restricted.url}/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://allowed.example"
+    # the OpenAI SDKs' own headers (openai-node sends x-stainless-*) pass the preflight
+    sdk = {**preflight, "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os,x-stainless-lang"}
+    r = httpx.options(f"{restricted.url}/v1/chat/completions", headers=sdk)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://allowed.example"
     r = httpx.options(f"{restricted.url}/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
     assert "access-control-allow-origin" not in r.headers

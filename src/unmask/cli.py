@@ -92,7 +92,7 @@ def generate(
 ):
     """Generate text for one prompt and print it."""
     from unmask.engine.llm import LLM
-    from unmask.errors import UnmaskError
+    from unmask.errors import InvalidRequestError, UnmaskError
 
     try:
         knobs = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -107,6 +107,8 @@ def generate(
         llm = LLM(model, dtype=dtype, device=device)
         params = _params(**_with_model_defaults(llm, knobs, chat=chat))  # --chat: a chat answer, as the server's
         ids = llm.chat_prompt([{"role": "user", "content": prompt}]) if chat else llm.encode(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
         t0 = time.perf_counter()
         out = llm.generate(ids, params)[0]
         elapsed = time.perf_counter() - t0

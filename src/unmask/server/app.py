@@ -205,6 +205,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(exc.response().model_dump(), status_code=exc.status, headers=exc.headers)
 
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        ctype = request.headers.get("content-type", "")
+        if request.method == "POST" and ctype and "json" not in ctype.lower():
+            # e.g. `curl -d` without -H sends a form type: refused rather than parsed anyway, so that a browser
+            # page cannot POST a form or text/plain body here without a CORS preflight
+            return await api_error(request, APIError(
+                400, f"send the request body as JSON with 'Content-Type: application/json' (got '{ctype}')",
+                code="invalid_content_type"))
         return await api_error(request, validation_error(exc))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -244,5 +251,5 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     app.add_middleware(APIKeyMiddleware, keys=args.api_keys, metrics=app.state.metrics)
     if args.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=args.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["*"])  # the OpenAI SDKs add their own x-stainless-* headers
     return app

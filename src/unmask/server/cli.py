@@ -21,7 +21,7 @@ def serve(
     model: Optional[Path] = typer.Option(None, "--model", "-m", envvar="UNMASK_MODEL",
                                          help="Model directory (default: the built-in unmask-tiny)."),
     host: str = typer.Option("127.0.0.1", envvar="UNMASK_HOST", help="Interface to listen on."),
-    port: int = typer.Option(8000, envvar="UNMASK_PORT"),
+    port: int = typer.Option(8000, min=0, max=65535, envvar="UNMASK_PORT", help="Port to listen on (0: any free one)."),
     api_key: list[str] = typer.Option([], "--api-key", envvar="UNMASK_API_KEY",
                                       help="Require 'Authorization: Bearer KEY' on every route but /health "
                                            "(repeatable; in the variable, keys separated by spaces)."),

@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 ReasoningEffort = Literal["instant", "low", "medium", "high", "minimal", "none"]
 
@@ -33,8 +33,8 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
                500: "server_error", 503: "service_unavailable_error"}
 
 
@@ -55,6 +55,16 @@ class APIError(Exception):
 # ---------------------------------------------------------------------------------------- bases
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """An explicit null on an optional field is the field's default, as in OpenAI's API (the official
+        clients send null for every argument a caller passed as None); required fields stay required."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
@@ -99,6 +109,11 @@ POLICY_FIELDS = ("alg_temp", "credit_decay", "credit_gamma", "credit_weight")
 class GenerationRequest(RequestModel):
     """Shared by both endpoints: how a request's fields become engine `GenerationParams` fields."""
 
+    def stream_options_without_stream(self) -> tuple[str, str] | None:
+        if self.stream_options is not None and not self.stream:  # OpenAI and vLLM refuse it too
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
     def generation_kwargs(self) -> dict[str, Any]:
         """Fields this request sets; the server fills in max_tokens, seed and its defaults."""
         effort = self.reasoning_effort
@@ -121,13 +136,18 @@ class GenerationRequest(RequestModel):
 class TextPart(RequestModel):
     type: str
     text: str | None = None
+    refusal: str | None = None   # an assistant turn's `refusal` part (OpenAI), read as its text
 
     @field_validator("type")
     @classmethod
     def _text_only(cls, v: str) -> str:
-        if v != "text":
-            raise ValueError(f"content parts of type {v!r} are not supported; only 'text'")
+        if v not in ("text", "refusal"):
+            raise ValueError(f"content parts of type {v!r} are not supported; only 'text' (and 'refusal')")
         return v
+
+    @property
+    def as_text(self) -> str:
+        return (self.text if self.type == "text" else self.refusal) or ""
 
 
 class ChatMessage(RequestModel):
@@ -141,7 +161,7 @@ class ChatMessage(RequestModel):
         """The message as a chat template reads it: text parts joined, `developer` as `system`."""
         content = self.content
         if isinstance(content, list):
-            content = "\n".join(p.text or "" for p in content)
+            content = "\n".join(p.as_text for p in content)
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                "content": content or ""}
         for key in ("name", "tool_calls", "tool_call_id"):
@@ -224,9 +244,12 @@ class ChatCompletionRequest(GenerationRequest):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) of the first field set to something unmask cannot honour."""
+        for legacy, now in (("functions", "tools"), ("function_call", "tool_choice")):
+            if (self.model_extra or {}).get(legacy) is not None:  # answered as message.function_call: not sent
+                return legacy, f"{legacy} is the deprecated form of {now}; send {now} (answers carry tool_calls)"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs: true"
-        return None
+        return self.stream_options_without_stream()
 
 
 # ---------------------------------------------------------------------------------------- completions
@@ -294,6 +317,8 @@ class CompletionRequest(GenerationRequest):
         return list(p)
 
     def unsupported(self) -> tuple[str, str] | None:
+        if bad := self.stream_options_without_stream():
+            return bad
         if self.suffix and self.echo:
             return "echo", "echo is not supported together with suffix (fill in the middle)"
         if self.best_of is not None and self.best_of != self.n:

@@ -48,7 +48,7 @@ class APIKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuses request bodies over `limit` bytes with a 400 that names the limit.
+    """Refuses request bodies over `limit` bytes with a 413 that names the limit.
 
     A declared Content-Length is checked before reading; a chunked body is read (up to the limit)
     and replayed to the app.
@@ -58,7 +58,7 @@ class BodyLimitMiddleware:
         self.app, self.limit, self.metrics = app, limit, metrics
 
     def _error(self) -> APIError:
-        return APIError(400, f"request body is larger than this server's limit of {self.limit} bytes "
+        return APIError(413, f"request body is larger than this server's limit of {self.limit} bytes "
                              "(--max-body-bytes)", code="request_too_large")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -285,6 +285,7 @@ class OpenAIServing:
                                 "prompt tokens (--max-prompt-tokens, at most the model's context)",
                            param=prompt_param, code="context_length_exceeded")
         asked = getattr(req, "max_completion_tokens", None)
+        field = "max_tokens" if asked is None else "max_completion_tokens"  # errors name the field the client sent
         asked = req.max_tokens if asked is None else asked
         room = ctx - n_prompt
         if asked is None:
@@ -293,10 +294,10 @@ class OpenAIServing:
                                param=prompt_param, code="context_length_exceeded")
             return min(self.cfg.default_max_tokens, room)
         if asked < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {asked}", param="max_tokens")
+            raise APIError(400, f"{field} must be at least 1, got {asked}", param=field)
         if asked > room:
-            raise APIError(400, f"the prompt ({n_prompt} tokens) plus max_tokens ({asked}) is over this model's "
-                                f"context of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
+            raise APIError(400, f"the prompt ({n_prompt} tokens) plus {field} ({asked}) is over this model's "
+                                f"context of {ctx} tokens", param=field, code="context_length_exceeded")
         return asked
 
     # ------------------------------------------------------------------ running jobs
@@ -513,7 +514,7 @@ class ChatFormat(_Format):
     def chunks(self, index: int, st: ChoiceState, out: StepOutput) -> list[ChatCompletionChunk]:
         if self.tools is not None:
             return self._tool_chunks(index, out)
-        if not (out.text_delta or out.finished or (self.logprobs and out.new_token_ids)):
+        if not (out.text_delta or out.finished or (self.logprobs is not None and out.new_token_ids)):
             return []
         delta = Delta(content=out.text_delta) if out.text_delta or not out.finished else Delta()
         return [self._chunk([ChatChunkChoice(index=index, delta=delta,
@@ -598,7 +599,7 @@ class CompletionFormat(_Format):
         return [self._chunk([CompletionChoice(index=i, text=self._prefix(i))]) for i in indices if self._prefix(i)]
 
     def chunks(self, index: int, st: ChoiceState, out: StepOutput) -> list[CompletionChunk]:
-        if out.text_delta or out.finished or (self.logprobs and out.new_token_ids):
+        if out.text_delta or out.finished or (self.logprobs is not None and out.new_token_ids):
             return [self.chunk(index, st, out)]
         return []
 

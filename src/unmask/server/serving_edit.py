@@ -82,14 +82,14 @@ class EditServing:
         fmt = CompletionFormat(s, req, [""] * len(prompts))
         return await s._run(fmt, jobs, req, counted, is_disconnected, t0)
 
-    def _max_tokens(self, asked: int | None, default: int) -> int:
+    def _max_tokens(self, asked: int | None, default: int, field: str = "max_tokens") -> int:
         ctx = self.spec.max_context
         n = default if asked is None else asked
         if n < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {n}", param="max_tokens")
+            raise APIError(400, f"{field} must be at least 1, got {n}", param=field)
         if n >= ctx:
-            raise APIError(400, f"max_tokens ({n}) leaves no room for the prefix and suffix in this model's "
-                                f"context of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
+            raise APIError(400, f"{field} ({n}) leaves no room for the prefix and suffix in this model's "
+                                f"context of {ctx} tokens", param=field, code="context_length_exceeded")
         return n
 
     def _infill(self, prefix: str | list[int], suffix: str, max_tokens: int) -> InfillPrompt:
@@ -140,8 +140,21 @@ class EditServing:
         text, finish, generated = await self._decide(plan, req, is_disconnected, t0, required=True)
         return self._answer(req, "edit.completion", text, finish, len(self.tok.encode(content)), generated)
 
+    @staticmethod
+    def _asked_max_tokens(req: EditRequest) -> tuple[int | None, str]:
+        """(the request's token limit, the field it came from); checked before any merge, so a bad value is a
+        400 even for an edit that needs no model call."""
+        if req.max_completion_tokens is not None:
+            asked, field = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            asked, field = req.max_tokens, "max_tokens"
+        if asked is not None and asked < 1:
+            raise APIError(400, f"{field} must be at least 1, got {asked}", param=field)
+        return asked, field
+
     def _edit_content(self, req: EditRequest) -> str:
         self.s._validate(req)
+        self._asked_max_tokens(req)
         content = req.user_content()
         if content is None:
             raise APIError(400, "edit endpoints take exactly one user message holding the tagged sections",
@@ -166,6 +179,7 @@ class EditServing:
         kw = {**self.s.defaults, **req.generation_kwargs()}
         kw.pop("stop", None)          # stop strings would cut a region short
         base, jobs, decode = uuid.uuid4().hex[:16], [], {}
+        asked, field = self._asked_max_tokens(req)
         for i in opened:
             piece = plan.pieces[i]
             before, after = plan.context(i)
@@ -177,7 +191,7 @@ class EditServing:
                 jobs.append(job[0])
                 decode[i] = job[1]
             else:
-                max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, REWRITE_MAX_TOKENS)
+                max_tokens = self._max_tokens(asked, REWRITE_MAX_TOKENS, field)
                 ip = self._infill(before, after, max_tokens)
                 params = self._params(ip, None, max_tokens=max_tokens, seed=seed, **kw)
                 jobs.append(Job(i, f"{base}-{i}", ip.prompt_ids, params))
