@@ -174,6 +174,80 @@ def test_required_tool_call_whole_and_streamed(client):
     jsonschema.validate(json.loads(streamed.arguments), schema)
 
 
+def _format_outputs(text: str, finish: str, step: int = 3, logprobs: bool = False):
+    """(streamed items, whole-response items) that ResponsesFormat builds for a tool-parsed output `text` written
+    `step` tokens per engine step, with the built-in model's tokenizer and tool format (no server, no model)."""
+    from types import SimpleNamespace
+
+    from unmask.defaults import default_model_path
+    from unmask.engine.outputs import StepOutput
+    from unmask.server.protocol import ResponsesRequest, Usage
+    from unmask.server.serving import ChoiceState
+    from unmask.server.serving_responses import ResponsesFormat, to_chat_request
+    from unmask.structured.tools import UNMASK, ChatPlan
+    from unmask.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_path())
+    serving = SimpleNamespace(tok=tok, cfg=SimpleNamespace(model_name="m"))
+    extra = {"include": ["message.output_text.logprobs"], "top_logprobs": 0} if logprobs else {}
+    req = ResponsesRequest(input="x", tools=FLAT_TOOLS, **extra)
+    plan = ChatPlan(messages=[], template_tools=None, structured=None, parse=UNMASK)
+    ids = tok.encode(text)
+    assert ids.count(9) == text.count("<tool_call>")   # the tag is the special token <tool_call>
+    fmt, state = ResponsesFormat(serving, req, to_chat_request(req), plan), ChoiceState()
+    events = []
+    for i in range(0, len(ids), step):
+        last = i + step >= len(ids)
+        out = StepOutput("r", ids[i:i + step], tok.decode(ids[i:i + step]), last, finish if last else None, 1,
+                         min(i + step, len(ids)), 1, new_logprobs=[-0.5] * len(ids[i:i + step]) if logprobs else None)
+        state.add(out)
+        events += fmt.chunks(0, state, out)
+    usage = Usage(prompt_tokens=1, completion_tokens=len(ids), total_tokens=len(ids) + 1)
+    streamed = fmt.closing({0: state}, usage, False)[0]["response"]["output"]
+    whole = ResponsesFormat(serving, req, to_chat_request(req), plan).response({0: state}, usage).model_dump()
+    return streamed, whole["output"]
+
+
+def _shape(items):
+    return [(i["type"], i["status"], i["content"][0]["text"] if i["type"] == "message" else i["arguments"])
+            for i in items]
+
+
+def test_items_keep_the_written_order_and_a_cut_off_call_is_incomplete():
+    call = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+    for step in (1, 3, 100):
+        streamed, whole = _format_outputs(call + "After.", "stop", step)
+        assert _shape(streamed) == _shape(whole) == [("function_call", "completed", '{"tz": "UTC"}'),
+                                                     ("message", "completed", "After.")]
+        # cut off inside the arguments: what was written, not an invented {}, and marked incomplete
+        streamed, whole = _format_outputs('Sure.<tool_call>{"name": "get_time", "arguments": {"tz": "U', "length",
+                                          step)
+        assert _shape(streamed) == _shape(whole) == [("message", "completed", "Sure."),
+                                                     ("function_call", "incomplete", '{"tz": "U')]
+        streamed, whole = _format_outputs('<tool_call>{"name": "get_time", "arguments', "length", step)
+        assert _shape(streamed) == _shape(whole) == [("function_call", "incomplete", "")]
+
+
+def test_logprobs_of_call_markup_open_no_empty_message_items():
+    call = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+    for step in (1, 3):
+        streamed, whole = _format_outputs(call, "stop", step, logprobs=True)
+        assert _shape(streamed) == _shape(whole) == [("function_call", "completed", '{"tz": "UTC"}')]
+        streamed, whole = _format_outputs("Hi." + call + "Bye.", "stop", step, logprobs=True)
+        assert [i["type"] for i in streamed] == [i["type"] for i in whole] == ["message", "function_call", "message"]
+        assert all(i["content"][0]["text"] for i in streamed if i["type"] == "message")
+
+
+def test_logprobs_with_tools_open_no_empty_message_items(client):
+    kw = dict(model=MODEL, input="What time is it?", tools=FLAT_TOOLS, tool_choice="required", max_output_tokens=160,
+              parallel_tool_calls=False, include=["message.output_text.logprobs"], top_logprobs=1)
+    whole = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        list(stream)
+        final = stream.get_final_response()
+    assert [o.type for o in whole.output] == [o.type for o in final.output] == ["function_call"]
+
+
 def test_max_tool_calls(client):
     kw = dict(model=MODEL, input="Weather?", tools=FLAT_TOOLS, tool_choice="required", max_output_tokens=300,
               temperature=1.0, extra_body={"seed": 4})
@@ -213,6 +287,8 @@ def test_tool_round_trip_items_equal_chat_history(client):
     ({"input": [{"role": "critic", "content": "x"}]}, "input[0].role", "critic"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments", "string"),
     ({"input": []}, "input", "empty"),
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "call_9",
+                                                  "output": "1"}]}, "input[1].call_id", "call_9"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"if": {}, "then": {}}}], "tool_choice": "required"},
      "tools[0].parameters", "if"),
@@ -238,6 +314,10 @@ def test_nothing_is_stored(server, client):
     for method in ("GET", "DELETE"):
         err = assert_envelope(httpx.request(method, f"{server.url}/v1/responses/{r.id}"), 404, "response_id")
         assert "stateless" in err["message"] and err["code"] == "response_not_found"
+    for path in ("input_items", "cancel"):
+        method = "POST" if path == "cancel" else "GET"
+        err = assert_envelope(httpx.request(method, f"{server.url}/v1/responses/{r.id}/{path}"), 404, "response_id")
+        assert f"'{r.id}'" in err["message"]
 
 
 # ---------------------------------------------------------------------------------------- tokenizer

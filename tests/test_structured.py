@@ -293,6 +293,32 @@ def test_parse_results():
         assert [c.name for c in calls] == names and content == "Checking."
 
 
+def test_pieces_keep_the_order_the_output_wrote():
+    text = 'Before.<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>After.'
+    for step in (1, 4, len(text)):
+        parser, pieces = ToolParser(UNMASK), []
+        for i in range(0, len(text), step):
+            pieces += parser.feed_pieces(text[i:i + step])
+        pieces += parser.finish_pieces()
+        kinds = ["text" if isinstance(p, str) else "call" for p in pieces]
+        first_call = kinds.index("call")
+        assert "".join(p for p in pieces[:first_call] if isinstance(p, str)) == "Before."
+        assert "".join(p for p in pieces[first_call:] if isinstance(p, str)) == "After."
+        assert "text" not in kinds[first_call:kinds.index("text", first_call)]  # the call's deltas come first
+        assert parser.calls[0].complete and parser.calls[0].arguments == '{"tz": "UTC"}'
+
+
+@pytest.mark.parametrize("text,arguments,complete", [
+    ('<tool_call>{"name": "get_time", "arguments', "", False),            # cut off before its arguments
+    ('<tool_call>{"name": "get_time", "arguments": {"tz": "U', '{"tz": "U', False),
+    ('<tool_call>{"name": "get_time"}</tool_call>', "{}", True),           # closed without arguments: {}
+    ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "{}", True),
+])
+def test_a_cut_off_call_keeps_what_was_written_and_is_incomplete(text, arguments, complete):
+    _, calls = parse_tool_calls(text, UNMASK)
+    assert [(c.name, c.arguments, c.complete) for c in calls] == [("get_time", arguments, complete)]
+
+
 # ---------------------------------------------------------------------------------------- server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

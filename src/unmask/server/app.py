@@ -119,6 +119,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
 
 @router.api_route("/v1/responses/{response_id:path}", methods=["GET", "DELETE", "POST"])
 async def stored_response(response_id: str) -> Response:
+    response_id = response_id.split("/", 1)[0]   # also .../input_items and .../cancel
     raise APIError(404, f"response {response_id!r} was not stored: this server's /v1/responses is stateless "
                         "(send the whole conversation in `input`)", param="response_id", code="response_not_found")
 

@@ -67,6 +67,7 @@ def input_messages(items: str | list[dict[str, Any]], instructions: str | None) 
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(items, str):
         return messages + [{"role": "user", "content": items}]
+    calls_seen: set[str] = set()
     for i, item in enumerate(items):
         param = f"input[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
@@ -79,6 +80,7 @@ def input_messages(items: str | list[dict[str, Any]], instructions: str | None) 
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise _bad(f"{param}.{key}", f"{param}.{key} must be a string")
+            calls_seen.add(item["call_id"])
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
@@ -89,6 +91,9 @@ def input_messages(items: str | list[dict[str, Any]], instructions: str | None) 
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise _bad(f"{param}.call_id", f"{param}.call_id must be a string")
+            if item["call_id"] not in calls_seen:   # OpenAI refuses an output whose call is not in the input
+                raise _bad(f"{param}.call_id", f"no function_call item before {param} has call_id "
+                                               f"{item['call_id']!r}")
             output = item.get("output", "")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": output if isinstance(output, str) else _text(output, f"{param}.output")})
@@ -207,6 +212,8 @@ class ResponsesFormat(ChatFormat):
         self.open: list[int] = []          # output indices of items still in progress (streaming)
         self.message: int | None = None    # the message item that text deltas go to
         self.calls: dict[int, int] = {}    # parser call index -> output index
+        self.call_of: dict[int, int] = {}  # output index -> parser call index
+        self.pending_logprobs: list[TokenLogprob] = []
         self.max_calls = req.max_tool_calls  # calls past it are dropped (as unparallel second calls are)
         self.parser = ToolParser(self.tools, self.parallel, self.max_calls) if self.tools is not None else None
         self.decoder = IncrementalDecoder(self.tok, skip_special_tokens=False) if self.tools is not None else None
@@ -236,19 +243,35 @@ class ResponsesFormat(ChatFormat):
     def response(self, states: dict[int, ChoiceState], usage: Usage) -> ResponseObject:
         st = states[0]
         status, reason = self._status(st.finish_reason)
-        item_status = "incomplete" if reason else "completed"
         logprobs = self._token_logprobs(st.token_ids, st.logprobs, st.top_logprobs)
         if self.tools is None:
-            content, calls = st.text, []
-        else:
-            content, calls = parse_tool_calls(self.tok.decode(st.token_ids, skip_special_tokens=False), self.tools,
-                                              self.parallel, self.max_calls)
+            pieces: list = [st.text] if st.text else []
+        else:  # the items in the order the output wrote them, as the stream sends them
+            parser = ToolParser(self.tools, self.parallel, self.max_calls)
+            pieces = parser.feed_pieces(self.tok.decode(st.token_ids, skip_special_tokens=False))
+            pieces += parser.finish_pieces()
         output: list = []
-        if content or not calls:
-            output.append(ResponseMessageItem(id=_item_id("msg"), status=item_status, content=[
-                ResponseOutputText(text=content, logprobs=logprobs)]))
-        output += [ResponseFunctionCallItem(id=_item_id("fc"), status="completed", call_id=c.id, name=c.name,
-                                            arguments=c.arguments) for c in calls]
+        message: ResponseMessageItem | None = None
+        for piece in pieces:
+            if isinstance(piece, str):
+                if message is None:
+                    message = ResponseMessageItem(id=_item_id("msg"), status="completed",
+                                                  content=[ResponseOutputText(text="")])
+                    output.append(message)
+                message.content[0].text += piece
+            elif piece.id is not None:
+                complete = parser.calls[piece.index].complete
+                output.append(ResponseFunctionCallItem(id=_item_id("fc"), call_id=piece.id, name=piece.name,
+                                                       arguments=parser.calls[piece.index].arguments,
+                                                       status="completed" if complete else "incomplete"))
+                message = None
+        if not output:  # nothing was written: one empty message
+            output.append(ResponseMessageItem(id=_item_id("msg"), status="completed", content=[ResponseOutputText(text="")]))
+        first = next((i for i in output if isinstance(i, ResponseMessageItem)), None)
+        if first is not None:
+            first.content[0].logprobs = logprobs
+        if reason and isinstance(output[-1], ResponseMessageItem):  # cut off: the item being written is incomplete
+            output[-1].status = "incomplete"
         return self._response(status, output, usage, reason)
 
     # ------------------------------------------------------------------ stream framing
@@ -273,17 +296,20 @@ class ResponsesFormat(ChatFormat):
             if out.text_delta or logprobs:
                 events += self._text(out.text_delta, logprobs)
         else:
-            content, deltas = self.parser.feed(self.decoder.push(out.new_token_ids))
+            pieces = self.parser.feed_pieces(self.decoder.push(out.new_token_ids))
             if out.finished:
-                tail, more = self.parser.finish()
-                content, deltas = content + tail, deltas + more
-            if content or (logprobs and not deltas):
-                events += self._text(content, logprobs)
-            for d in deltas:
-                events += self._call(d)
+                pieces += self.parser.finish_pieces()
+            # logprobs ride on message text; a step that wrote only call markup keeps them for the next text
+            self.pending_logprobs += logprobs
+            for piece in pieces:
+                if isinstance(piece, str):
+                    events += self._text(piece, self.pending_logprobs)
+                    self.pending_logprobs = []
+                else:
+                    events += self._call(piece)
         if out.finished:
             if not self.items:  # nothing was written: still one (empty) message, as the whole response has
-                events += self._text("", [])
+                events += self._text("", self.pending_logprobs)
             events += self._close_all("incomplete" if out.finish_reason == "length" else "completed")
         return events
 
@@ -318,6 +344,7 @@ class ResponsesFormat(ChatFormat):
             self.items.append(item)
             self.open.append(index)
             self.calls[d.index] = index
+            self.call_of[index] = d.index
             events.append(self._event("response.output_item.added", output_index=index, item=item))
         index = self.calls[d.index]
         if d.arguments:
@@ -341,7 +368,10 @@ class ResponsesFormat(ChatFormat):
             else:
                 events.append(self._event("response.function_call_arguments.done", item_id=item.id,
                                           output_index=index, name=item.name, arguments=item.arguments))
-            item.status = status if isinstance(item, ResponseMessageItem) else "completed"
+            if isinstance(item, ResponseMessageItem):
+                item.status = status
+            else:  # a call is complete once its closing tag was written, whatever ended the output
+                item.status = "completed" if self.parser.calls[self.call_of[index]].complete else "incomplete"
             events.append(self._event("response.output_item.done", output_index=index, item=item))
         self.open = []
         self.message = None

@@ -237,6 +237,7 @@ class ParsedCall:
     id: str
     name: str
     arguments: str = ""            # the arguments JSON exactly as the model wrote it
+    complete: bool = False         # its closing tag was written (False: cut off by the end of the output)
 
 
 @dataclass
@@ -299,41 +300,51 @@ class ToolParser:
         self._ws = ""                       # whitespace held until non-space content follows
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        return _split(self.feed_pieces(text))
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        return _split(self.finish_pieces())
+
+    def feed_pieces(self, text: str) -> list[str | ToolCallDelta]:
+        """Content text and call deltas in the order the output wrote them."""
         self._buf += text
-        content, deltas = "", []
+        pieces: list[str | ToolCallDelta] = []
         open_tag, close_tag = self.fmt.open_tag, self.fmt.close_tag
         while True:
             if self._block is None:
                 i = self._buf.find(open_tag)
                 if i < 0:
                     cut = len(self._buf) - _partial_suffix(self._buf, open_tag)
-                    content += self._content(self._buf[:cut])
+                    pieces.append(self._content(self._buf[:cut]))
                     self._buf = self._buf[cut:]
-                    return content, deltas
-                content += self._content(self._buf[:i])
+                    return [p for p in pieces if p != ""]
+                pieces.append(self._content(self._buf[:i]))
                 self._buf = self._buf[i + len(open_tag):]
                 self._block = _Block()
             j = self._buf.find(close_tag)
             body = self._buf if j < 0 else self._buf[:j]
-            deltas += self._progress(body, closed=j >= 0)
+            pieces += self._progress(body, closed=j >= 0)
             if j < 0:
-                return content, deltas
+                return [p for p in pieces if p != ""]
             if self._block.call is None and not self._block.dropped:
-                content += self._content(open_tag + body + close_tag)
+                pieces.append(self._content(open_tag + body + close_tag))
+            elif self._block.call is not None:
+                self._block.call.complete = True
             self._buf = self._buf[j + len(close_tag):]
             self._block = None
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """End of output: an unclosed call keeps what it has; other leftover text is content."""
-        content, deltas = "", []
+    def finish_pieces(self) -> list[str | ToolCallDelta]:
+        """End of output: an unclosed call keeps what it has (it stays incomplete, and gets no default
+        arguments); other leftover text is content."""
+        pieces: list[str | ToolCallDelta] = []
         if self._block is not None:
-            deltas = self._progress(self._buf, closed=True)
+            pieces += self._progress(self._buf, closed=False, ended=True)
             if self._block.call is None and not self._block.dropped:
-                content = self._content(self.fmt.open_tag + self._buf)
+                pieces.append(self._content(self.fmt.open_tag + self._buf))
         else:
-            content = self._content(self._buf)
+            pieces.append(self._content(self._buf))
         self._buf, self._block = "", None
-        return content, deltas
+        return [p for p in pieces if p != ""]
 
     def _content(self, text: str) -> str:
         pending = self._ws + text
@@ -356,7 +367,9 @@ class ToolParser:
         except ValueError:  # an invalid escape: keep the raw text
             return m.group(1)
 
-    def _progress(self, body: str, closed: bool) -> list[ToolCallDelta]:
+    def _progress(self, body: str, closed: bool, ended: bool = False) -> list[ToolCallDelta]:
+        """Deltas for a call block's text so far; `closed`: its closing tag was read; `ended`: the output ended
+        inside it."""
         b, deltas = self._block, []
         if b.call is None and not b.dropped:
             name = self._name(body)
@@ -375,7 +388,7 @@ class ToolParser:
         if self.fmt.syntax == "gemma4":
             # the body is not JSON: its arguments go out once, converted, when the block closes (a
             # prefix of the conversion could later change, e.g. a bare word becoming a number)
-            if closed and not b.call.arguments:
+            if (closed or ended) and not b.call.arguments:   # a cut-off call: what its text converts to
                 b.call.arguments = gemma4.call_arguments(body) or "{}"
                 deltas.append(ToolCallDelta(index, arguments=b.call.arguments))
             return deltas
@@ -388,10 +401,14 @@ class ToolParser:
                 deltas.append(ToolCallDelta(index, arguments=final[b.sent:]))
                 b.call.arguments += final[b.sent:]
                 b.sent = len(final)
-        if closed and not b.call.arguments:  # no arguments key: an empty argument object
+        if closed and not b.call.arguments:  # a closed call without an arguments key: an empty argument object
             b.call.arguments = "{}"
             deltas.append(ToolCallDelta(index, arguments="{}"))
         return deltas
+
+
+def _split(pieces: list[str | ToolCallDelta]) -> tuple[str, list[ToolCallDelta]]:
+    return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if not isinstance(p, str)]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
