@@ -1,8 +1,10 @@
 """CLI: prints text, stats, and one-line errors with a non-zero exit."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from unmask.cli import app
@@ -219,7 +221,7 @@ def test_eval_samples_the_completion_tasks_reproducibly(family_dirs, tmp_path, m
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     write_documents([CorpusFile("stdlib", f"m{i}.py", code) for i in range(3)], corpus / "heldout.jsonl")
-    args = ("eval", "-m", str(family_dirs["sdar"]), "--corpus", str(corpus), "--sft-heldout", str(tmp_path / "none"),
+    args = ("eval", "-m", str(family_dirs["sdar"]), "--corpus", str(corpus), "--sft-heldout", "none",
             "--limit", "3", "--policies", "threshold_0.9", "--chat-limit", "0", "--temperature", "1.0", "--seed", "5")
     runs = []
     for i in range(2):
@@ -233,3 +235,77 @@ def test_eval_samples_the_completion_tasks_reproducibly(family_dirs, tmp_path, m
     r = invoke(*args[:-4], "--temperature", "3")
     assert r.exit_code == 1 and r.stderr.strip().splitlines() == [
         "error: --temperature must be in [0, 2] and --top-p in (0, 1], got 3.0 and 1.0"]
+
+
+def _damaged_copy(src: Path, dst: Path, damage) -> Path:
+    shutil.copytree(src, dst)
+    damage(dst)
+    return dst
+
+
+def _edit_config(**changes):
+    def damage(d: Path):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(changes)
+        (d / "config.json").write_text(json.dumps(cfg))
+    return damage
+
+
+def _int_norms(d: Path):
+    from safetensors.torch import load_file, save_file
+    f = next(d.glob("*.safetensors"))
+    state = load_file(f)
+    state = {k: (v.to(torch.int32) if "norm" in k else v) for k, v in state.items()}
+    save_file(state, f, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json must hold a JSON object, not list"),
+    (_edit_config(hidden_size="256"), "hidden_size must be a positive integer, got '256'"),
+    (_edit_config(num_attention_heads=-8), "num_heads must be a positive integer, got -8"),
+    (_int_norms, "is int32, not a floating-point tensor"),
+    (lambda d: (d / "tokenizer_config.json").write_text("{broken"), "tokenizer_config.json is not valid JSON"),
+])
+def test_a_damaged_model_directory_is_one_line(family_dirs, tmp_path, damage, message):
+    broken = _damaged_copy(family_dirs["sdar"], tmp_path / "broken", damage)
+    r = invoke("generate", "--model", str(broken), "--max-tokens", "2", "hi")
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--device", "bogus"), "error: unknown device 'bogus'; use cpu or cuda[:N]"),
+    (("--device", "mps"), "error: device 'mps' is not supported; use cpu or cuda[:N]"),
+    (("--seed", str(10**20)), "error: seed must be an integer in [-2**63, 2**64)"),
+])
+def test_device_and_seed_errors_are_one_line(family_dirs, args, message):
+    r = invoke("generate", "--model", str(family_dirs["sdar"]), *args, "hi")
+    assert r.exit_code == 1 and r.stderr.strip().splitlines() == [r.stderr.strip()] and message in r.stderr, r.stderr
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(family_dirs):
+    r = invoke("generate", "--model", str(family_dirs["sdar"]), "\udcff\udcfe")   # how bytes \xff\xfe arrive
+    assert r.exit_code == 1 and r.stderr.strip() == "error: the prompt is not valid UTF-8", r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--log-level", "bogus"), "error: --log-level must be one of critical, error, warning, info, debug, trace"),
+    (("--dtype", "bogus"), "error: unknown dtype 'bogus'"),
+])
+def test_serve_flag_errors_before_binding(family_dirs, args, message):
+    r = invoke("serve", "--model", str(family_dirs["sdar"]), "--port", "1", *args)
+    assert r.exit_code == 1 and message in r.stderr, r.stderr
+
+
+def test_eval_checks_its_outputs_and_named_inputs_up_front(family_dirs, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "heldout.jsonl").write_text(json.dumps({"source": "stdlib", "path": "a.py", "text": "x = 1\n"}) + "\n")
+    base = ["eval", "--model", str(family_dirs["sdar"]), "--corpus", str(corpus)]
+    r = invoke(*base, "--json", str(tmp_path / "missing" / "out.json"))
+    assert r.exit_code == 1 and "--json" in r.stderr and "cannot be written" in r.stderr, r.stderr
+    r = invoke(*base, "--json", str(tmp_path))
+    assert r.exit_code == 1 and "cannot be written" in r.stderr
+    r = invoke(*base, "--sft-heldout", str(tmp_path / "nope.jsonl"))
+    assert r.exit_code == 1 and r.stderr.strip() == f"error: --sft-heldout {tmp_path / 'nope.jsonl'} not found"

@@ -29,6 +29,23 @@ def fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+def _check_utf8(text: str, what: str) -> None:
+    """Bytes that are not UTF-8 reach Python as lone surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        fail(f"{what} is not valid UTF-8")
+
+
+def _check_output_file(path: Path | None, flag: str) -> None:
+    """Before a long run: a results file that cannot be written would lose its results at the end."""
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+        fail(f"{flag} {path} cannot be written (a directory, or its folder is missing or read-only)")
+
+
 DRY_HELP = ("DRY loop penalty (llama.cpp's): penalise the token that would extend a repeat of an earlier "
             "run of tokens, multiplier * base^(length - allowed length); 0 = off (default: the model's "
             "generation_config). docs/decoding.md")
@@ -104,6 +121,7 @@ def generate(
                      dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
                      dry_sequence_breakers=_breakers(dry_sequence_breaker))
         _params(**knobs)  # bad flags fail before the model loads
+        _check_utf8(prompt, "the prompt")
         llm = LLM(model, dtype=dtype, device=device)
         params = _params(**_with_model_defaults(llm, knobs, chat=chat))  # --chat: a chat answer, as the server's
         ids = llm.chat_prompt([{"role": "user", "content": prompt}]) if chat else llm.encode(prompt)
@@ -271,7 +289,9 @@ def finetune(
 def evaluate_cmd(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="Model directory (default: built-in)."),
     corpus_dir: Path = typer.Option(Path("data/corpus"), "--corpus", help="Corpus with heldout.jsonl (unmask corpus)."),
-    sft_heldout: Path = typer.Option(Path("data/sft/heldout.jsonl"), "--sft-heldout", help="Held-out FIM records."),
+    sft_heldout: Optional[Path] = typer.Option(
+        None, "--sft-heldout", help="Held-out instruction records: infill tasks and chat endings (default: "
+        "data/sft/heldout.jsonl, skipped when absent; 'none' skips them)."),
     limit: int = typer.Option(200, help="Tasks per kind."),
     policies: str = typer.Option("one_token_per_forward,threshold_0.9,threshold_0.7"),
     block_size: Optional[int] = typer.Option(None),
@@ -304,6 +324,14 @@ def evaluate_cmd(
     held = corpus_dir / "heldout.jsonl"
     if not held.is_file():
         fail(f"{held} not found: run `unmask corpus` first")
+    if sft_heldout is None:
+        default = Path("data/sft/heldout.jsonl")
+        sft_heldout = default if default.is_file() else None
+    elif str(sft_heldout) == "none":
+        sft_heldout = None
+    elif not sft_heldout.is_file():  # named explicitly: its tasks must not vanish from the results
+        fail(f"--sft-heldout {sft_heldout} not found")
+    _check_output_file(json_out, "--json")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not 0.0 <= temperature <= 2.0 or not 0.0 < top_p <= 1.0:
         fail(f"--temperature must be in [0, 2] and --top-p in (0, 1], got {temperature} and {top_p}")
@@ -327,7 +355,7 @@ def evaluate_cmd(
         if results["next_token_loss"] is not None:
             typer.echo(f"next-token loss (causal attention): {results['next_token_loss']:.3f}")
         task_sets = [next_line_tasks(docs, limit)]
-        if sft_heldout.is_file():
+        if sft_heldout is not None:
             task_sets.append(infill_tasks(read_jsonl(sft_heldout), limit))
         task_sets.append(function_tasks(docs, limit))
         typer.echo(f"{'task':<10} {'policy':<24} {'n':>4} {'exact':>7} {'edit sim':>8} {'valid':>6} {'repeat':>6} "
@@ -343,7 +371,7 @@ def evaluate_cmd(
         fn = next((t for t in results["tasks"] if t["task"] == "function"), None)
         if fn:
             typer.echo(f"function bodies of the held-out files themselves: repeat {fn['target_repeat']:.2f}")
-        if sft_heldout.is_file() and chat_limit > 0:
+        if sft_heldout is not None and chat_limit > 0:
             chat_penalties = _with_model_defaults(llm, dict(flags), chat=True)
             endings = chat_endings(llm, read_jsonl(sft_heldout), chat_limit, block_size=block_size, **chat_penalties)
             results["chat_penalties"] = {k: v for k, v in chat_penalties.items() if v is not None}
@@ -359,7 +387,10 @@ def evaluate_cmd(
     except UnmaskError as e:
         fail(str(e))
     if json_out:
-        json_out.write_text(json.dumps(results, indent=2))
+        try:
+            json_out.write_text(json.dumps(results, indent=2))
+        except OSError as e:
+            fail(f"cannot write --json {json_out}: {e.strerror}")
 
 
 def _with_model_defaults(llm, knobs: dict, chat: bool = False) -> dict:
@@ -417,6 +448,11 @@ def chat(
         text = line.strip()
         if not text:
             continue
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            typer.echo("error: the input is not valid UTF-8", err=True)
+            continue
         if text in ("/exit", "/quit"):
             break
         if text == "/reset":
@@ -466,6 +502,7 @@ def bench(
         sizes = [int(b) for b in batch.split(",") if b.strip()]
     except ValueError:
         fail(f"--batch must be comma-separated integers, got {batch!r}")
+    _check_output_file(json_out, "--json")
     if not sizes or min(sizes) < 1 or prompt_len < 1 or rounds < 1:
         fail("--batch sizes, --prompt-len and --rounds must be >= 1")
     knobs = {k: v for k, v in dict(policy=policy, threshold=threshold, block_size=block_size, steps=steps).items()

@@ -12,7 +12,15 @@ SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token"
 
 def _config(path: Path) -> dict:
     f = path / "tokenizer_config.json"
-    return json.loads(f.read_text()) if f.is_file() else {}
+    if not f.is_file():
+        return {}
+    try:
+        cfg = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{f} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{f} must hold a JSON object, not {type(cfg).__name__}")
+    return cfg
 
 
 def _special_names(cfg: dict) -> list[str]:

@@ -72,6 +72,8 @@ class GenerationParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
+            bad(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
         if not 0.0 <= self.temperature <= 2.0:
             bad(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:

@@ -75,9 +75,25 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def check_device(device: str) -> None:
+    """cpu or an available CUDA device; anything else is a one-line error, not a torch traceback."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ModelLoadError(f"unknown device {device!r}; use cpu or cuda[:N]") from None
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+    elif kind != "cpu":
+        raise ModelLoadError(f"device {device!r} is not supported; use cpu or cuda[:N]")
 
 
 def model_directory(path: str | Path) -> Path:
@@ -124,6 +140,8 @@ def load_spec(path: str | Path) -> ModelSpec:
         arch = family.parse_config(config)
     except KeyError as e:
         raise ModelLoadError(f"{root / 'config.json'} lacks required key {e.args[0]!r} for family {family.name}") from None
+    except (TypeError, ValueError, AttributeError) as e:  # e.g. "hidden_size": "256", or negative head counts
+        raise ModelLoadError(f"{root / 'config.json'}: invalid {family.name} config: {e}") from None
     if family.causal_context(config) and not family.shifted(config):
         raise ModelLoadError(f"{root / 'config.json'}: {family.context_key!r} needs {family.shift_key!r}: true "
                              "(a causal context reads each next token from the row before it)")
@@ -174,6 +192,9 @@ def load_weights(model: DiffusionTransformer, spec: ModelSpec, state: dict[str, 
         if tuple(canon[k].shape) != tuple(t.shape):
             raise ModelLoadError(f"{spec.path}: weight {k} has shape {tuple(canon[k].shape)}, "
                                  f"config implies {tuple(t.shape)}")
+        if t.is_floating_point() and not canon[k].is_floating_point():
+            raise ModelLoadError(f"{spec.path}: weight {k} is {str(canon[k].dtype).removeprefix('torch.')}, "
+                                 "not a floating-point tensor")
     model.load_state_dict(canon, strict=False, assign=True)
     if spec.arch.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -195,12 +216,14 @@ def _skip_init():
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                device: str = "cpu") -> tuple[DiffusionTransformer, ModelSpec]:
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError("device 'cuda' requested but CUDA is not available")
+    check_device(device)
     spec = load_spec(path)
     dt = resolve_dtype(dtype, device)
-    with _skip_init(), torch.device("meta"):
-        model = (spec.family.model_class or DiffusionTransformer)(spec.arch)
+    try:
+        with _skip_init(), torch.device("meta"):
+            model = (spec.family.model_class or DiffusionTransformer)(spec.arch)
+    except (RuntimeError, ValueError, TypeError) as e:  # a config whose shapes no module can take
+        raise ModelLoadError(f"{spec.path / 'config.json'}: cannot build the {spec.family.name} network: {e}") from None
     state = read_state(weight_files(spec.path))
     load_weights(model, spec, state, dt)
     del state

@@ -122,6 +122,7 @@ def register(family: Family) -> Family:
 def family_for(config: dict) -> Family:
     _import_families()
     archs = config.get("architectures") or []
+    archs = [a for a in (archs if isinstance(archs, list) else [archs]) if isinstance(a, str)]
     for a in archs:
         if a in FAMILIES:
             return FAMILIES[a]

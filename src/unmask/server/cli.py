@@ -12,6 +12,9 @@ import typer
 from unmask.defaults import DTYPE_HELP
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's levels
+
+
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(1)
@@ -46,9 +49,10 @@ def serve(
     device: str = typer.Option("cpu", envvar="UNMASK_DEVICE"),
     served_model_name: Optional[str] = typer.Option(None, envvar="UNMASK_SERVED_MODEL_NAME",
                                                     help="Model id in the API (default: the directory name)."),
-    drain_timeout: float = typer.Option(30.0, envvar="UNMASK_DRAIN_TIMEOUT",
+    drain_timeout: float = typer.Option(30.0, min=0, envvar="UNMASK_DRAIN_TIMEOUT",
                                         help="On shutdown, seconds to let running requests finish."),
-    log_level: str = typer.Option("info", envvar="UNMASK_LOG_LEVEL"),
+    log_level: str = typer.Option("info", envvar="UNMASK_LOG_LEVEL",
+                                  help="critical | error | warning | info | debug | trace."),
 ):
     """Serve a model over an OpenAI-compatible HTTP API."""
     import logging
@@ -65,13 +69,17 @@ def serve(
             _fail(f"the built-in model is not installed at {model}; pass --model DIR")
     elif not model.is_dir():
         _fail(f"model directory {model} does not exist")
+    if log_level.lower() not in LOG_LEVELS:
+        _fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    if dtype is not None and dtype not in ("auto", "float32", "bfloat16", "float16"):  # before the port is bound
+        _fail(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
     template = None
     if chat_template is not None:
         try:
             template = chat_template.read_text(encoding="utf-8")
         except OSError as e:
             _fail(f"cannot read the chat template {chat_template}: {e.strerror}")
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if log_level.lower() == "trace" else log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
     args = ServerArgs(model=model, served_model_name=served_model_name or model.resolve().name,
                       api_keys=list(api_key), cors_origins=list(cors_origin),
