@@ -10,17 +10,20 @@ from unmask.errors import ModelLoadError
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token", "sep_token", "cls_token")
 
 
+def read_json_object(path: Path) -> dict:
+    """A model directory's JSON file (config, generation or tokenizer config); a damaged one is a ModelLoadError."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
 def _config(path: Path) -> dict:
     f = path / "tokenizer_config.json"
-    if not f.is_file():
-        return {}
-    try:
-        cfg = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{f} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ModelLoadError(f"{f} must hold a JSON object, not {type(cfg).__name__}")
-    return cfg
+    return read_json_object(f) if f.is_file() else {}
 
 
 def _special_names(cfg: dict) -> list[str]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from unmask.errors import ModelLoadError, UnsupportedModelError
 from unmask.models.registry import Family, family_for
 from unmask.models.transformer import ArchConfig, DiffusionTransformer
 from unmask.precision import bf16_is_fast
+from unmask.tokenizer import read_json_object
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,16 +73,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object, not {type(data).__name__}")
-    return data
-
-
 def check_device(device: str) -> None:
     """cpu or an available CUDA device; anything else is a one-line error, not a torch traceback."""
     try:
@@ -109,7 +99,7 @@ def model_directory(path: str | Path) -> Path:
 def weight_files(root: Path) -> list[Path]:
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        shards = sorted(set(read_json_object(index).get("weight_map", {}).values()))
         missing = [s for s in shards if not (root / s).is_file()]
         if missing:
             raise ModelLoadError(f"{root}: shard(s) listed in model.safetensors.index.json are missing: {', '.join(missing)}")
@@ -134,7 +124,7 @@ def read_state(files: list[Path]) -> dict[str, torch.Tensor]:
 
 def load_spec(path: str | Path) -> ModelSpec:
     root = model_directory(path)
-    config = _read_json(root / "config.json")
+    config = read_json_object(root / "config.json")
     family = family_for(config)
     try:
         arch = family.parse_config(config)
@@ -146,7 +136,7 @@ def load_spec(path: str | Path) -> ModelSpec:
         raise ModelLoadError(f"{root / 'config.json'}: {family.context_key!r} needs {family.shift_key!r}: true "
                              "(a causal context reads each next token from the row before it)")
     gen_path = root / "generation_config.json"
-    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    gen = read_json_object(gen_path) if gen_path.is_file() else {}
     stops: list[int] = []
     for src in (gen.get("eos_token_id"), config.get("eos_token_id"), family.extra_stop_ids):
         for t in (src if isinstance(src, (list, tuple)) else [src]):
