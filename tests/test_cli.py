@@ -298,6 +298,14 @@ def test_serve_flag_errors_before_binding(family_dirs, args, message):
     assert r.exit_code == 1 and message in r.stderr, r.stderr
 
 
+def test_serve_refuses_a_chat_template_that_does_not_parse(family_dirs, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }")
+    r = invoke("serve", "--model", str(family_dirs["sdar"]), "--port", "1", "--chat-template", str(template))
+    assert r.exit_code == 1 and r.stderr.startswith(f"error: the chat template {template} does not parse"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_eval_checks_its_outputs_and_named_inputs_up_front(family_dirs, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -79,6 +79,15 @@ def serve(
             template = chat_template.read_text(encoding="utf-8")
         except OSError as e:
             _fail(f"cannot read the chat template {chat_template}: {e.strerror}")
+        except UnicodeDecodeError:
+            _fail(f"the chat template {chat_template} is not UTF-8 text")
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:  # a syntax error is the server's fault: refuse to start rather than answer every chat with a 400
+            ImmutableSandboxedEnvironment().parse(template)
+        except TemplateSyntaxError as e:
+            _fail(f"the chat template {chat_template} does not parse: {e.message} (line {e.lineno})")
     logging.basicConfig(level=logging.DEBUG if log_level.lower() == "trace" else log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
     args = ServerArgs(model=model, served_model_name=served_model_name or model.resolve().name,
