@@ -139,6 +139,24 @@ def test_chat_history_reaches_the_template(monkeypatch):
     assert seen[2][1]["content"] == "c"
 
 
+def test_chat_caps_each_reply_to_the_context_left(monkeypatch):
+    """`--max-tokens` over the context is cut to what the conversation leaves, as llama.cpp's server does, instead
+    of failing every turn."""
+    from unmask.engine import llm as llm_module
+
+    budgets = []
+
+    def stream(self, ids, params):
+        budgets.append((len(ids), params.max_tokens, self.spec.max_context))
+        return iter(())
+    monkeypatch.setattr(llm_module.LLM, "stream", stream)
+    r = runner.invoke(app, ["chat", "--max-tokens", "100000"], input="hi\nmore\n")
+    assert r.exit_code == 0 and "error" not in r.stderr, r.output
+    assert len(budgets) == 2 and all(n + limit == ctx for n, limit, ctx in budgets)
+    r = runner.invoke(app, ["chat", "--max-tokens", "5"], input="hi\n")
+    assert budgets[-1][1] == 5
+
+
 def test_chat_needs_a_chat_template(family_dirs, tmp_path):
     import json
 

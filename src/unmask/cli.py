@@ -424,8 +424,10 @@ def chat(
 ):
     """Chat in the terminal through the model's chat template; replies stream as their tokens are committed.
     /reset starts over, /exit (or end of input) quits."""
+    import dataclasses
+
     from unmask.engine.llm import LLM
-    from unmask.errors import UnmaskError
+    from unmask.errors import ContextLengthError, UnmaskError
 
     knobs = dict(max_tokens=max_tokens, temperature=temperature, seed=seed, policy=policy, threshold=threshold,
                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -462,7 +464,13 @@ def chat(
         messages.append({"role": "user", "content": line})
         reply, last, t0 = "", None, time.perf_counter()
         try:
-            for out in llm.stream(llm.chat_prompt(messages), params):
+            ids = llm.chat_prompt(messages)
+            room = llm.spec.max_context - len(ids)  # as llama.cpp's server: the reply gets what context is left
+            if room < 1:
+                raise ContextLengthError(f"the conversation ({len(ids)} tokens) fills this model's context of "
+                                         f"{llm.spec.max_context}: /reset to start over")
+            turn = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+            for out in llm.stream(ids, turn):
                 sys.stdout.write(out.text_delta)
                 sys.stdout.flush()
                 reply, last = reply + out.text_delta, out
