@@ -387,6 +387,7 @@ def test_diffusing_frames_are_marked_and_not_billed(client):
             seen_prefix_ok &= frame["text"].startswith(content)
     assert any(f.diffusing["masked"] > 0 for f in frames)
     assert seen_prefix_ok and content == plain.choices[0].message.content
+    assert frames[-1].diffusing == {"index": 0, "text": content, "masked": 0}   # the finished text closes the view
     assert chunks[-1].usage == plain.usage
 
 

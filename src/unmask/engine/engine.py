@@ -216,7 +216,8 @@ class Engine:
             request_id=seq.request_id, new_token_ids=new, text_delta=delta,
             finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.P, num_generated=seq.num_generated, forwards=seq.stats.forwards,
-            snapshot=seq.snapshot() if seq.params.snapshots and not seq.finish_reason else None,
+            # the last frame is the finished output, with nothing masked: a client's view ends where the text does
+            snapshot=(seq.output_ids if seq.finish_reason else seq.snapshot()) if seq.params.snapshots else None,
             new_logprobs=lp, new_top_logprobs=top,
         )
 
