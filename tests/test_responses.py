@@ -188,7 +188,7 @@ def _format_outputs(text: str, finish: str, step: int = 3, logprobs: bool = Fals
     from unmask.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_path())
-    serving = SimpleNamespace(tok=tok, cfg=SimpleNamespace(model_name="m"))
+    serving = SimpleNamespace(tok=tok, cfg=SimpleNamespace(model_name="m"), chat_defaults={})
     extra = {"include": ["message.output_text.logprobs"], "top_logprobs": 0} if logprobs else {}
     req = ResponsesRequest(input="x", tools=FLAT_TOOLS, **extra)
     plan = ChatPlan(messages=[], template_tools=None, structured=None, parse=UNMASK)
@@ -305,6 +305,15 @@ def test_bad_requests_get_the_error_envelope(server, body, param, words):
         r = raw_post(server, "/v1/responses", {"input": "Hi.", "max_output_tokens": 4, "stream": stream, **body})
         err = assert_envelope(r, 404 if param == "model" else 400, param)
         assert words in err["message"], err
+
+
+def test_the_response_echoes_the_sampling_it_ran_with(client):
+    r = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=2)
+    # unset: the checkpoint's own sampling (this SDAR-format checkpoint's generation_config samples at 0.6 / 0.95)
+    assert (r.temperature, r.top_p, r.max_tool_calls) == (0.6, 0.95, None)
+    r = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=2, temperature=0.7, top_p=0.9,
+                                tools=FLAT_TOOLS, max_tool_calls=2)
+    assert (r.temperature, r.top_p, r.max_tool_calls) == (0.7, 0.9, 2)
 
 
 def test_nothing_is_stored(server, client):

@@ -637,6 +637,7 @@ class ResponseObject(ResponseModel):
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
     store: bool = False
+    max_tool_calls: int | None = None
     temperature: float | None = None
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     tool_choice: str | dict[str, Any] = "auto"

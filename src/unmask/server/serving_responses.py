@@ -19,11 +19,13 @@ import logging
 import re
 import time
 import uuid
+from dataclasses import fields
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from unmask.engine.outputs import StepOutput
+from unmask.engine.params import GenerationParams
 from unmask.server.protocol import (APIError, ChatCompletionRequest, DiffusingFrame, ResponseFunctionCallItem,
                                     ResponseMessageItem, ResponseObject, ResponseOutputText, ResponsesRequest,
                                     ResponseUsage, TokenLogprob, Usage)
@@ -205,6 +207,10 @@ class ResponsesFormat(ChatFormat):
     def __init__(self, serving: OpenAIServing, req: ResponsesRequest, chat: ChatCompletionRequest, plan):
         super().__init__(serving, chat, plan)
         self.req = req
+        # the sampling the request ran with, echoed where it named none (as OpenAI echoes its defaults)
+        engine_defaults = {f.name: f.default for f in fields(GenerationParams) if f.name in ("temperature", "top_p")}
+        used = {**engine_defaults, **serving.chat_defaults, **chat.generation_kwargs()}
+        self.temperature, self.top_p = used["temperature"], used["top_p"]
         self.id = _item_id("resp")  # OpenAI's ids: resp_..., msg_..., fc_...
         self.created_at = int(time.time())
         self.seq = 0
@@ -226,9 +232,10 @@ class ResponsesFormat(ChatFormat):
             id=self.id, created_at=self.created_at, status=status, error=error,
             incomplete_details={"reason": reason} if reason else None, instructions=r.instructions,
             max_output_tokens=r.max_output_tokens, model=self.model, output=output,
-            parallel_tool_calls=self.parallel, reasoning=r.reasoning, temperature=r.temperature,
+            parallel_tool_calls=self.parallel, reasoning=r.reasoning, temperature=self.temperature,
+            max_tool_calls=r.max_tool_calls,
             text=r.text or {"format": {"type": "text"}}, tool_choice=r.tool_choice or "auto", tools=r.tools or [],
-            top_p=r.top_p, user=r.user, metadata=r.metadata or {},
+            top_p=self.top_p, user=r.user, metadata=r.metadata or {},
             usage=ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                                 total_tokens=usage.total_tokens) if usage is not None else None)
 
