@@ -71,17 +71,17 @@ llama-cpp: $(STAMP)
 model: $(STAMP)
 	$(NEED_DOCS)
 	$(BIN)/unmask corpus
-	$(BIN)/unmask train --objective causal --out runs/base --steps 1600 --warmup 80 --lr 1.5e-3 --eval-every 200 \
-		--save-every 100 --compile
-	$(BIN)/unmask train --objective causal --init-from runs/base/model --out runs/base2 --steps 2400 --warmup 50 \
-		--lr 1e-3 --seed 1 --eval-every 200 --save-every 100 --compile
-	$(BIN)/unmask train --init-from runs/base2/model --out runs/adapt --steps 592 --warmup 30 --lr 1e-3 \
+	$(BIN)/unmask train --objective causal --out runs/base --overwrite --steps 1600 --warmup 80 --lr 1.5e-3 \
+		--eval-every 200 --save-every 100 --compile
+	$(BIN)/unmask train --objective causal --init-from runs/base/model --out runs/base2 --overwrite --steps 2400 \
+		--warmup 50 --lr 1e-3 --seed 1 --eval-every 200 --save-every 100 --compile
+	$(BIN)/unmask train --init-from runs/base2/model --out runs/adapt --overwrite --steps 592 --warmup 30 --lr 1e-3 \
 		--causal-context --eval-every 100 --save-every 50 --compile
-	$(BIN)/unmask train --init-from runs/adapt/model --out runs/adapt-long --steps 600 --warmup 30 --lr 5e-4 \
-		--causal-context --eval-every 100 --save-every 50 --compile
+	$(BIN)/unmask train --init-from runs/adapt/model --out runs/adapt-long --overwrite --steps 600 --warmup 30 \
+		--lr 5e-4 --causal-context --eval-every 100 --save-every 50 --compile
 	$(BIN)/unmask finetune --model runs/adapt-long/model --data data/sft/train.jsonl --eval-data data/sft/heldout.jsonl \
-		--out runs/sft --steps 359 --warmup 20 --lr 5e-4 --pack --mix-text data/corpus --mix-fraction 0.25 \
-		--eval-every 100 --save-every 50 --compile
+		--out runs/sft --overwrite --steps 359 --warmup 20 --lr 5e-4 --pack --mix-text data/corpus \
+		--mix-fraction 0.25 --eval-every 100 --save-every 50 --compile
 	rm -rf src/unmask/assets/unmask-tiny && cp -r runs/sft/model src/unmask/assets/unmask-tiny
 	# chat answers default to frequency_penalty 0.5 (completions keep none): docs/model-card.md, "Penalties against the loops"
 	$(BIN)/python -c "import json, pathlib; p = pathlib.Path('src/unmask/assets/unmask-tiny/generation_config.json'); \

@@ -337,3 +337,199 @@ def test_unknown_package_is_refused_before_writing(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="^--package: 'no_such_pkg_xyz' is not an installed Python package$"):
         build_corpus(tmp_path / "out", packages=["no_such_pkg_xyz"])
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- bad input: outputs, packages, data files
+
+from typer.testing import CliRunner  # noqa: E402
+
+from unmask.cli import app  # noqa: E402
+from unmask.train import corpus as corpus_module  # noqa: E402
+from unmask.train.corpus import write_documents  # noqa: E402
+from unmask.train.data import DataError, read_corpus_jsonl  # noqa: E402
+
+OLD = b'{"old": true}\n'
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def _one_error(r) -> str:
+    """The single stderr line of a refused run."""
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def outputs(tmp_path: Path, roots: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """`unmask corpus` on the tiny roots, with an earlier build's files (OLD) in every output folder."""
+    lib, docs = roots
+    monkeypatch.setattr(corpus_module, "default_stdlib_dir", lambda: lib)
+    monkeypatch.setattr(corpus_module, "default_docs_dir", lambda: docs)
+    dirs = {"--out": tmp_path / "corpus", "--tokenizer-out": tmp_path / "tok", "--sft-out": tmp_path / "sft"}
+    for flag, name in (("--out", "train.jsonl"), ("--out", "manifest.json"), ("--tokenizer-out", "tokenizer.json"),
+                       ("--sft-out", "train.jsonl")):
+        dirs[flag].mkdir(exist_ok=True)
+        (dirs[flag] / name).write_bytes(OLD)
+    return dirs
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("flag", ["--out", "--tokenizer-out", "--sft-out"])
+@pytest.mark.parametrize("bad", ["file", "under-file", "proc"])
+def test_corpus_cli_refuses_unwritable_output_before_building(outputs: dict[str, Path], tmp_path: Path,
+                                                               flag: str, bad: str) -> None:
+    """Used to build the corpus and tokenizer, then die on the bad flag with a FileNotFoundError or
+    FileExistsError traceback, old outputs already rewritten. Now: one line naming the flag, nothing touched."""
+    (tmp_path / "a-file").write_text("keep me\n")
+    target = {"file": tmp_path / "a-file", "under-file": tmp_path / "a-file" / "sub",
+              "proc": Path("/proc/no-such-dir/sub")}[bad]
+    before = _tree(tmp_path)
+    args = {**{k: str(v) for k, v in outputs.items()}, flag: str(target)}
+    line = _one_error(_cli("corpus", *(x for kv in args.items() for x in kv)))
+    assert line.startswith(f"error: {flag} {target} is not a writable directory: ")
+    assert _tree(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "corpus", "sft", "tok"]
+
+
+def test_corpus_cli_refuses_out_equal_to_sft_out(outputs: dict[str, Path], tmp_path: Path) -> None:
+    """Both write train.jsonl: the instruction data used to overwrite the corpus silently."""
+    before = _tree(tmp_path)
+    line = _one_error(_cli("corpus", "--out", str(outputs["--out"]), "--tokenizer-out", str(outputs["--tokenizer-out"]),
+                           "--sft-out", str(outputs["--out"]) + "/"))
+    assert line == (f"error: --out and --sft-out are the same directory {outputs['--out']}: "
+                    "the instruction data would overwrite the corpus")
+    assert _tree(tmp_path) == before
+
+
+def test_corpus_cli_builds_and_replaces_outputs(outputs: dict[str, Path]) -> None:
+    args = [x for kv in outputs.items() for x in (kv[0], str(kv[1]))]
+    r = _cli("corpus", *args)
+    assert r.exit_code == 0, r.output
+    out, tok, sft = outputs.values()
+    assert sorted(p.name for p in out.iterdir()) == ["heldout.jsonl", "manifest.json", "train.jsonl"]
+    assert sorted(p.name for p in tok.iterdir()) == ["special_tokens_map.json", "tokenizer.json",
+                                                    "tokenizer_config.json"]
+    assert sorted(p.name for p in sft.iterdir()) == ["heldout.jsonl", "train.jsonl"]  # no temp files left
+    assert all(p.read_bytes() != OLD for d in outputs.values() for p in d.iterdir())
+    assert {d.key for d in read_documents(out / "train.jsonl")} >= {"stdlib/pkg/mod.py"}
+
+
+def test_corpus_cli_failure_midway_keeps_old_files_whole(outputs: dict[str, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails midway (disk full) used to leave a truncated file and a traceback."""
+    import unmask.train.tokenizer as tokenizer_module
+
+    def half_save(tok, out_dir):
+        (Path(out_dir) / "tokenizer.json").write_text('{"trunc')
+        raise OSError(28, "No space left on device", str(Path(out_dir) / "tokenizer_config.json"))
+
+    monkeypatch.setattr(tokenizer_module, "save_hf_tokenizer", half_save)
+    args = [x for kv in outputs.items() for x in (kv[0], str(kv[1]))]
+    line = _one_error(_cli("corpus", *args))
+    assert line.startswith("error: cannot write ") and line.endswith(": No space left on device")
+    tok = outputs["--tokenizer-out"]
+    assert _tree(tok) == {"tokenizer.json": OLD} and [p.name for p in tok.iterdir()] == ["tokenizer.json"]
+    assert (outputs["--sft-out"] / "train.jsonl").read_bytes() == OLD
+
+
+@pytest.mark.parametrize("writer", ["documents", "jsonl"])
+def test_writers_replace_atomically(tmp_path: Path, writer: str) -> None:
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(OLD)
+
+    def rows():
+        yield CorpusFile("stdlib", "a.py", "x = 1\n") if writer == "documents" else {"a": 1}
+        raise RuntimeError("boom")
+
+    write = (lambda: write_documents(rows(), path)) if writer == "documents" else (lambda: write_jsonl(rows(), path))
+    with pytest.raises(RuntimeError, match="boom"):
+        write()
+    assert path.read_bytes() == OLD and [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
+
+def test_stdlib_package_is_refused(roots: tuple[Path, Path], tmp_path: Path) -> None:
+    """`--package json` duplicated stdlib files; `--package dbm` put stdlib's held-out dbm/ndbm.py into
+    train.jsonl as pkg:dbm."""
+    lib, docs = roots
+    with pytest.raises(ValueError, match=r"^--package: 'json' is part of the standard library \(.*\), "
+                                         r"already in the corpus$"):
+        build_corpus(tmp_path / "out", stdlib_dir=lib, docs_dir=docs, packages=["json"],
+                     package_dirs={"json": (lib / "json", "1")})
+    assert not (tmp_path / "out").exists()
+    # A package under site-packages inside the stdlib folder (pyenv, python.org layouts) is a real package.
+    (lib / "site-packages" / "realpkg").mkdir(parents=True, exist_ok=True)
+    (lib / "site-packages" / "realpkg" / "core.py").write_text("def g():\n    return 2\n")
+    got = collect_files(stdlib_dir=lib, docs_dir=docs, packages={"realpkg": lib / "site-packages" / "realpkg"})
+    assert "pkg:realpkg/core.py" in {f.key for f in got}
+    corpus_module.resolve_packages(["realpkg"], lib, {"realpkg": (lib / "site-packages" / "realpkg", "1")})
+
+
+def test_package_never_repeats_a_stdlib_file(roots: tuple[Path, Path], tmp_path: Path) -> None:
+    """Safety net behind the refusal: a package file that is a stdlib file (here by symlink) is left out."""
+    lib, docs = roots
+    pkg = tmp_path / "linkpkg"
+    pkg.mkdir()
+    (pkg / "decoder.py").symlink_to(lib / "json" / "decoder.py")
+    (pkg / "own.py").write_text("def h():\n    return 3\n")
+    keys = {f.key for f in collect_files(stdlib_dir=lib, docs_dir=docs, packages={"linkpkg": pkg})}
+    assert "pkg:linkpkg/own.py" in keys and "pkg:linkpkg/decoder.py" not in keys
+
+
+def test_corpus_cli_refuses_stdlib_package(tmp_path: Path) -> None:
+    """With the real stdlib: refused before any output is touched."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "train.jsonl").write_bytes(OLD)
+    line = _one_error(_cli("corpus", "--package", "dbm", "--out", str(tmp_path / "corpus"),
+                           "--tokenizer-out", str(tmp_path / "tok"), "--sft-out", str(tmp_path / "sft")))
+    assert line.startswith("error: --package: 'dbm' is part of the standard library (")
+    assert _tree(tmp_path) == {"corpus/train.jsonl": OLD}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+BAD_LINES = [
+    (b'{"source": "stdlib", "path": "a.py", "text": "caf\xe9"}\n', "not valid UTF-8 (byte 0xe9 at column 50)"),
+    (b'{"source": "stdlib", "path": "a.py", "text": \n', "invalid JSON (Expecting value at column 46)"),
+    (b'["not", "an", "object"]\n', "not a JSON object"),
+]
+
+
+@pytest.mark.parametrize("bad,problem", BAD_LINES + [
+    (b'{"path": "a.py", "text": "x"}\n', "not a corpus record: no string 'source'")])
+def test_read_documents_names_file_and_line(tmp_path: Path, bad: bytes, problem: str) -> None:
+    path = tmp_path / "heldout.jsonl"
+    path.write_bytes(b'{"source": "stdlib", "path": "ok.py", "text": "caf\xc3\xa9"}\n\n' + bad)
+    with pytest.raises(DataError) as e:
+        list(read_documents(path))
+    assert str(e.value) == f"{path}:3: {problem}"
+    if "corpus record" not in problem:  # the other JSONL readers (train, eval's SFT data) say the same
+        for read in (read_jsonl, read_corpus_jsonl):
+            with pytest.raises(DataError) as e:
+                list(read(path))
+            assert str(e.value) == f"{path}:3: {problem}"
+
+
+def test_eval_reports_malformed_heldout_in_one_line(family_dirs, tmp_path: Path) -> None:
+    """`unmask eval` on a heldout.jsonl with a bad line used to end in a JSONDecodeError/KeyError traceback."""
+    for bad, problem in (BAD_LINES[1], (b'{"path": "a.py", "text": "x"}\n', "not a corpus record: no string 'source'")):
+        (tmp_path / "heldout.jsonl").write_bytes(b'{"source": "stdlib", "path": "a.py", "text": "x = 1"}\n' + bad)
+        line = _one_error(_cli("eval", "-m", str(family_dirs["sdar"]), "--corpus", str(tmp_path),
+                               "--sft-heldout", "none", "--limit", "1", "--chat-limit", "0"))
+        assert line == f"error: {tmp_path / 'heldout.jsonl'}:2: {problem}"
+
+
+def test_train_reports_non_utf8_corpus_in_one_line(tok, tmp_path: Path) -> None:
+    """`unmask train --data DIR` with invalid UTF-8 in train.jsonl used to end in a UnicodeDecodeError
+    traceback with no line number."""
+    save_hf_tokenizer(tok, tmp_path / "tok")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_bytes(b'{"text": "x = 1"}\n' + BAD_LINES[0][0])
+    line = _one_error(_cli("train", "--data", str(tmp_path / "data"), "--tokenizer", str(tmp_path / "tok"),
+                           "--out", str(tmp_path / "run"), "--steps", "1", "--batch-size", "1", "--seq-len", "8"))
+    assert line == f"error: {tmp_path / 'data' / 'train.jsonl'}:2: {BAD_LINES[0][1]}"

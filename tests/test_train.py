@@ -24,7 +24,7 @@ from unmask.train.data import BatchIterator, DataError, pack_documents
 from unmask.train.model_init import ModelShape, init_weights
 from unmask.train.objectives import Noise, Objective, block_diffusion_mask, diffusion_loss_sum, draw_noise
 from unmask.train.sft import SFTEncoder, load_sft, read_jsonl
-from unmask.train.trainer import TrainConfig, TrainConfigError, finetune, train
+from unmask.train.trainer import TrainConfig, TrainConfigError, TrainDivergedError, finetune, train
 
 TINY = ModelShape(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=64, max_position=128, block_size=4)
 TEXT = "the cat sat on the mat. the dog ate the bone. "
@@ -664,3 +664,213 @@ def test_trainer_reports_the_precision_it_chose(tmp_path, tokdir, corpus, capsys
     train(tiny_cfg(tmp_path / "run", total_steps=1, bf16=None, progress="plain"), corpus, tokdir)
     out = capsys.readouterr().out
     assert ("bf16 autocast" in out) is native and ("float32" in out) is (not native), out
+
+
+# ------------------------------------------------------------------ bad input and data loss
+
+def _cli(*args):
+    from typer.testing import CliRunner
+    from unmask.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _one_line_error(r, *fragments):
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.output
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    return lines[0]
+
+
+TINY_FLAGS = ("--hidden", 32, "--layers", 2, "--heads", 4, "--kv-heads", 2, "--head-dim", 8, "--intermediate", 64,
+              "--seq-len", 32, "--batch-size", 4, "--steps", 2, "--warmup", 0, "--eval-every", 0, "--no-bf16")
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_rerun_into_an_earlier_run_needs_resume_or_overwrite(tmp_path, tokdir, corpus):
+    out = tmp_path / "run"
+    train(tiny_cfg(out, total_steps=2), corpus, tokdir)
+    before = _files(out)
+    assert "checkpoint.pt" in before and "model/model.safetensors" in before
+    r = _cli("train", "--data", corpus, "--tokenizer", tokdir, "--out", out, *TINY_FLAGS)
+    _one_line_error(r, "already holds checkpoint.pt and model/", "--resume", "--overwrite")
+    assert _files(out) == before  # nothing replaced, not even the token cache
+    with pytest.raises(CheckpointError, match="already holds"):
+        train(tiny_cfg(out, total_steps=2), corpus, tokdir)
+    _one_line_error(_cli("train", "--data", corpus, "--tokenizer", tokdir, "--out", out, "--resume", "--overwrite",
+                         *TINY_FLAGS), "choose one")
+    assert _files(out) == before
+
+    r = _cli("train", "--data", corpus, "--tokenizer", tokdir, "--out", out, "--overwrite", "--seed", 1, *TINY_FLAGS)
+    assert r.exit_code == 0, r.output
+    after = _files(out)
+    assert after["checkpoint.pt"] != before["checkpoint.pt"]
+    assert after["model/model.safetensors"] != before["model/model.safetensors"]
+
+    # a model/ without a checkpoint cannot be resumed, so --resume alone would replace it: refused too
+    (out / "checkpoint.pt").unlink()
+    with pytest.raises(CheckpointError, match="no checkpoint.pt to resume"):
+        train(tiny_cfg(out, total_steps=2, resume=True), corpus, tokdir)
+    assert (out / "model" / "model.safetensors").read_bytes() == after["model/model.safetensors"]
+
+
+def test_a_diverging_run_stops_before_it_saves(tmp_path, tokdir, corpus, monkeypatch):
+    from unmask.train import trainer
+
+    out = tmp_path / "run"
+    train(tiny_cfg(out, total_steps=2), corpus, tokdir)
+    before = _files(out)
+    seen = []
+    with pytest.raises(TrainDivergedError, match=r"diverged at step 2: the gradient norm is nan"):
+        train(tiny_cfg(out, lr=1e30, overwrite=True), corpus, tokdir, on_step=lambda s, m: seen.append(s))
+    assert seen == [1] and _files(out) == before  # stopped at once; the earlier run's files are intact
+    with pytest.raises(TrainDivergedError, match="the training loss is nan"):  # no clipping: the loss shows it
+        train(tiny_cfg(out, lr=1e30, grad_clip=0.0, overwrite=True), corpus, tokdir)
+    with pytest.raises(TrainDivergedError, match="step overflows float32"):  # lr 1e39 is inf in float32
+        train(tiny_cfg(out, lr=1e39, overwrite=True), corpus, tokdir)
+    assert _files(out) == before
+
+    # weights that overflow in the last step, after a finite loss and gradient: caught before the save
+    real_step = trainer._train_step
+
+    def poisoned(cfg, ctx, loss_module, *a):
+        loss = real_step(cfg, ctx, loss_module, *a)
+        with torch.no_grad():
+            loss_module.model.lm_head.weight[0, 0] = float("inf")
+        return loss
+    monkeypatch.setattr(trainer, "_train_step", poisoned)
+    with pytest.raises(TrainDivergedError, match=r"step 1: weight lm_head.weight is not finite"):
+        train(tiny_cfg(out, total_steps=1, overwrite=True), corpus, tokdir)
+    assert _files(out) == before
+    for lr in ("inf", "nan", "0"):
+        r = _cli("train", "--data", corpus, "--tokenizer", tokdir, "--out", tmp_path / f"lr{lr}", "--lr", lr,
+                 *TINY_FLAGS)
+        _one_line_error(r, "lr must be a finite number > 0")
+        assert not (tmp_path / f"lr{lr}").exists()
+
+
+def test_on_error_is_validated_and_undecodable_lines_are_malformed(tmp_path, tokdir):
+    data = tmp_path / "sft.jsonl"
+    data.write_bytes(json.dumps(CHAT).encode() + b"\n" + b'{"messages": [{"role": "user", "content": "caf\xe9"}, '
+                     b'{"role": "assistant", "content": "ok"}]}\n' + json.dumps(FIM).encode() + b"\n")
+    for bad in ("bogus", "RAISE"):
+        r = _cli("finetune", "-m", tmp_path / "no-model", "--data", data, "--out", tmp_path / "out",
+                 "--on-error", bad)
+        _one_line_error(r, "on_error must be one of raise, skip", repr(bad))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(DataError, match=r"sft\.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 47\)"):
+        read_jsonl(data, on_error="raise")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        records, report = read_jsonl(data, on_error="skip")
+    assert [n for n, _ in records] == [1, 3] and [n for n, _ in report.skipped] == [2]
+    assert all("\ufffd" not in json.dumps(rec) for _, rec in records)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--block-sizes", "abc"), "--block-sizes must be comma-separated positive integers, got 'abc'"),
+    (("--block-sizes", ","), "--block-sizes must be comma-separated positive integers"),
+    (("--block-sizes", "0"), "--block-sizes must be comma-separated positive integers, got '0'"),
+    (("--block-sizes", "4,-4"), "--block-sizes must be comma-separated positive integers, got '4,-4'"),
+    (("--heads", "2", "--kv-heads", "3"), "heads 2 must be a multiple of kv_heads 3"),
+    (("--layers", "0"), "layers must be a positive integer, got 0"),
+    (("--heads", "0"), "heads must be a positive integer, got 0"),
+    (("--head-dim", "15"), "head_dim must be even"),
+    (("--hidden", "0"), "hidden must be a positive integer, got 0"),
+    (("--eval-every", "-1"), "eval_every must be >= 0, got -1"),
+    (("--save-every", "-5"), "save_every must be >= 0, got -5"),
+])
+def test_bad_train_flags_are_one_line_errors_before_any_work(tmp_path, tokdir, flags, message):
+    out = tmp_path / "run"
+    # the data does not exist: a check made after reading it would report that instead
+    r = _cli("train", "--data", tmp_path / "no-corpus", "--tokenizer", tokdir, "--out", out, *TINY_FLAGS, *flags)
+    _one_line_error(r, message)
+    assert not out.exists()
+
+
+def test_bad_finetune_flags_are_one_line_errors(tmp_path):
+    for flags, message in ((("--lora-rank", "-1"), "lora_rank must be >= 0, got -1"),
+                           (("--block-sizes", "x,4"), "--block-sizes must be comma-separated positive integers")):
+        r = _cli("finetune", "-m", tmp_path / "no-model", "--data", tmp_path / "x.jsonl", "--out", tmp_path / "out",
+                 *flags)
+        _one_line_error(r, message)
+    with pytest.raises(TrainConfigError, match="kv_heads"):
+        ModelShape(heads=4, kv_heads=3)
+
+
+def test_finetune_resume_compares_the_model_being_finetuned(tmp_path, tokdir):
+    src = tmp_path / "src"
+    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)
+    data = tmp_path / "sft.jsonl"
+    data.write_text((json.dumps(CHAT) + "\n") * 4)
+    out = tmp_path / "run"
+    ft = ("--data", data, "--out", out, "--seq-len", 96, "--batch-size", 4, "--warmup", 0, "--eval-every", 0,
+          "--no-bf16")
+    assert _cli("finetune", "-m", src, *ft, "--steps", 2).exit_code == 0
+    # resuming a fine-tune of an SDAR model is checked against that model, not the default fresh-model shape
+    r = _cli("finetune", "-m", src, *ft, "--steps", 3, "--resume")
+    assert r.exit_code == 0, r.output
+    assert "resumed at step 2" in r.stdout and "done: 3 steps" in r.stdout
+    before = _files(out)
+    other = tmp_path / "other"
+    _tiny_family_checkpoint(other, dict(SDAR_CFG, hidden_size=48), tokdir)
+    r = _cli("finetune", "-m", other, *ft, "--steps", 4, "--resume")
+    _one_line_error(r, "cannot resume: the checkpoint is of another model shape (hidden_size was 32, now 48)")
+    assert _files(out) == before
+
+
+def _fail_after_writing(*args, **kwargs):
+    fh = args[1] if len(args) > 1 else None
+    if hasattr(fh, "write"):
+        fh.write(b"partial")  # some bytes reach the temp file before the disk fills
+    raise OSError(28, "No space left on device")
+
+
+def test_disk_full_while_saving_leaves_the_old_files_and_no_temp_files(tmp_path, tokdir, corpus, monkeypatch):
+    import unmask.train.checkpoint as ckpt
+
+    out = tmp_path / "run"
+    train(tiny_cfg(out, total_steps=2), corpus, tokdir)
+    before = _files(out)
+
+    def junk():
+        return sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt.torch, "save", _fail_after_writing)
+        with pytest.raises(CheckpointError, match=r"cannot write .*checkpoint\.pt: No space left on device"):
+            train(tiny_cfg(out, total_steps=2, overwrite=True), corpus, tokdir)
+        assert junk() == [] and _files(out) == before
+        r = _cli("train", "--data", corpus, "--tokenizer", tokdir, "--out", out, "--overwrite", *TINY_FLAGS)
+        _one_line_error(r, "checkpoint.pt: No space left on device")
+        assert junk() == [] and _files(out) == before
+
+    with monkeypatch.context() as m:  # the export: the old model/ stays whole, no .model.tmp<pid>/ remains
+        m.setattr(ckpt, "save_file", lambda *a, **k: _fail_after_writing())
+        with pytest.raises(CheckpointError, match=r"cannot write .*model: No space left on device"):
+            train(tiny_cfg(out, total_steps=2, overwrite=True, seed=3), corpus, tokdir)
+        assert junk() == []
+        assert {k: v for k, v in _files(out).items() if k.startswith("model/")} == \
+            {k: v for k, v in before.items() if k.startswith("model/")}
+
+
+def test_a_failed_start_removes_the_out_dir_it_created(tmp_path, tokdir, corpus):
+    r = _cli("train", "--data", tmp_path / "no-corpus", "--tokenizer", tokdir, "--out", tmp_path / "new" / "run",
+             *TINY_FLAGS)
+    _one_line_error(r, "not found")
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    r = _cli("train", "--data", tmp_path / "no-corpus", "--tokenizer", tokdir, "--out", kept, *TINY_FLAGS)
+    assert r.exit_code == 1 and kept.is_dir()  # a folder the user made stays
+    # a failure after tokenizing (a fresh model has no shifted logits for a causal context) takes the token
+    # cache with the folder the run made
+    with pytest.raises(TrainConfigError, match="shifted"):
+        train(tiny_cfg(tmp_path / "late", causal_context=True), corpus, tokdir)
+    assert not (tmp_path / "late").exists()

@@ -152,40 +152,58 @@ def corpus(
     seed: int = typer.Option(0),
 ):
     """Build the offline corpus, the BPE tokenizer and the instruction data (deterministic)."""
-    from unmask.train.corpus import build_corpus, read_documents, split_files, collect_files
+    from unmask.errors import UnmaskError
+    from unmask.train.corpus import (build_corpus, check_output_dirs, collect_files, read_documents,
+                                     resolve_packages, split_files, staged_dir)
     from unmask.train.instructions import build_instructions, first_user_prompt, write_jsonl
     from unmask.train.tokenizer import save_hf_tokenizer, train_tokenizer
 
+    if out.resolve() == sft_out.resolve():  # both write train.jsonl and heldout.jsonl
+        fail(f"--out and --sft-out are the same directory {out}: the instruction data would overwrite the corpus")
     try:
-        stats = build_corpus(out, include_docs=docs, packages=packages or ())
-    except ValueError as exc:
+        # Everything that can be refused is, before the build (tens of seconds) rewrites any output.
+        roots = resolve_packages(packages or ())
+        check_output_dirs({"--out": out, "--tokenizer-out": tokenizer_out, "--sft-out": sft_out})
+        stats = build_corpus(out, include_docs=docs, packages=list(roots), package_dirs=roots)
+        typer.echo(f"corpus: {stats.train_files} train files ({stats.train_bytes / 1e6:.1f} MB), "
+                   f"{stats.heldout_files} held out -> {out}")
+        # The tokenizer never sees package text, so adding a package leaves every token id unchanged.
+        tok = train_tokenizer(d.text for d in read_documents(out / "train.jsonl") if not d.source.startswith("pkg:"))
+        with staged_dir(tokenizer_out) as staging:  # save_hf_tokenizer truncates in place; swap whole files in
+            save_hf_tokenizer(tok, staging)
+        typer.echo(f"tokenizer: {tok.get_vocab_size()} tokens -> {tokenizer_out}")
+        train_files, held_files = split_files(collect_files(include_docs=docs))
+        train_recs = build_instructions(train_files, seed, heldout=False)
+        seen = {p for p in map(first_user_prompt, train_recs) if p}
+        held_recs = build_instructions(held_files, seed, heldout=True, exclude_prompts=seen)
+        sft_out.mkdir(parents=True, exist_ok=True)
+        write_jsonl(train_recs, sft_out / "train.jsonl")
+        write_jsonl(held_recs, sft_out / "heldout.jsonl")
+    except (UnmaskError, ValueError) as exc:
         fail(str(exc))
-    typer.echo(f"corpus: {stats.train_files} train files ({stats.train_bytes / 1e6:.1f} MB), "
-               f"{stats.heldout_files} held out -> {out}")
-    # The tokenizer never sees package text, so adding a package leaves every token id unchanged.
-    tok = train_tokenizer(d.text for d in read_documents(out / "train.jsonl") if not d.source.startswith("pkg:"))
-    save_hf_tokenizer(tok, tokenizer_out)
-    typer.echo(f"tokenizer: {tok.get_vocab_size()} tokens -> {tokenizer_out}")
-    train_files, held_files = split_files(collect_files(include_docs=docs))
-    train_recs = build_instructions(train_files, seed, heldout=False)
-    seen = {p for p in map(first_user_prompt, train_recs) if p}
-    held_recs = build_instructions(held_files, seed, heldout=True, exclude_prompts=seen)
-    sft_out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(train_recs, sft_out / "train.jsonl")
-    write_jsonl(held_recs, sft_out / "heldout.jsonl")
+    except OSError as exc:  # e.g. disk full: each output is replaced whole or not at all
+        where = Path(exc.filename).parent if exc.filename else "the outputs"
+        fail(f"cannot write {where}: {exc.strerror or exc}")
     typer.echo(f"instructions: {len(train_recs)} train, {len(held_recs)} held-out records -> {sft_out}")
 
 
 def _train_config(out: Path, steps: int, batch_size: int, seq_len: int, lr: float, warmup: int, resume: bool,
                   eval_every: int, save_every: int, seed: int, lora_rank: int = 0, block_sizes: str | None = None,
-                  on_error: str = "raise", **model):
+                  on_error: str = "raise", overwrite: bool = False, **model):
     from unmask.train.model_init import ModelShape
     from unmask.train.trainer import TrainConfig
 
-    sizes = tuple(int(b) for b in block_sizes.split(",")) if block_sizes else None
+    sizes = None
+    if block_sizes:  # checked here, before the out dir or the data are touched; "" keeps the default
+        try:
+            sizes = tuple(int(b) for b in block_sizes.split(","))
+        except ValueError:
+            fail(f"--block-sizes must be comma-separated positive integers, got {block_sizes!r}")
+        if min(sizes) < 1:
+            fail(f"--block-sizes must be comma-separated positive integers, got {block_sizes!r}")
     return TrainConfig(out_dir=str(out), total_steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-                       warmup_steps=warmup, resume=resume, eval_every=eval_every, save_every=save_every, seed=seed,
-                       lora_rank=lora_rank, block_sizes=sizes, on_error=on_error,
+                       warmup_steps=warmup, resume=resume, overwrite=overwrite, eval_every=eval_every,
+                       save_every=save_every, seed=seed, lora_rank=lora_rank, block_sizes=sizes, on_error=on_error,
                        model=ModelShape(**model) if model else ModelShape())
 
 
@@ -215,6 +233,8 @@ def train(
     eval_every: int = typer.Option(200), save_every: int = typer.Option(100),
     init_from: Optional[Path] = typer.Option(None, help="Continue pre-training from a model directory."),
     resume: bool = typer.Option(False, help="Continue a killed run from out/checkpoint.pt."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start over in an --out that holds an earlier run "
+                                   "(its checkpoint and model/ are replaced); without it or --resume that is refused."),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help=BF16_HELP, show_default=False),
     objective: str = typer.Option("diffusion", help="diffusion | causal: next-token training of the same network, "
@@ -229,8 +249,9 @@ def train(
 
     try:
         cfg = _train_config(out, steps, batch_size, seq_len, lr, warmup, resume, eval_every, save_every, seed,
-                            block_sizes=block_sizes, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-                            head_dim=head_dim, intermediate=intermediate, tie_embeddings=tie_embeddings)
+                            block_sizes=block_sizes, overwrite=overwrite, hidden=hidden, layers=layers, heads=heads,
+                            kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate,
+                            tie_embeddings=tie_embeddings)
         cfg.compile, cfg.bf16 = compile, bf16
         if objective not in ("diffusion", "causal"):
             fail(f"--objective must be diffusion or causal, got {objective!r}")
@@ -259,7 +280,9 @@ def finetune(
     pack: bool = typer.Option(False, help="Pack several short records per row instead of padding each."),
     mix_text: Optional[Path] = typer.Option(None, help="Corpus of plain text to replay among the chat rows."),
     mix_fraction: float = typer.Option(0.25, help="Share of rows taken from --mix-text."),
-    resume: bool = typer.Option(False),
+    resume: bool = typer.Option(False, help="Continue a killed run from out/checkpoint.pt."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start over in an --out that holds an earlier run "
+                                   "(its checkpoint and model/ are replaced); without it or --resume that is refused."),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help=BF16_HELP, show_default=False),
     next_token_weight: float = typer.Option(1.0, min=0.0, help=NEXT_TOKEN_HELP + " Models without one ignore it."),
@@ -271,7 +294,7 @@ def finetune(
 
     try:
         cfg = _train_config(out, steps, batch_size, seq_len, lr, warmup, resume, eval_every, save_every, seed,
-                            lora_rank=lora_rank, block_sizes=block_sizes, on_error=on_error)
+                            lora_rank=lora_rank, block_sizes=block_sizes, on_error=on_error, overwrite=overwrite)
         cfg.sft_pack = pack
         cfg.compile, cfg.bf16 = compile, bf16
         cfg.next_token_weight, cfg.suffix_fraction = next_token_weight, suffix_fraction

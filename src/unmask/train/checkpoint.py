@@ -37,13 +37,64 @@ def ensure_writable(out_dir: Path) -> None:
         raise CheckpointError(f"output directory {str(out_dir)!r} is not writable: {e.strerror or e}") from None
 
 
+def _write_failure(e: BaseException, what: str) -> BaseException:
+    """A failed write (disk full, quota, I/O error) as one CheckpointError line; anything else unchanged.
+    torch.save reports a failed write as a RuntimeError, safetensors as a SafetensorError."""
+    from safetensors import SafetensorError
+
+    if not isinstance(e, (OSError, RuntimeError, SafetensorError)):
+        return e
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, OSError):  # torch.save's RuntimeError wraps the OSError
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        return CheckpointError(f"cannot write {what}: {cause.strerror or cause}")
+    lines = str(e).strip().splitlines()
+    return CheckpointError(f"cannot write {what}: {lines[-1] if lines else type(e).__name__}")
+
+
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)  # no half-written temp file is left behind; `path` is untouched
+        err = _write_failure(e, str(path))
+        if err is e:
+            raise
+        raise err from None
+
+
+def _write_dir(out_dir: Path, fill) -> Path:
+    """Build a directory with `fill(tmp)` in a sibling temp directory, then swap it in for `out_dir`: a crash or a
+    full disk leaves the old directory (or none), never half of one, and no temp directory behind."""
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+    old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        fill(tmp)
+        if out_dir.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)  # kept until the new one is in place
+        try:
+            os.replace(tmp, out_dir)
+        except BaseException:
+            if old.exists() and not out_dir.exists():
+                os.replace(old, out_dir)
+            raise
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        err = _write_failure(e, str(out_dir))
+        if err is e:
+            raise
+        raise err from None
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
 
 
 def rng_state() -> dict:
@@ -85,42 +136,40 @@ def export_model(tm: TrainableModel, out_dir: Path, tokenizer_dir: Path | None, 
     """
     if dtype not in _EXPORT_DTYPES:
         raise CheckpointError(f"unknown export dtype {dtype!r}; choose one of {', '.join(_EXPORT_DTYPES)}")
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for src in (tm.source, tokenizer_dir):  # tokenizer last: the trained-with tokenizer wins
-        if src is None:
-            continue
-        for f in Path(src).iterdir():
-            if (f.is_file() and f.name not in _WEIGHT_FILES and f.name not in _PROVENANCE_FILES
-                    and not f.name.endswith((".safetensors", ".bin", ".pt"))):
-                shutil.copy2(f, tmp / f.name)
-    state = canonical_state(tm.model, tm.arch)
-    named = tm.family.from_canonical(state, tm.arch)
-    tensors = {k: v.to(_EXPORT_DTYPES[dtype]).contiguous().clone() for k, v in named.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = dict(tm.config, torch_dtype=dtype)
-    _write_json(tmp / "config.json", config)
-    _write_json(tmp / "generation_config.json", tm.generation_config)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
+
+    def fill(tmp: Path) -> None:
+        for src in (tm.source, tokenizer_dir):  # tokenizer last: the trained-with tokenizer wins
+            if src is None:
+                continue
+            for f in Path(src).iterdir():
+                if (f.is_file() and f.name not in _WEIGHT_FILES and f.name not in _PROVENANCE_FILES
+                        and not f.name.endswith((".safetensors", ".bin", ".pt"))):
+                    shutil.copy2(f, tmp / f.name)
+        state = canonical_state(tm.model, tm.arch)
+        named = tm.family.from_canonical(state, tm.arch)
+        tensors = {k: v.to(_EXPORT_DTYPES[dtype]).contiguous().clone() for k, v in named.items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _write_json(tmp / "config.json", dict(tm.config, torch_dtype=dtype))
+        _write_json(tmp / "generation_config.json", tm.generation_config)
+
+    return _write_dir(out_dir, fill)
 
 
 def save_adapter(tm: TrainableModel, out_dir: Path) -> Path:
     """LoRA weights (peft naming over unmask's canonical module names) + adapter_config.json."""
     from peft import get_peft_model_state_dict
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous().clone() for k, v in get_peft_model_state_dict(tm.model).items()}
-    save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-    _write_json(out_dir / "adapter_config.json", {
-        "peft_type": "LORA", "task_type": None, "bias": "none", **tm.lora,
-        "base_model_name_or_path": str(tm.source) if tm.source else None,
-        "unmask_layout": "canonical (Qwen) module names of unmask.models.transformer",
-    })
-    return out_dir
+
+    def fill(tmp: Path) -> None:
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        _write_json(tmp / "adapter_config.json", {
+            "peft_type": "LORA", "task_type": None, "bias": "none", **tm.lora,
+            "base_model_name_or_path": str(tm.source) if tm.source else None,
+            "unmask_layout": "canonical (Qwen) module names of unmask.models.transformer",
+        })
+
+    return _write_dir(out_dir, fill)
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -5,8 +5,8 @@ Sources (no network, no downloads):
     idlelib, site-packages, generated codec tables, build-specific config and big files.
   * ``docs``: the Python documentation as reST (Debian/Ubuntu ``python3.X-doc`` ships the
     ``_sources/**/*.rst.txt`` files). Optional: when absent we warn and go on without it.
-  * ``pkg:NAME`` (opt-in, ``packages=("torch",)``): the ``*.py`` files of an installed package,
-    minus tests, vendored code and generated files. Only for more pre-training text: their
+  * ``pkg:NAME`` (opt-in, ``packages=("torch",)``): the ``*.py`` files of an installed package (not one of
+    the standard library's, which is refused), minus tests, vendored code and generated files. Only for more pre-training text: their
     held-out files go to ``heldout-packages.jsonl`` so ``heldout.jsonl`` (what the model card
     reports on) stays stdlib + docs, and the manifest records each package's version (the
     Makefile pins torch, so ``pkg:torch`` is the same on every machine set up by it).
@@ -16,7 +16,7 @@ stdlib 602 files / 9.13 MB, docs 497 files / 11.05 MB; 20.18 MB in all, of which
 (0.36 MB) are held out. Build takes about 1 s.
 See docs/data.md for the exact command.
 
-Output of :func:`build_corpus` (one document = one file, never split by line):
+Output of :func:`build_corpus` (one document = one file, never split by line; each file swapped in whole):
   ``train.jsonl`` / ``heldout.jsonl``: one JSON object per line ``{"source","path","text"}``;
   ``manifest.json``: per-file sizes and split, totals, sha256 of both outputs.
 """
@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import sys
 import sysconfig
+import tempfile
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import IO, Collection, Iterable, Iterator, NoReturn
 
 MAX_CODE_BYTES = 200_000
 # stdtypes.rst is ~210 KB and the single most useful docs page; only truly huge pages go.
@@ -82,6 +86,10 @@ class CorpusStats:
         return self.train_bytes + self.heldout_bytes
 
 
+def default_stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def default_docs_dir() -> Path | None:
     """Where the distro's python docs keep their reST sources, preferring our version."""
     major, minor = sys.version_info[:2]
@@ -110,7 +118,8 @@ def _read_text(path: Path, max_bytes: int) -> str | None:
     return text if text.strip() else None
 
 
-def _iter_stdlib(root: Path) -> Iterator[CorpusFile]:
+def _iter_stdlib(root: Path, seen: set[Path] | None = None) -> Iterator[CorpusFile]:
+    """``seen`` collects the resolved path of every file taken, for :func:`_iter_package`."""
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         if any(part in _SKIP_DIRS for part in rel.parts[:-1]):
@@ -120,6 +129,8 @@ def _iter_stdlib(root: Path) -> Iterator[CorpusFile]:
         text = _read_text(path, MAX_CODE_BYTES)
         if text is None or _GENERATED_MARKER in text[:2000]:
             continue
+        if seen is not None:
+            seen.add(path.resolve())
         yield CorpusFile("stdlib", rel.as_posix(), text)
 
 
@@ -146,9 +157,34 @@ def package_root(name: str) -> tuple[Path, str]:
     return Path(next(iter(spec.submodule_search_locations))), version
 
 
-def _iter_package(name: str, root: Path) -> Iterator[CorpusFile]:
+def check_not_stdlib(name: str, root: Path, stdlib_dir: Path | None = None) -> None:
+    """A ValueError when package ``name`` lives in the standard library: its files are in the corpus already,
+    so taking them again would duplicate them and put stdlib's held-out files into train.jsonl as pkg:NAME."""
+    stdlib_root = Path(stdlib_dir or default_stdlib_dir()).resolve()
+    root = Path(root).resolve()
+    # site-packages can sit inside the stdlib folder (pyenv, python.org builds): those are real packages.
+    if root.is_relative_to(stdlib_root) and not any(
+            part in _SKIP_DIRS for part in root.relative_to(stdlib_root).parts):
+        raise ValueError(f"--package: {name!r} is part of the standard library ({root}), already in the corpus")
+
+
+def resolve_packages(names: Iterable[str], stdlib_dir: Path | None = None,
+                     package_dirs: dict[str, tuple[Path, str]] | None = None) -> dict[str, tuple[Path, str]]:
+    """name -> (directory, version) for each --package, checked before anything is written."""
+    roots = dict(package_dirs or {})
+    for name in names:
+        if name not in roots:
+            roots[name] = package_root(name)
+    for name, (root, _) in roots.items():
+        check_not_stdlib(name, root, stdlib_dir)
+    return roots
+
+
+def _iter_package(name: str, root: Path, stdlib_seen: Collection[Path] = ()) -> Iterator[CorpusFile]:
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
+        if path.resolve() in stdlib_seen:  # a stdlib file reached another way (symlink): never twice
+            continue
         if any(part in _SKIP_PACKAGE_DIRS or part.startswith("test_") for part in rel.parts[:-1]):
             continue
         if rel.name.startswith("test_") or rel.name == "conftest.py":
@@ -168,10 +204,11 @@ def collect_files(include_docs: bool = True, *, stdlib_dir: Path | None = None,
     """All corpus documents, sorted by (source, relpath). Directories are overridable for tests.
 
     ``packages`` maps a package name to its directory (see :func:`package_root`)."""
-    stdlib_root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
-    files = list(_iter_stdlib(stdlib_root))
+    stdlib_root = Path(stdlib_dir or default_stdlib_dir())
+    stdlib_seen: set[Path] = set()
+    files = list(_iter_stdlib(stdlib_root, stdlib_seen))
     for name, root in sorted((packages or {}).items()):
-        files += list(_iter_package(name, Path(root)))
+        files += list(_iter_package(name, Path(root), stdlib_seen))
     if include_docs:
         docs_root = Path(docs_dir) if docs_dir else default_docs_dir()
         if docs_root is None or not docs_root.is_dir():
@@ -202,10 +239,74 @@ def split_files(files: Iterable[CorpusFile], heldout_fraction: float = HELDOUT_F
     return train, heldout
 
 
+@contextmanager
+def atomic_open(path: Path | str) -> Iterator[IO[bytes]]:
+    """Binary file handle whose bytes replace ``path`` only once the block ends without error, so a
+    failure midway (disk full, a bug, Ctrl-C) leaves the old file whole instead of a truncated one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: Path | str, text: str) -> None:
+    with atomic_open(path) as fh:
+        fh.write(text.encode("utf-8"))
+
+
+@contextmanager
+def staged_dir(out_dir: Path | str) -> Iterator[Path]:
+    """A temp folder inside ``out_dir`` to write files into; when the block succeeds each one replaces its
+    namesake in ``out_dir`` by os.replace (for writers that truncate in place, e.g. the tokenizer's)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir))
+    try:
+        yield tmp
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_output_dirs(dirs: dict[str, Path]) -> None:
+    """Fail fast, before a long build, unless every ``flag -> directory`` can be made and written to.
+
+    A ValueError names the first bad flag; directories this call made are removed again, so a refused
+    run leaves the disk as it was."""
+    made: list[Path] = []
+    try:
+        for flag, path in dirs.items():
+            path = Path(path)
+            try:
+                if path.exists() and not path.is_dir():
+                    raise ValueError(f"{flag} {path} is not a writable directory: it is a file")
+                made += [p for p in (path, *path.parents) if not p.exists()]  # deepest first, as rmdir needs
+                path.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=path):  # mode bits do not tell (root, read-only mounts)
+                    pass
+            except OSError as e:
+                raise ValueError(f"{flag} {path} is not a writable directory: {e.strerror or e}") from None
+    except ValueError:
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+        raise
+
+
 def write_documents(files: Iterable[CorpusFile], path: Path) -> str:
-    """Write JSONL documents; returns the sha256 of the bytes written."""
+    """Write JSONL documents atomically (see :func:`atomic_open`); returns the sha256 of the bytes written."""
     digest = hashlib.sha256()
-    with open(path, "wb") as fh:
+    with atomic_open(path) as fh:
         for f in files:
             line = json.dumps({"source": f.source, "path": f.relpath, "text": f.text},
                               ensure_ascii=False) + "\n"
@@ -215,13 +316,41 @@ def write_documents(files: Iterable[CorpusFile], path: Path) -> str:
     return digest.hexdigest()
 
 
+def read_jsonl_objects(path: Path | str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) per non-blank line; a line that is not UTF-8 JSON of an object raises a DataError
+    naming file and line, so the CLI prints one line instead of a decoder traceback."""
+    path = Path(path)
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")  # so a JSON error's column is on this line
+            except UnicodeDecodeError as e:
+                column = len(raw[:e.start].decode("utf-8")) + 1
+                _bad_line(path, n, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {column})")
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                _bad_line(path, n, f"invalid JSON ({e.msg} at column {e.colno})")
+            if not isinstance(obj, dict):
+                _bad_line(path, n, "not a JSON object")
+            yield n, obj
+
+
+def _bad_line(path: Path, n: int, problem: str) -> NoReturn:
+    from unmask.train.data import DataError  # here, not at the top: data.py pulls in torch
+
+    raise DataError(f"{path}:{n}: {problem}")
+
+
 def read_documents(path: Path) -> Iterator[CorpusFile]:
-    """Inverse of :func:`write_documents`."""
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                row = json.loads(line)
-                yield CorpusFile(row["source"], row["path"], row["text"])
+    """Inverse of :func:`write_documents`; a malformed line raises a DataError naming file and line."""
+    for n, row in read_jsonl_objects(path):
+        missing = [k for k in ("source", "path", "text") if not isinstance(row.get(k), str)]
+        if missing:
+            _bad_line(path, n, f"not a corpus record: no string {', '.join(map(repr, missing))}")
+        yield CorpusFile(row["source"], row["path"], row["text"])
 
 
 def build_corpus(out_dir: Path, *, include_docs: bool = True, stdlib_dir: Path | None = None,
@@ -234,10 +363,7 @@ def build_corpus(out_dir: Path, *, include_docs: bool = True, stdlib_dir: Path |
     ``heldout-packages.jsonl``; ``package_dirs`` (name -> (dir, version)) overrides the lookup in tests.
     """
     out_dir = Path(out_dir)
-    roots = dict(package_dirs or {})
-    for name in packages:
-        if name not in roots:
-            roots[name] = package_root(name)
+    roots = resolve_packages(packages, stdlib_dir, package_dirs)
     files = collect_files(include_docs, stdlib_dir=stdlib_dir, docs_dir=docs_dir,
                           packages={name: root for name, (root, _) in roots.items()})
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -275,5 +401,5 @@ def build_corpus(out_dir: Path, *, include_docs: bool = True, stdlib_dir: Path |
                    "split": ("heldout-packages" if f.source.startswith("pkg:") else "heldout")
                    if f.key in heldout_keys else "train"} for f in files],
     }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    write_text_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return stats

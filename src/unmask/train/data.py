@@ -8,7 +8,6 @@ sees exactly the batches the killed run would have seen.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 from torch import Tensor
 
 from unmask.errors import UnmaskError
+from unmask.train.corpus import read_jsonl_objects
 
 
 class DataError(UnmaskError, ValueError):
@@ -121,19 +121,12 @@ def eval_batches(n_rows: int, batch_size: int, max_batches: int) -> Iterator[Ten
 # ------------------------------------------------------------------ pre-training corpora
 
 def read_corpus_jsonl(path: Path) -> Iterator[str]:
-    """Texts of a corpus JSONL file ({"source", "path", "text"} per line)."""
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                text = rec["text"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise DataError(f"{path}:{n}: not a corpus record with a 'text' field ({type(e).__name__})") from None
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{n}: 'text' is not a string")
-            yield text
+    """Texts of a corpus JSONL file ({"source", "path", "text"} per line); a line that is not UTF-8 JSON or has
+    no string "text" raises a DataError naming file and line."""
+    for n, rec in read_jsonl_objects(path):
+        if not isinstance(rec.get("text"), str):
+            raise DataError(f"{path}:{n}: not a corpus record with a string 'text' field")
+        yield rec["text"]
 
 
 def tokenize_corpus(path: Path, encode_batch: Callable[[list[str]], list[list[int]]], sep_id: int,

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterable, Iterator
 
-from unmask.train.corpus import HELDOUT_FRACTION, CorpusFile, heldout_score, is_heldout
+from unmask.train.corpus import (HELDOUT_FRACTION, CorpusFile, atomic_open, heldout_score, is_heldout,
+                                 read_jsonl_objects)
 
 Record = dict[str, Any]
 
@@ -594,20 +595,19 @@ def build_instructions(files: list[CorpusFile], seed: int, *, heldout: bool | No
 
 
 def write_jsonl(records: Iterable[Record], path: Path | str) -> int:
-    """Write one JSON object per line; returns the number of records."""
+    """Write one JSON object per line, atomically (see corpus.atomic_open); returns the number of records."""
     n = 0
-    with open(path, "w", encoding="utf-8") as fh:
+    with atomic_open(path) as fh:
         for rec in records:
-            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            fh.write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
             n += 1
     return n
 
 
 def read_jsonl(path: Path | str) -> Iterator[Record]:
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                yield json.loads(line)
+    """Records of a JSONL file; a line that is not UTF-8 JSON of an object raises a DataError naming it."""
+    for _, rec in read_jsonl_objects(path):
+        yield rec
 
 
 def count_kinds(records: Iterable[Record]) -> dict[str, int]:

@@ -12,12 +12,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from unmask.errors import ModelLoadError
+from unmask.errors import ModelLoadError, UnmaskError
 from unmask.models.loader import load_spec, load_weights, read_state, weight_files
 from unmask.models.registry import Family, family_for
 from unmask.models.transformer import ArchConfig, DiffusionTransformer
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class TrainConfigError(UnmaskError, ValueError):
+    """Training settings that contradict each other or the machine (re-exported by `unmask.train.trainer`)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,23 @@ class ModelShape:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     block_size: int = 8  # default inference block size written to config.json
+
+    def __post_init__(self):
+        # checked here, before any tokenizing: a bad shape otherwise fails deep in model building (or, for
+        # hidden 0, trained and exported a model without parameters)
+        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "max_position",
+                     "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TrainConfigError(f"model shape: {name} must be a positive integer, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise TrainConfigError(f"model shape: heads {self.heads} must be a multiple of kv_heads {self.kv_heads} "
+                                   "(each key/value head serves a whole group of query heads)")
+        if self.head_dim % 2:
+            raise TrainConfigError(f"model shape: head_dim must be even (rotary embeddings turn pairs of "
+                                   f"dimensions), got {self.head_dim}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise TrainConfigError(f"model shape: rope_theta must be a finite number > 0, got {self.rope_theta}")
 
 
 def new_unmask_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,

@@ -32,18 +32,25 @@ class SFTReport:
 
 def read_jsonl(path: str | Path, on_error: Literal["skip", "raise"] = "raise") -> tuple[list[tuple[int, dict]], SFTReport]:
     """(line number, record) pairs of valid lines; malformed lines raise or are skipped with a warning."""
+    if on_error not in ("raise", "skip"):
+        raise DataError(f"on_error must be one of raise, skip, got {on_error!r}")
     path = Path(path)
     if not path.is_file():
         raise DataError(f"SFT data {str(path)!r} not found")
     report, out = SFTReport(), []
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    # surrogateescape keeps undecodable bytes as lone surrogates, so such a line is found and reported
+    # as malformed instead of being trained on with U+FFFD in place of the text it held
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             problem = None
             try:
+                line.encode("utf-8")
                 rec = json.loads(line)
                 problem = validate_record(rec)
+            except UnicodeEncodeError as e:
+                problem = f"not valid UTF-8 (byte 0x{ord(line[e.start]) - 0xDC00:02x} at column {e.start + 1})"
             except json.JSONDecodeError as e:
                 problem = f"invalid JSON ({e.msg} at column {e.colno})"
             if problem is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -22,13 +23,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from unmask.errors import UnmaskError
+from unmask.models.registry import family_for
 from unmask.models.transformer import DiffusionTransformer
 from unmask.tokenizer import Tokenizer
 from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, ensure_writable, export_model, load_checkpoint,
                                      rng_state, save_adapter, save_checkpoint, set_rng_state)
 from unmask.train.data import BatchIterator, DataError, TokenRows, eval_batches, load_pretraining
-from unmask.train.model_init import (ModelShape, TrainableModel, apply_lora, count_params, fresh_model,
-                                     load_trainable, shape_config, trainable_state)
+from unmask.train.model_init import (ModelShape, TrainableModel, TrainConfigError, apply_lora, count_params,
+                                     fresh_model, load_trainable, shape_config, trainable_state)
 from unmask.train.objectives import Noise, Objective, diffusion_loss_sum, draw_noise, loss_eligible
 from unmask.train.precision import use_bf16
 from unmask.train.sft import SFTEncoder, load_sft
@@ -36,12 +38,17 @@ from unmask.train.sft import SFTEncoder, load_sft
 DEFAULT_BLOCK_SIZES = (4, 8, 16, 32)
 
 
-class TrainConfigError(UnmaskError, ValueError):
-    """Training settings that contradict each other or the machine."""
+class TrainDivergedError(UnmaskError):
+    """The training loss or the weights became non-finite (NaN or infinity)."""
 
-# settings a resumed run must share with the checkpoint for its batches and noise to line up
-_RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "model", "sft_pack", "mix_fraction",
+
+# settings a resumed run must share with the checkpoint for its batches and noise to line up; the model itself
+# is compared by its architecture (_check_resume), since `cfg.model` only describes a fresh model
+_RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "sft_pack", "mix_fraction",
                 "objective", "causal_context", "next_token_weight", "suffix_fraction")
+ON_ERROR = ("raise", "skip")
+# what an earlier run leaves in out_dir: a new run without resume or overwrite must not replace it
+_RUN_FILES = (CHECKPOINT, "model", "adapter")
 
 
 @dataclass
@@ -69,6 +76,7 @@ class TrainConfig:
     lora_alpha: float | None = None    # default 2 * rank
     lora_merge: bool = True            # export merged full weights (the adapter is saved either way)
     resume: bool = False               # continue from out_dir/checkpoint.pt if it exists
+    overwrite: bool = False            # start over in an out_dir that holds an earlier run (else refused)
     export_dtype: str = "auto"         # "auto": float32 for a fresh model, else the source checkpoint's dtype
     on_error: Literal["skip", "raise"] = "raise"  # malformed SFT lines
     sft_pack: bool = False             # several short SFT records per row (see sft.build_sft_rows)
@@ -90,12 +98,26 @@ class TrainConfig:
         if isinstance(self.model, dict):
             self.model = ModelShape(**self.model)
         if self.block_sizes is not None:
-            self.block_sizes = tuple(int(b) for b in self.block_sizes)
-        for name in ("lr", "total_steps", "batch_size", "grad_accum", "seq_len"):
+            try:
+                self.block_sizes = tuple(int(b) for b in self.block_sizes)
+            except (TypeError, ValueError):
+                raise TrainConfigError(f"block_sizes must be positive integers, got {self.block_sizes!r}") from None
+            if not self.block_sizes or min(self.block_sizes) < 1:
+                raise TrainConfigError(f"block_sizes must be positive integers, got {list(self.block_sizes)}")
+        # nan passes `<= 0` and reaches AdamW (a traceback); inf trains to all-NaN weights
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise TrainConfigError(f"lr must be a finite number > 0, got {self.lr}")
+        for name in ("total_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_batches"):
             if getattr(self, name) <= 0:
                 raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise TrainConfigError("warmup_steps must be >= 0")
+        # negative values pass `step % n == 0` on every step: an eval or checkpoint each step
+        for name in ("warmup_steps", "eval_every", "save_every", "lora_rank"):
+            if getattr(self, name) < 0:
+                raise TrainConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.on_error not in ON_ERROR:
+            raise TrainConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
+        if self.resume and self.overwrite:
+            raise TrainConfigError("resume continues the run in out_dir and overwrite starts it over: choose one")
         if self.objective not in ("diffusion", "causal"):
             raise TrainConfigError(f"objective must be 'diffusion' or 'causal', got {self.objective!r}")
         if not 0.0 <= self.suffix_fraction <= 1.0:
@@ -129,6 +151,8 @@ class _Dist:
     world: int
     device: torch.device
     owns_group: bool
+    created: Path | None = None        # the folder this run created for out_dir (removed if it fails early)
+    started: bool = False              # the first training step has begun
 
     @property
     def main(self) -> bool:
@@ -243,12 +267,41 @@ def _noise_gen(seed: int, step: int, salt: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 31 + salt)
 
 
-def _check_resume(saved: dict, cfg: TrainConfig) -> None:
+def _check_resume(saved: dict, cfg: TrainConfig, tm: TrainableModel, model: nn.Module) -> None:
+    """Refuse, in one line, a checkpoint that this run's settings or model do not match."""
     now, defaults = asdict(cfg), asdict(TrainConfig())
+    config = saved.get("config", {})
     # a key missing from an older checkpoint had its default value then
-    diff = [k for k in _RESUME_KEYS if _norm(saved.get(k, defaults[k])) != _norm(now.get(k))]
+    diff = [k for k in _RESUME_KEYS if _norm(config.get(k, defaults[k])) != _norm(now.get(k))]
     if diff:
-        raise CheckpointError(f"cannot resume: {', '.join(f'{k} was {saved.get(k)!r}, now {now.get(k)!r}' for k in diff)}")
+        raise CheckpointError(f"cannot resume: {', '.join(f'{k} was {config.get(k)!r}, now {now.get(k)!r}' for k in diff)}")
+    # the model being trained (a fresh one, --init-from or the fine-tuned checkpoint), not cfg.model
+    saved_arch = _arch_of(saved.get("model_config"))
+    if saved_arch is not None:
+        ours = asdict(tm.arch)
+        diff = [k for k, v in asdict(saved_arch).items() if v != ours.get(k)]
+        if diff:
+            raise CheckpointError("cannot resume: the checkpoint is of another model shape ("
+                                  + ", ".join(f"{k} was {getattr(saved_arch, k)!r}, now {ours.get(k)!r}" for k in diff)
+                                  + ")")
+    mine = trainable_state(model)
+    missing = set(mine) - set(saved["model"])
+    if missing:
+        raise CheckpointError(f"checkpoint lacks trained weights {sorted(missing)[:3]}")
+    for name, p in mine.items():  # a last guard: load_state_dict would raise a multi-line size mismatch
+        if tuple(saved["model"][name].shape) != tuple(p.shape):
+            raise CheckpointError(f"cannot resume: checkpoint weight {name} has shape "
+                                  f"{list(saved['model'][name].shape)}, the model's is {list(p.shape)}")
+
+
+def _arch_of(model_config) -> object | None:
+    """The ArchConfig a checkpoint's model_config describes, or None if it cannot be read."""
+    if not isinstance(model_config, dict):
+        return None
+    try:
+        return family_for(model_config).parse_config(model_config)
+    except Exception:  # an older or foreign record: the weight shapes are still compared
+        return None
 
 
 def _norm(v):
@@ -306,20 +359,22 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
     step, losses, evals, train_time = 0, [], [], 0.0
 
     saved = load_checkpoint(out) if cfg.resume else None
-    if ctx.main and (out / CHECKPOINT).is_file() != cfg.resume:
-        print(f"{out}: " + ("no checkpoint to resume, starting fresh" if cfg.resume
-                            else "starting over; the checkpoint there will be overwritten (resume=True continues it)"))
+    if ctx.main and cfg.resume and saved is None:
+        print(f"{out}: no checkpoint to resume, starting fresh")
+    elif ctx.main and cfg.overwrite and _earlier_run(out):
+        print(f"{out}: starting over (overwrite); the earlier run's files are replaced as this one saves")
     if saved is not None:
-        _check_resume(saved["config"], cfg)
-        missing = set(trainable_state(model)) - set(saved["model"])
-        if missing:
-            raise CheckpointError(f"checkpoint lacks trained weights {sorted(missing)[:3]}")
-        model.load_state_dict(saved["model"], strict=False)
-        opt.load_state_dict(saved["optimizer"])
-        sched.load_state_dict(saved["scheduler"])
-        batches.load_state_dict(saved["data"])
-        set_rng_state(saved["rng"])
-        step, losses, evals, train_time = saved["step"], saved["losses"], saved["evals"], saved["train_time"]
+        _check_resume(saved, cfg, tm, model)
+        try:
+            model.load_state_dict(saved["model"], strict=False)
+            opt.load_state_dict(saved["optimizer"])
+            sched.load_state_dict(saved["scheduler"])
+            batches.load_state_dict(saved["data"])
+            set_rng_state(saved["rng"])
+            step, losses, evals, train_time = saved["step"], saved["losses"], saved["evals"], saved["train_time"]
+        except (KeyError, ValueError, RuntimeError, TypeError) as e:  # a damaged or foreign checkpoint
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"cannot resume from {out / CHECKPOINT}: {first}") from None
     first_step, first_time = step, train_time
 
     loss_module: nn.Module = _LossModule(model, obj)
@@ -335,6 +390,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
             + (f", resumed at step {step}" if saved else ""))
 
     def checkpoint() -> None:
+        _check_finite_weights(model, step)  # never replace a good checkpoint with diverged weights
         if ctx.main:
             save_checkpoint(out, {
                 "format": 1, "step": step, "model": trainable_state(model), "optimizer": opt.state_dict(),
@@ -359,15 +415,26 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         model.train()
         return ctx.sum([total])[0] / max(n, 1)
 
+    ctx.started = True
     try:
         while step < cfg.total_steps:
             t0 = time.perf_counter()
             x0, lm = rows.batch(next(batches))
             noise = draw_noise(obj, lm, _noise_gen(cfg.seed, step))
             loss = _train_step(cfg, ctx, loss_module, obj, x0, lm, noise, autocast)
+            if not math.isfinite(loss):  # the same value on every rank: all stop together
+                raise TrainDivergedError(_diverged(step + 1, f"the training loss is {loss}", sched))
             if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
-            opt.step()
+                norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                      cfg.grad_clip)
+                if not math.isfinite(float(norm)):  # AdamW would write it into every weight
+                    raise TrainDivergedError(_diverged(step + 1, f"the gradient norm is {float(norm)}", sched))
+            try:
+                opt.step()
+            except RuntimeError as e:  # AdamW's step size (lr / bias correction) beyond float32
+                if "overflow" not in str(e):
+                    raise
+                raise TrainDivergedError(_diverged(step + 1, "the optimizer's step overflows float32", sched)) from None
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
@@ -385,12 +452,30 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
                 checkpoint()
             if on_step is not None:
                 on_step(step, metrics)
+        _check_finite_weights(model, step)
         model_dir = _export(cfg, tm, out, tokenizer_dir, rep) if ctx.main else None
         ctx.barrier()
     finally:
         rep.close()
     tokens = B * cfg.seq_len * len(losses)
     return TrainResult(out, model_dir, step, losses, evals, tokens / train_time if train_time else 0.0, model)
+
+
+def _diverged(step: int, what: str, sched) -> str:
+    return (f"training diverged at step {step}: {what} (lr {sched.get_last_lr()[0]:.2e}); stopped without saving "
+            "these weights (the last checkpoint and model/ are untouched): lower the lr or raise the warmup")
+
+
+def _check_finite_weights(model: nn.Module, step: int) -> None:
+    """The last step's update can overflow the weights while the loss that preceded it was finite."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and not bool(torch.isfinite(p).all()):
+            raise TrainDivergedError(f"training diverged at step {step}: weight {name} is not finite; stopped "
+                                     "without saving it (the last checkpoint and model/ are untouched): lower the lr")
+
+
+def _earlier_run(out: Path) -> list[str]:
+    return [f"{n}/" if (out / n).is_dir() else n for n in _RUN_FILES if (out / n).exists()]
 
 
 def _export(cfg: TrainConfig, tm: TrainableModel, out: Path, tokenizer_dir: Path | None, rep: _Reporter) -> Path | None:
@@ -413,19 +498,42 @@ def _export(cfg: TrainConfig, tm: TrainableModel, out: Path, tokenizer_dir: Path
 # ------------------------------------------------------------------ entry points
 
 def _prepare(cfg: TrainConfig) -> _Dist:
+    out = Path(cfg.out_dir)
     ctx = _init_dist(cfg.device)
     try:  # every rank checks, so a failure never leaves the others waiting at a barrier
-        ensure_writable(Path(cfg.out_dir))  # fail before tokenizing or building anything
+        earlier = _earlier_run(out)
+        # a rerun into the same out_dir would replace its checkpoint and model/ (the Hugging Face examples'
+        # rule: an existing output directory needs an explicit choice)
+        if earlier and not cfg.overwrite and not (cfg.resume and (out / CHECKPOINT).is_file()):
+            held = f"{out} already holds {' and '.join(earlier)} from an earlier run"
+            if CHECKPOINT in earlier:
+                raise CheckpointError(f"{held}: --resume continues it, --overwrite starts over")
+            raise CheckpointError(f"{held} but no {CHECKPOINT} to resume: --overwrite replaces it")
+        ctx.created = _first_missing(out)
+        ensure_writable(out)  # fail before tokenizing or building anything
         if cfg.batch_size % (cfg.grad_accum * ctx.world):
             raise TrainConfigError(f"batch_size {cfg.batch_size} must be divisible by grad_accum {cfg.grad_accum} "
                                    f"x {ctx.world} processes")
-    except Exception:
-        _finish(ctx)
+    except BaseException:
+        _finish(ctx, failed=True)
         raise
     return ctx
 
 
-def _finish(ctx: _Dist) -> None:
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (what mkdir(parents=True) will create)."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def _finish(ctx: _Dist, failed: bool = False) -> None:
+    # a run that fails before its first step leaves no folder it made itself (an empty out_dir, a token cache)
+    if failed and ctx.created is not None and not ctx.started:
+        shutil.rmtree(ctx.created, ignore_errors=True)
     if ctx.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -472,9 +580,12 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
             obj = Objective(mask_id=tm.mask_id, shift=True, causal=True)
         else:
             obj = _objective(tm, sizes, cfg)
-        return run(cfg, _maybe_lora(tm, cfg), obj, rows, eval_rows, Path(tokenizer_dir), ctx, on_step)
-    finally:
-        _finish(ctx)
+        res = run(cfg, _maybe_lora(tm, cfg), obj, rows, eval_rows, Path(tokenizer_dir), ctx, on_step)
+    except BaseException:
+        _finish(ctx, failed=True)
+        raise
+    _finish(ctx)
+    return res
 
 
 def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *, eval_path: str | Path | None = None,
@@ -503,9 +614,12 @@ def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *,
             rows = mix_rows(rows, text, cfg.mix_fraction, cfg.seed)
         _check_vocab(tm, rows)
         sizes = cfg.block_sizes or tuple(tm.config.get("train_block_sizes") or [tm.block_size])
-        return run(cfg, _maybe_lora(tm, cfg), _objective(tm, sizes, cfg), rows, eval_rows, None, ctx, on_step)
-    finally:
-        _finish(ctx)
+        res = run(cfg, _maybe_lora(tm, cfg), _objective(tm, sizes, cfg), rows, eval_rows, None, ctx, on_step)
+    except BaseException:
+        _finish(ctx, failed=True)
+        raise
+    _finish(ctx)
+    return res
 
 
 def mix_rows(sft: TokenRows, text: TokenRows, fraction: float, seed: int) -> TokenRows:
