@@ -1,4 +1,5 @@
 """The step engine against a naive full-recompute loop, batching invariance, stopping, bad input."""
+import dataclasses
 import math
 
 import pytest
@@ -340,6 +341,37 @@ def test_the_earliest_stop_string_ends_the_text(stops):
     assert "".join(stream.push([i]) for i in ids) + stream.flush() == "xx"
     included = TextStream(tok, stops, include_stop=True)
     assert included.push(ids) + included.flush() == "xxa"
+
+
+def test_a_stop_string_ends_the_token_ids_and_logprobs_too():
+    """A step can commit a whole block: the tokens after the one that completes a stop string are dropped from
+    token_ids, logprobs and the count, not only from the text."""
+    from unmask.engine.llm import LLM
+
+    llm = LLM()   # the built-in model: a real tokenizer, so every token writes text
+    whole = GenerationParams(max_tokens=16, policy="topk", tokens_per_step=8, block_size=8, ignore_eos=True,
+                             logprobs=True)
+    prompt = "def add(a, b):\n    return"
+    ref = llm.generate(prompt, whole)[0]
+    pieces = [llm.tokenizer.decode(ref.token_ids[:k]) for k in range(len(ref.token_ids) + 1)]
+    k = next(k for k in range(3, 7) if len(pieces[k]) > len(pieces[k - 1]) >= 1)  # token k-1 adds text
+    stop = pieces[k][len(pieces[k - 1]) - 1:]   # the last character before token k-1 and all of that token's text
+    cut = llm.generate(prompt, dataclasses.replace(whole, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text and cut.text == pieces[k][:pieces[k].find(stop)]
+    assert cut.token_ids == ref.token_ids[:len(cut.token_ids)] and len(cut.token_ids) <= k < len(ref.token_ids)
+    assert stop in llm.tokenizer.decode(cut.token_ids)                   # through the token that completes it
+    assert stop not in llm.tokenizer.decode(cut.token_ids[:-1])
+    assert len(cut.logprobs) == len(cut.token_ids)
+
+
+def test_a_refused_prompt_leaves_no_earlier_request_behind(family_dirs):
+    from unmask.engine.llm import LLM
+
+    llm = LLM(family_dirs["sdar"])
+    with pytest.raises(InvalidRequestError, match="prompt token ids must be in"):
+        llm.generate([[20, 21, 22], [10**7]], GenerationParams(max_tokens=4))
+    assert not llm.engine.has_unfinished()
+    assert GenerationParams(stop="(a").stop == ["(a"]   # a single stop string, not its characters
 
 
 def test_min_tokens_holds_stop_strings_and_stop_tokens(models):

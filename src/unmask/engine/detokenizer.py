@@ -19,6 +19,7 @@ class TextStream:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.stop_end: int | None = None   # where the matched stop string ends in the text
         # decode from a recent window only: text before `prefix` tokens never changes again
         self._prefix_ids = 0
         self._prefix_text = ""
@@ -49,7 +50,16 @@ class TextStream:
         if hits:
             i, s = min(hits, key=lambda h: (h[0], -len(h[1])))
             self.text, self.stopped = text[:i + len(s) if self.include_stop else i], True
+            self.stop_end = i + len(s)
         return self._release(self.text)
+
+    def tokens_through_stop(self) -> int:
+        """After a stop string matched: how many of the tokens pushed so far it takes to write it. A step can
+        commit several tokens, so the ones after the stop string are not part of the output."""
+        k = len(self.ids)
+        while k > 1 and len(self.tok.decode(self.ids[:k - 1]).rstrip("\ufffd")) >= self.stop_end:
+            k -= 1
+        return k
 
     def _release(self, text: str) -> str:
         safe = len(text) if self.stopped else max(self.emitted, len(text) - self.hold)

@@ -189,6 +189,10 @@ class Engine:
             if stream is not None:
                 delta = stream.push(new)
                 if stream.stopped and not seq.finish_reason:
+                    # tokens committed in this step after the stop string are not output (ids, logprobs, usage)
+                    keep = stream.tokens_through_stop()
+                    new = new[:max(0, len(new) - (len(stream.ids) - keep))]
+                    seq.final_end = seq.P + keep
                     seq.finish("stop")
                 if seq.finish_reason:
                     delta += stream.flush()

@@ -53,7 +53,14 @@ class LLM:
         plist = params if isinstance(params, list) else [params or GenerationParams()] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(plist)} parameter sets")
-        seqs = [self.engine.add_request(self.encode(p), sp) for p, sp in zip(batch, plist)]
+        seqs = []
+        try:
+            for p, sp in zip(batch, plist):
+                seqs.append(self.engine.add_request(self.encode(p), sp))
+        except BaseException:  # a later prompt refused: the earlier ones must not linger in the engine
+            for seq in seqs:
+                self.engine.abort(seq.request_id)
+            raise
         texts = {s.request_id: "" for s in seqs}
         logprobs: dict[str, list[float]] = {s.request_id: [] for s in seqs}
         tops: dict[str, list] = {s.request_id: [] for s in seqs}

@@ -84,6 +84,8 @@ class GenerationParams:
             bad(f"block_size must be in [1, 1024], got {self.block_size}", "block_size")
         if self.cache not in ("auto", "none", "prefix", "dual"):
             bad(f"cache must be one of auto, none, prefix, dual; got {self.cache!r}", "cache")
+        if isinstance(self.stop, str):  # one stop string, as the OpenAI API also takes it (not its characters)
+            self.stop = [self.stop]
         if len(self.stop) > 4:
             bad("at most 4 stop sequences are allowed", "stop")
         if any(not isinstance(s, str) or not s for s in self.stop):
