@@ -292,6 +292,12 @@ def test_fim_modes_and_missing_tokens(family_dirs, unmask_dir, bidir):
     assert len(ids) == 40 and ids[0] == 6 and ids[-1] == 8 and small.dropped[0] > 0 and small.dropped[1] > 0
     k = ids.index(7)
     assert ids[1:k] == pre_all[-(k - 1):] and ids[k + 1:-1] == suf_all[:len(ids) - k - 2]
+    # a file that mentions the control tokens keeps them as text: none of its ids is a special token
+    code = build_infill(tok, uspec, 'EOS = "<|endoftext|>"\nMID = "<|fim_middle|>"\n', 'x = "<|fim_suffix|>"', 400)
+    inner = code.prompt_ids[1:-1]
+    assert inner.count(7) == 1 and not {2, 5, 6, 8, 13} & set(inner)
+    assert tok.decode(inner[:inner.index(7)]) == 'EOS = "<|endoftext|>"\nMID = "<|fim_middle|>"\n'
+    assert tok.encode("<|endoftext|>") == [13] and 13 not in tok.encode("<|endoftext|>", parse_special=False)
 
 
 def test_masked_span_prompt_needs_a_first_token(family_dirs, bidir):

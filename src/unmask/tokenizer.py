@@ -113,10 +113,25 @@ class Tokenizer:
             return True
         return bool(self.hf.chat_template)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. `parse_special=False` reads special-token text (`<|endoftext|>`) as plain text,
+        as llama.cpp's /infill does for code: a file that mentions a control token must not inject it."""
         if self._plain is not None:
-            return self._plain.encode(text, add_special_tokens=False).ids
-        return self.hf.encode(text, add_special_tokens=False)
+            if parse_special:
+                return self._plain.encode(text, add_special_tokens=False).ids
+            return self._literal_tokenizer().encode(text, add_special_tokens=False).ids
+        if parse_special:
+            return self.hf.encode(text, add_special_tokens=False)
+        return self.hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def _literal_tokenizer(self):
+        # a second instance: flipping encode_special_tokens on the shared one would race other encodes
+        if getattr(self, "_literal", None) is None:
+            from tokenizers import Tokenizer as RawTokenizer
+
+            self._literal = RawTokenizer.from_str(self._plain.to_str())
+            self._literal.encode_special_tokens = True
+        return self._literal
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._plain is not None:

@@ -202,8 +202,9 @@ def fit_context(prefix: list[int], suffix: list[int], limit: int) -> tuple[list[
 def build_infill(tokenizer, spec, prefix: str | list[int], suffix: str | list[int], limit: int) -> InfillPrompt:
     """Prompt (and suffix) of an infill request; `limit`: tokens the prompt and suffix may take together."""
     mode = infill_mode(spec, tokenizer)
-    pre = tokenizer.encode(prefix) if isinstance(prefix, str) else list(prefix)
-    suf = tokenizer.encode(suffix) if isinstance(suffix, str) else list(suffix)
+    # the prefix and suffix are the user's file: control-token text in it stays text (token ids pass as given)
+    pre = tokenizer.encode(prefix, parse_special=False) if isinstance(prefix, str) else list(prefix)
+    suf = tokenizer.encode(suffix, parse_special=False) if isinstance(suffix, str) else list(suffix)
     n_pre, n_suf = len(pre), len(suf)
     if mode == "fim_tokens":
         fp, fs, fm = (tokenizer.token_id(t) for t in FIM_TOKENS)
