@@ -29,6 +29,12 @@ OUTPUTS = [
 ]
 
 
+def test_non_finite_numbers_stay_text_so_the_arguments_are_json():
+    _, calls = parse_tool_calls("<|tool_call>call:f{d:NaN,e:Infinity,g:1e400,h:2.5}<tool_call|>", GEMMA4)
+    assert json.loads(calls[0].arguments) == {"d": "NaN", "e": "Infinity", "g": "1e400", "h": 2.5}
+    assert "NaN" not in calls[0].arguments.replace('"NaN"', "")   # strict JSON: no bare NaN
+
+
 def test_family_uses_the_gemma4_format():
     assert tool_format("diffusion_gemma") is GEMMA4
     assert tool_format("sdar") is not GEMMA4
@@ -42,8 +48,11 @@ def test_parse_converts_arguments_to_json():
         ("get_time", {"tz": "UTC"})]
     assert parse_tool_calls(OUTPUTS[2], GEMMA4) == ("plain answer with a < and a {brace}", [])
     assert parse_tool_calls(OUTPUTS[3], GEMMA4) == ("<|tool_call>no call prefix<tool_call|>", [])
-    _, calls = parse_tool_calls(OUTPUTS[4], GEMMA4)  # an unclosed call keeps what it has
-    assert calls[0].name == "get_time" and json.loads(calls[0].arguments) == {"tz": "UT"}
+    # an unclosed (cut-off) call keeps its name but no converted arguments: `tz:<|"|>UT` is not {"tz": "UT"}
+    _, calls = parse_tool_calls(OUTPUTS[4], GEMMA4)
+    assert [(c.name, c.arguments, c.complete) for c in calls] == [("get_time", "", False)]
+    _, calls = parse_tool_calls("<|tool_call>call:f{a:1,b:", GEMMA4)
+    assert [(c.name, c.arguments) for c in calls] == [("f", "")]
     _, calls = parse_tool_calls(OUTPUTS[0], GEMMA4, parallel=False)
     assert [c.name for c in calls] == ["get_weather"]
 

@@ -15,6 +15,7 @@ call to a function's JSON Schema (the subset below; anything else is held to a w
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -111,9 +112,12 @@ def _scalar(token: str) -> Any:
         return None
     for cast in (int, float):
         try:
-            return cast(token)
+            value = cast(token)
         except ValueError:
-            pass
+            continue
+        if cast is float and not math.isfinite(value):
+            break  # NaN, Infinity, 1e400: JSON has no such number, so the word stays text
+        return value
     return token  # an unquoted word: kept as text rather than dropped
 
 
@@ -131,7 +135,7 @@ def call_arguments(body: str) -> str | None:
         return None
     reader = _Reader(body)
     reader.i = m.end() - 1
-    return json.dumps(reader.obj(), ensure_ascii=False)
+    return json.dumps(reader.obj(), ensure_ascii=False, allow_nan=False)
 
 
 def format_call(name: str, arguments: dict | str, open_tag: str, close_tag: str) -> str:

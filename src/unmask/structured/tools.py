@@ -338,7 +338,7 @@ class ToolParser:
         arguments); other leftover text is content."""
         pieces: list[str | ToolCallDelta] = []
         if self._block is not None:
-            pieces += self._progress(self._buf, closed=False, ended=True)
+            pieces += self._progress(self._buf, closed=False)
             if self._block.call is None and not self._block.dropped:
                 pieces.append(self._content(self.fmt.open_tag + self._buf))
         else:
@@ -367,9 +367,8 @@ class ToolParser:
         except ValueError:  # an invalid escape: keep the raw text
             return m.group(1)
 
-    def _progress(self, body: str, closed: bool, ended: bool = False) -> list[ToolCallDelta]:
-        """Deltas for a call block's text so far; `closed`: its closing tag was read; `ended`: the output ended
-        inside it."""
+    def _progress(self, body: str, closed: bool) -> list[ToolCallDelta]:
+        """Deltas for a call block's text so far; `closed`: its closing tag was read."""
         b, deltas = self._block, []
         if b.call is None and not b.dropped:
             name = self._name(body)
@@ -388,7 +387,8 @@ class ToolParser:
         if self.fmt.syntax == "gemma4":
             # the body is not JSON: its arguments go out once, converted, when the block closes (a
             # prefix of the conversion could later change, e.g. a bare word becoming a number)
-            if (closed or ended) and not b.call.arguments:   # a cut-off call: what its text converts to
+            # converted only once closed: a cut-off body would convert to valid-looking JSON (`b:` -> "b": null)
+            if closed and not b.call.arguments:
                 b.call.arguments = gemma4.call_arguments(body) or "{}"
                 deltas.append(ToolCallDelta(index, arguments=b.call.arguments))
             return deltas
