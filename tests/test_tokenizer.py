@@ -79,3 +79,18 @@ def test_generate_cli_does_not_import_transformers():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+def test_token_bytes_are_the_bytes_each_piece_stands_for():
+    """OpenAI's logprob `bytes`: a piece holding part of a UTF-8 character gives that byte, not U+FFFD's."""
+    tok = Tokenizer(default_model_path())
+    text = "日本 café x"
+    ids = tok.encode(text)
+    parts = [tok.token_bytes(i) for i in ids]
+    assert b"".join(parts) == text.encode()
+    assert any(tok.decode([i]) == "\ufffd" and len(p) == 1 for i, p in zip(ids, parts))   # partial characters
+    assert tok.token_bytes(tok.token_id("<|im_end|>")) == b"<|im_end|>"                   # specials as written
+    # the HF path of the same tokenizer agrees
+    hf = Tokenizer(default_model_path())
+    hf._plain = None
+    assert [hf.token_bytes(i) for i in ids] == parts

@@ -1,7 +1,9 @@
 """Tokenizer of a local model directory: encode, decode, chat template, incremental text."""
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 
 from unmask.errors import ModelLoadError
@@ -19,6 +21,25 @@ def read_json_object(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the others are shifted to
+    code points from 256 up (the table byte-level BPE tokenizers write their pieces in)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def _config(path: Path) -> dict:
@@ -144,6 +165,40 @@ class Tokenizer:
         if self._plain is not None:
             return self._plain.decode_batch(ids, skip_special_tokens=False)
         return self.hf.batch_decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (OpenAI's logprob `bytes`): a byte-level BPE piece, or a byte-fallback
+        `<0xHH>` piece, is one part of a UTF-8 character that its text alone (U+FFFD) cannot show."""
+        piece = self._plain.id_to_token(token_id) if self._plain is not None else self.hf.convert_ids_to_tokens(token_id)
+        special = self._special_pieces()
+        if piece is None or piece in special:
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        m = _BYTE_PIECE.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if self._byte_level():
+            table = _unicode_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    def _special_pieces(self) -> frozenset[str]:
+        if getattr(self, "_special", None) is None:
+            if self._plain is not None:
+                added = self._plain.get_added_tokens_decoder().values()
+                self._special = frozenset(t.content for t in added)
+            else:
+                self._special = frozenset(self.hf.all_special_tokens) | frozenset(self.hf.get_added_vocab())
+        return self._special
+
+    def _byte_level(self) -> bool:
+        """Whether token pieces are written in GPT-2's byte-to-unicode alphabet (a ByteLevel decoder)."""
+        if getattr(self, "_is_byte_level", None) is None:
+            f = self.path / "tokenizer.json"
+            decoder = read_json_object(f).get("decoder") if f.is_file() else None
+            parts = (decoder or {}).get("decoders", [decoder]) if isinstance(decoder, dict) else []
+            self._is_byte_level = any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)
+        return self._is_byte_level
 
     def token_id(self, token: str) -> int | None:
         if self._plain is not None:

@@ -475,6 +475,11 @@ class _Format:
     def token_strings(self, ids: list[int]) -> list[str]:
         return [self.tok.decode([t], skip_special_tokens=False) for t in ids]
 
+    def alternative_ids(self, tops: list | None, i: int) -> list[int]:
+        if not self.logprobs or not tops or i >= len(tops):
+            return []
+        return [t for t, _ in tops[i][: self.logprobs]]
+
     def alternatives(self, tops: list | None, i: int) -> list[tuple[str, float]]:
         """The k most likely tokens at output position i as (text, logprob), most likely first."""
         if not self.logprobs or not tops or i >= len(tops):
@@ -500,9 +505,10 @@ class ChatFormat(_Format):
         if self.logprobs is None:
             return None
         content = []
-        for i, (s, lp) in enumerate(zip(self.token_strings(ids), lps)):
-            top = [TopLogprob(token=a, logprob=alp, bytes=list(a.encode())) for a, alp in self.alternatives(tops, i)]
-            content.append(TokenLogprob(token=s, logprob=lp, bytes=list(s.encode()), top_logprobs=top))
+        for i, (t, s, lp) in enumerate(zip(ids, self.token_strings(ids), lps)):
+            top = [TopLogprob(token=a, logprob=alp, bytes=list(self.tok.token_bytes(a_id)))
+                   for (a, alp), a_id in zip(self.alternatives(tops, i), self.alternative_ids(tops, i))]
+            content.append(TokenLogprob(token=s, logprob=lp, bytes=list(self.tok.token_bytes(t)), top_logprobs=top))
         return ChoiceLogprobs(content=content)
 
     def _chunk(self, choices: list[ChatChunkChoice], **kw) -> ChatCompletionChunk:
