@@ -23,7 +23,7 @@ from unmask.edits.apply import is_marker
 from unmask.edits.next_edit import removed_names
 from unmask.edits.plan import Choice, Fixed, Rewrite, section
 from unmask.engine.engine import Engine
-from unmask.engine.infill import (FIM_TOKENS, InfillSequence, ProbeStat, build_infill, candidate_lengths,
+from unmask.engine.infill import (FIM_TOKENS, InfillPrompt, InfillSequence, ProbeStat, build_infill, candidate_lengths,
                                   choose_length, infill_mode, infill_params)
 from unmask.engine.params import GenerationParams
 from unmask.errors import ContextLengthError, InvalidRequestError
@@ -240,7 +240,16 @@ def test_length_probe_reads_logit_bias_and_min_tokens(bidir):
     assert all(0.05 < p < 0.95 for p in probe(stop_token_ids=half))
     assert all(p < 1e-6 for p in probe(stop_token_ids=half, logit_bias={t: -100.0 for t in ends}))
     everything = list(range(vocab))
-    assert [p > 0.99 for p in probe(stop_token_ids=everything, min_tokens=5)] == [False, True, True]
+    assert [p > 0.99 for p in probe(stop_token_ids=everything, min_tokens=4)] == [False, True, True]
+    # a candidate shorter than min_tokens cannot hold them: it is not probed at all
+    assert [p > 0.99 for p in probe(stop_token_ids=everything, min_tokens=5)] == [True, True]
+    eng = Engine(model, spec)
+    seq = eng.add_request(PROMPT, GenerationParams(max_tokens=16, block_size=4, suffix_ids=SUFFIX, min_tokens=16,
+                                                   infill_lengths=[4, 8, 16]))
+    eng.run_to_completion()
+    assert seq.lengths == [16] and len(seq.output_ids) == 16
+    assert infill_params(InfillPrompt("masked_span", PROMPT, SUFFIX, (0, 0)),
+                         GenerationParams(max_tokens=16, min_tokens=5)).infill_lengths == [8, 16]
 
 
 def test_filled_span_shorter_than_max_tokens_is_a_stop(bidir):

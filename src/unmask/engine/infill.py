@@ -89,7 +89,9 @@ class InfillSequence(Sequence):
     def __post_init__(self):
         super().__post_init__()
         self.cache_mode = "none"   # the probe's first step wrote no cache: decode exactly from there on
-        self.lengths = list(self.params.infill_lengths or [self.params.max_tokens])
+        # a span shorter than min_tokens cannot hold them: such candidates are not probed
+        lengths = [n for n in (self.params.infill_lengths or []) if n >= self.params.min_tokens]
+        self.lengths = lengths or [self.params.max_tokens]
         self.probe_stats: list[ProbeStat] = []
         self.span_length: int | None = None
         self._kept: Tensor | None = None       # first-block logits of the current winner
@@ -232,7 +234,8 @@ def infill_params(prompt: InfillPrompt, params: GenerationParams, lengths: list[
         return params
     if params.structured is not None:
         return replace(params, suffix_ids=list(prompt.suffix_ids), infill_lengths=None)
-    cands = [n for n in (lengths or candidate_lengths(params.max_tokens)) if n <= params.max_tokens]
+    cands = [n for n in (lengths or candidate_lengths(params.max_tokens))
+             if params.min_tokens <= n <= params.max_tokens]
     return replace(params, suffix_ids=list(prompt.suffix_ids), infill_lengths=cands or [params.max_tokens])
 
 
