@@ -374,6 +374,30 @@ def test_a_refused_prompt_leaves_no_earlier_request_behind(family_dirs):
     assert GenerationParams(stop="(a").stop == ["(a"]   # a single stop string, not its characters
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", "0.5", "temperature must be a number, got '0.5'"),
+    ("top_k", 1.5, "top_k must be an integer, got 1.5"),
+    ("max_tokens", True, "max_tokens must be a positive integer, got True"),
+])
+def test_wrong_types_are_request_errors(field, value, message):
+    with pytest.raises(InvalidRequestError) as e:
+        GenerationParams(**{field: value})
+    assert str(e.value) == message and e.value.param == field
+
+
+def test_generate_progress_counts_finished_requests(family_dirs, monkeypatch):
+    from unmask.engine import llm as llm_module
+
+    bars = []
+    real = llm_module._progress_bar
+    monkeypatch.setattr(llm_module, "_progress_bar", lambda total: bars.append(real(total)) or bars[-1])
+    llm = llm_module.LLM(family_dirs["sdar"])
+    outs = llm.generate([[20, 21, 22], [30, 31]], GenerationParams(max_tokens=4), progress=True)
+    assert len(outs) == 2 and len(bars) == 1
+    task = bars[0].tasks[0]
+    assert (task.total, task.completed) == (2, 2) and not bars[0].live.is_started
+
+
 def test_min_tokens_holds_stop_strings_and_stop_tokens(models):
     from unmask.defaults import default_model_path
     from unmask.engine.detokenizer import TextStream

@@ -64,17 +64,33 @@ class LLM:
         texts = {s.request_id: "" for s in seqs}
         logprobs: dict[str, list[float]] = {s.request_id: [] for s in seqs}
         tops: dict[str, list] = {s.request_id: [] for s in seqs}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.request_id in texts:
-                    texts[out.request_id] += out.text_delta
-                    if out.new_logprobs:
-                        logprobs[out.request_id].extend(out.new_logprobs)
-                    if out.new_top_logprobs:
-                        tops[out.request_id].extend(out.new_top_logprobs)
+        bar = _progress_bar(len(seqs)) if progress else None   # requests finished, as vLLM's use_tqdm
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.request_id in texts:
+                        texts[out.request_id] += out.text_delta
+                        if out.new_logprobs:
+                            logprobs[out.request_id].extend(out.new_logprobs)
+                        if out.new_top_logprobs:
+                            tops[out.request_id].extend(out.new_top_logprobs)
+                        if out.finished and bar is not None:
+                            bar.advance(bar.task_ids[0])
+        finally:
+            if bar is not None:
+                bar.stop()
         return [RequestOutput(
             request_id=s.request_id, prompt_ids=s.prompt_ids, token_ids=s.output_ids,
             text=texts[s.request_id], finish_reason=s.finish_reason, forwards=s.stats.forwards,
             logprobs=logprobs[s.request_id] if s.params.logprobs else None,
             top_logprobs=tops[s.request_id] if s.params.top_logprobs else None,
         ) for s in seqs]
+
+
+def _progress_bar(total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True)
+    bar.add_task("generate", total=total)
+    bar.start()
+    return bar

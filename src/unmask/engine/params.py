@@ -70,8 +70,14 @@ class GenerationParams:
         def bad(msg: str, param: str):
             raise InvalidRequestError(msg, param)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        for name in ("temperature", "top_p", "threshold", "factor"):  # before any comparison raises a TypeError
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                bad(f"{name} must be a number, got {value!r}", name)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            bad(f"top_k must be an integer, got {self.top_k!r}", "top_k")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             bad(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
         if not 0.0 <= self.temperature <= 2.0:
