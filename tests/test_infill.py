@@ -403,6 +403,17 @@ def test_apply_ambiguous_placement_is_a_choice_over_full_merges():
         assert all(any(line == o for o in it) for line in orig_lines)
 
 
+def test_apply_offers_to_modify_the_last_line_a_snippet_changes():
+    """A snippet that shows only a function's changed last line (after a marker) may modify that line, not
+    only add a second one beside it."""
+    original = "def f():\n    x = 1\n    y = 2\n    return x + y\n"
+    plan = plan_merge(original, "def f():\n    # ... existing code ...\n    return x * y\n")
+    (i,) = plan.open_pieces()
+    merges = {plan.render({i: o}) for o in plan.pieces[i].options}
+    assert original.replace("x + y", "x * y") in merges
+    assert plan.render() == original + "    return x * y\n"   # the default stays the literal insertion
+
+
 def test_apply_unshown_tail_is_a_choice():
     plan = plan_merge(ORIGINAL, "import sys\nimport os\n# ...\ndef g():\n    return 1\n")
     (i,) = plan.open_pieces()

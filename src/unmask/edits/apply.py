@@ -271,7 +271,10 @@ def plan_merge(original: str, snippet: str) -> EditPlan:
                 buf.extend(fix(lead) if lead else [])
                 before_line = orig[lo.o] if lo.o >= 0 else None
                 after_line = orig[hi.o] if hi.o < len(orig) else None
-                flush_with(_placement_choice(gap, inner, fix if off is not None else None, before_line, after_line))
+                placed = _placement_choice(gap, inner, fix if off is not None else None, before_line, after_line)
+                # at the file's edge (no marker says the code there is kept) the new lines may modify a line
+                edge = runs[0] == IMPLICIT or runs[-1] == IMPLICIT
+                flush_with(_with_modify(placed, gap, inner) if edge else placed)
                 buf.extend(fix(trail) if trail else [])
         if hi.o < len(orig):
             buf.append(orig[hi.o])
@@ -309,6 +312,21 @@ def _edge_choice(gap: list[str], new: list[str], at_start: bool, implicit: bool)
     why = ("new lines next to the file's unshown head or tail: insert them, or replace the unshown lines"
            if implicit else "new lines next to a marker resemble an original line: modify it, or insert beside it")
     return Choice(tuple(options), why)
+
+
+def _with_modify(placed: Choice | Fixed, gap: list[str], new: list[str]) -> Choice | Fixed:
+    """New lines between a marker and the file's unshown start or end may also change an elided line they
+    resemble (a snippet that shows only the changed `return` of a function): besides each placement, options
+    that replace that line in place, at its indentation, right after the default placement."""
+    spots = [t for t, g in enumerate(gap) if _similar(new[0], g)][:3]
+    if not spots:
+        return placed
+    first = next(ln for ln in new if ln.strip())
+    modified = [_lines(gap[:t] + _reindent(new, _indent(first), _indent(gap[t])) + gap[t + len(new):]) for t in spots]
+    current = placed.options if isinstance(placed, Choice) else (placed.text,)
+    options = _dedupe([current[0], *modified, *current[1:]])[:MAX_OPTIONS]
+    why = placed.why if isinstance(placed, Choice) else ""
+    return Choice(tuple(options), (why + "; " if why else "") + "or modify the elided line they resemble")
 
 
 def _placement_choice(gap: list[str], new: list[str], fix, before_line: str | None,
