@@ -572,9 +572,14 @@ def test_fim_text_and_stop(fim_server):
     assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"] == b["usage"]
 
 
-def test_fim_errors(fim_server, span_server):
-    r = post(fim_server, "/v1/fim/completions", {**FIM, "max_tokens": 10**6})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+def test_fim_errors(fim_server, span_server, unmask_dir):
+    import json
+
+    ctx = json.loads((unmask_dir / "config.json").read_text())["max_position_embeddings"]
+    for limit in (ctx - 1, ctx, 10**6):   # every way of leaving no room is the same error
+        r = post(fim_server, "/v1/fim/completions", {**FIM, "max_tokens": limit})
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
     r = post(fim_server, "/v1/fim/completions", {**FIM, "echo": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     r = post(span_server, "/v1/fim/completions", {**FIM, "infill_lengths": [0]})

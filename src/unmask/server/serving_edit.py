@@ -21,7 +21,7 @@ from unmask.edits import (Choice, EditPlan, Fixed, Rewrite, choice_infill, parse
 from unmask.edits.next_edit import clean_rewrite
 from unmask.engine.infill import InfillPrompt, build_infill, infill_mode, infill_params
 from unmask.engine.params import GenerationParams
-from unmask.errors import InvalidRequestError
+from unmask.errors import ContextLengthError, InvalidRequestError
 from unmask.server.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, CompletionRequest, Delta, EditCompletionResponse,
                                     EditRequest, Usage)
@@ -36,7 +36,8 @@ NO_SUFFIX = "<|endoftext|>"      # a suffix of just this means "no suffix"
 
 
 def _bad(e: InvalidRequestError) -> APIError:
-    return APIError(400, str(e), param=e.param)
+    code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+    return APIError(400, str(e), param=e.param, code=code)
 
 
 class EditServing:
