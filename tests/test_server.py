@@ -687,6 +687,33 @@ def test_dropped_streams_release_their_slot(model_dir):
     asyncio.run(scenario())
 
 
+def test_requests_past_the_drain_timeout_end_with_a_503(model_dir, tmp_path):
+    """When --drain-timeout runs out, open requests are aborted by the engine before uvicorn would cancel them:
+    a stream ends with an error frame and [DONE], a plain request gets the 503 envelope (not a cut connection
+    and a bare 500)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    srv = Server(model_dir, tmp_path / "drain.log", "--drain-timeout", "0.5").wait_ready()
+    body = {"model": "tiny-sdar", "messages": CHAT, "max_tokens": 3000, "ignore_eos": True}
+    url = f"{srv.url}/v1/chat/completions"
+    try:
+        with ThreadPoolExecutor(1) as pool, httpx.stream("POST", url, json={**body, "stream": True},
+                                                         timeout=60) as streamed:
+            lines = (line for line in streamed.iter_lines() if line.startswith("data: "))
+            assert json.loads(next(lines)[6:])["choices"][0]["delta"]["role"] == "assistant"
+            plain = pool.submit(httpx.post, url, json=body, timeout=60)
+            time.sleep(0.5)
+            srv.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+            answer = plain.result()
+        assert rest[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(rest[-2][6:])["error"]["message"]
+        assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
+        assert srv.proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        srv.stop()
+
+
 # ------------------------------------------------------------------------------ shutdown (last: stops the server)
 def test_graceful_shutdown_drains_running_streams(server, client):
     stream = chat(client, max_tokens=120, stream=True, stream_options={"include_usage": True})

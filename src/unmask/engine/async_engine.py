@@ -33,7 +33,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_queue: int = 256):
         self.engine = engine
         self.max_queue = max_queue
-        self._inbox: deque[tuple] = deque()   # ("add", rid, prompt, params) | ("abort", rid)
+        self._inbox: deque[tuple] = deque()   # ("add", rid, prompt, params) | ("abort", rid) | ("abort_all",)
         self._inbox_lock = threading.Lock()
         self._pending_adds = 0
         self._wake = threading.Event()
@@ -65,6 +65,9 @@ class AsyncEngine:
                 item = self._inbox.popleft()
                 if item[0] == "add":
                     self._pending_adds -= 1
+            if item[0] == "abort_all":
+                self._abort_all()
+                continue
             if item[0] == "add":
                 _, rid, prompt, params = item
                 if rid not in self._queues:  # cancelled before it was admitted
@@ -75,6 +78,14 @@ class AsyncEngine:
                     self._deliver(rid, e)
             else:
                 self.engine.abort(item[1])
+
+    def _abort_all(self) -> None:
+        """Every request still open ends now: its caller gets the engine's abort output (finish_reason "abort"),
+        or, where the engine never admitted it, an EngineDeadError."""
+        for rid in list(self._queues):
+            out = self.engine.abort(rid)
+            self._deliver(rid, out if out is not None else EngineDeadError("the server is shutting down"))
+            self._deliver(rid, _FINISHED)
 
     def _step(self) -> list[StepOutput]:
         try:
@@ -137,6 +148,12 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         with self._inbox_lock:
             self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        """End every open request (the drain timeout of a shutdown ran out); new ones are still taken."""
+        with self._inbox_lock:
+            self._inbox.append(("abort_all",))
         self._wake.set()
 
     def shutdown(self, drain: bool = True, timeout: float = 30.0) -> None:

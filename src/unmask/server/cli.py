@@ -4,6 +4,7 @@ Imports nothing heavy at import time: fastapi, uvicorn and torch load inside `se
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +14,35 @@ from unmask.defaults import DTYPE_HELP
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's levels
+
+
+ABORT_GRACE_S = 5.0  # after the drain timeout, time for aborted requests to send their 503 before uvicorn cancels
+
+
+def _server_class(uvicorn):
+    class DrainingServer(uvicorn.Server):
+        """uvicorn cancels the request tasks still open when its graceful timeout ends, which cuts a stream
+        without an error frame or [DONE] and turns a plain request into a bare 500. So the engine aborts them
+        first, `drain_timeout` after the signal: each gets its 503 in the error envelope while uvicorn still
+        waits (ABORT_GRACE_S more)."""
+
+        def __init__(self, config, drain_timeout: float):
+            super().__init__(config)
+            self.drain_timeout, self._timer = drain_timeout, None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self._timer is None:
+                self._timer = threading.Timer(self.drain_timeout, self._abort_all)
+                self._timer.daemon = True
+                self._timer.start()
+            super().handle_exit(sig, frame)
+
+        def _abort_all(self) -> None:
+            serving = getattr(self.config.app.state, "serving", None)
+            if serving is not None:
+                serving.engine.abort_all()
+
+    return DrainingServer
 
 
 def _fail(message: str) -> None:
@@ -97,8 +127,9 @@ def serve(
                       force_include_usage=force_include_usage, chat_template=template, dtype=dtype,
                       device=device, drain_timeout=drain_timeout)
     app = create_app(args)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                           timeout_graceful_shutdown=drain_timeout))
+    server = _server_class(uvicorn)(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                                                   timeout_graceful_shutdown=drain_timeout + ABORT_GRACE_S),
+                                    drain_timeout)
     app.state.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run()
     if app.state.load_error:
