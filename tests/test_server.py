@@ -532,6 +532,12 @@ def test_body_and_prompt_limits(restricted):
     long_input = {"input": "word " * 200, "max_output_tokens": 4}
     err = assert_envelope(raw_post(restricted, "/v1/responses", long_input, KEYS[0]), 400, "input")
     assert "64" in err["message"] and err["code"] == "context_length_exceeded"
+    # capacity 2 (one running, one queued): a batch of 3 prompts is refused naming `prompt`, n = 3 naming `n`
+    err = assert_envelope(raw_post(restricted, "/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 2},
+                                   KEYS[0]), 400, "prompt")
+    assert "3 choices" in err["message"]
+    assert_envelope(raw_post(restricted, "/v1/completions", {"prompt": "a", "n": 3, "max_tokens": 2}, KEYS[0]),
+                    400, "n")
 
 
 def test_cors(restricted, server):

@@ -248,7 +248,8 @@ class OpenAIServing:
               structured: StructuredSpec | None = None) -> list[Job]:
         if len(prompts) * req.n > self.capacity:
             raise APIError(400, f"{len(prompts) * req.n} choices requested; this server holds at most "
-                                f"{self.capacity} requests (--max-num-seqs + --max-queue)", param="n")
+                                f"{self.capacity} requests (--max-num-seqs + --max-queue)",
+                           param="n" if req.n > 1 else prompt_param)  # the field that made it too many
         defaults = self.chat_defaults if isinstance(req, ChatCompletionRequest) else self.defaults
         kw = {**defaults, **req.generation_kwargs()}
         if structured is not None:
