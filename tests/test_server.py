@@ -652,7 +652,7 @@ def test_engine_error_mid_stream_is_an_error_frame_then_done(model_dir):
     assert error["error"]["type"] == "service_unavailable_error" and "boom" in error["error"]["message"]
 
 
-def test_dropped_streams_release_their_slot(model_dir):
+def test_dropped_streams_release_their_slot(model_dir, caplog):
     """A stream the web layer never reads (client gone before the first byte), or stops reading, is
     closed by the event loop's async-generator finalizer: its slot is released and its engine request ends."""
     import gc
@@ -690,7 +690,10 @@ def test_dropped_streams_release_their_slot(model_dir):
         await asyncio.sleep(0.05)
         assert serving.inflight == 0 and len(closed) == 1
 
-    asyncio.run(scenario())
+    with caplog.at_level("INFO", logger="unmask.server"):
+        asyncio.run(scenario())
+    assert any(r.getMessage().startswith("aborted request ") and "client went away" in r.getMessage()
+               for r in caplog.records)   # as vLLM logs its aborts
 
 
 def test_requests_past_the_drain_timeout_end_with_a_503(model_dir, tmp_path):

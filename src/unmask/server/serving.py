@@ -344,6 +344,7 @@ class OpenAIServing:
                     yield index, item
         except (asyncio.CancelledError, GeneratorExit):
             self.metrics.cancellations.inc()
+            logger.info("aborted request %s: the client went away", jobs[0].request_id.rsplit("-", 1)[0])  # engine id
             raise
         finally:
             for t in tasks:
