@@ -1,7 +1,7 @@
 """Wire types of the OpenAI-compatible API.
 
-Fields follow the order of OpenAI's API reference; unmask's own extensions are fenced off at the
-end of each model. Requests accept unknown fields (`extra="allow"`, listed by `ignored_fields`) so
+Fields follow the order of OpenAI's API reference; unmask's own extensions are fenced off: those chat
+and completions share in `GenerationRequest`, the rest at the end of each model. Requests accept unknown fields (`extra="allow"`, listed by `ignored_fields`) so
 that clients sending newer OpenAI fields keep working, but types are strict: `"5"` is not an
 integer. Fields that would change the meaning of a request and that unmask does not implement
 (best_of other than n, echo with logprobs, ...) are declared so that `unsupported()` can reject them
@@ -107,7 +107,36 @@ POLICY_FIELDS = ("alg_temp", "credit_decay", "credit_gamma", "credit_weight")
 
 
 class GenerationRequest(RequestModel):
-    """Shared by both endpoints: how a request's fields become engine `GenerationParams` fields."""
+    """Shared by both endpoints: unmask's extension fields that chat and completions both take, and how a
+    request's fields become engine `GenerationParams` fields."""
+
+    top_k: int | None = None
+    repetition_penalty: float | None = None   # vLLM's extra sampling parameter
+    # llama.cpp server's DRY loop penalty (unmask.decoding.dry)
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    diffusing: bool = False
+    policy: str | None = None
+    threshold: float | None = None
+    steps: int | None = None
+    factor: float | None = None
+    tokens_per_step: int | None = None
+    alg_temp: float | None = None
+    credit_decay: float | None = None
+    credit_gamma: float | None = None
+    credit_weight: float | None = None
+    block_size: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = Field(None, ge=0)
+    entropy_bound: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
+    uniform_draws: Literal["reference", "lean"] | None = None
 
     def stream_options_without_stream(self) -> tuple[str, str] | None:
         if self.stream_options is not None and not self.stream:  # OpenAI and vLLM refuse it too
@@ -210,33 +239,6 @@ class ChatCompletionRequest(GenerationRequest):
     top_p: float | None = None
     user: str | None = None
     # ---- unmask extensions
-    top_k: int | None = None
-    repetition_penalty: float | None = None   # vLLM's extra sampling parameter
-    # llama.cpp server's DRY loop penalty (unmask.decoding.dry)
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: list[str] | None = None
-    diffusing: bool = False
-    policy: str | None = None
-    threshold: float | None = None
-    steps: int | None = None
-    factor: float | None = None
-    tokens_per_step: int | None = None
-    alg_temp: float | None = None
-    credit_decay: float | None = None
-    credit_gamma: float | None = None
-    credit_weight: float | None = None
-    block_size: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int | None = Field(None, ge=0)
-    entropy_bound: float | None = None
-    t_min: float | None = None
-    t_max: float | None = None
-    stability_threshold: int | None = None
-    confidence_threshold: float | None = None
-    uniform_draws: Literal["reference", "lean"] | None = None
     # structured output beyond response_format (docs/structured-outputs.md)
     regex: str | None = None
     choice: list[str] | None = None
@@ -274,33 +276,6 @@ class CompletionRequest(GenerationRequest):
     user: str | None = None
     # ---- unmask extensions
     reasoning_effort: ReasoningEffort | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None   # vLLM's extra sampling parameter
-    # llama.cpp server's DRY loop penalty (unmask.decoding.dry)
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: list[str] | None = None
-    diffusing: bool = False
-    policy: str | None = None
-    threshold: float | None = None
-    steps: int | None = None
-    factor: float | None = None
-    tokens_per_step: int | None = None
-    alg_temp: float | None = None
-    credit_decay: float | None = None
-    credit_gamma: float | None = None
-    credit_weight: float | None = None
-    block_size: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int | None = Field(None, ge=0)
-    entropy_bound: float | None = None
-    t_min: float | None = None
-    t_max: float | None = None
-    stability_threshold: int | None = None
-    confidence_threshold: float | None = None
-    uniform_draws: Literal["reference", "lean"] | None = None
     # structured output (docs/structured-outputs.md)
     response_format: dict[str, Any] | None = None
     regex: str | None = None
