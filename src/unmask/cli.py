@@ -77,6 +77,8 @@ def generate(
     steps: Optional[int] = typer.Option(None, help="Denoising steps per block for schedule-based policies."),
     tokens_per_step: Optional[int] = typer.Option(None, help="Fixed tokens per step for the topk policy."),
     factor: float = typer.Option(1.0, help="f of the factor policy (> 0; larger commits more per step)."),
+    entropy_bound: Optional[float] = typer.Option(
+        None, help="entropy_bounded policy's bound in nats, >= 0 (default 0.35); DiffusionGemma's acceptance bound."),
     alg_temp: Optional[float] = typer.Option(
         None, help="Dream's policies: > 0 samples the rows to commit from softmax(confidence / alg_temp) (default 0)."),
     credit_decay: Optional[float] = typer.Option(None, help="credit policy: EMA decay in [0, 1] (default 0.8)."),
@@ -114,7 +116,8 @@ def generate(
     try:
         knobs = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                      policy=policy, threshold=threshold, block_size=block_size, steps=steps,
-                     tokens_per_step=tokens_per_step, factor=factor, alg_temp=alg_temp, credit_decay=credit_decay,
+                     tokens_per_step=tokens_per_step, factor=factor, entropy_bound=entropy_bound, alg_temp=alg_temp,
+                     credit_decay=credit_decay,
                      credit_gamma=credit_gamma, credit_weight=credit_weight, cache=cache, stop=list(stop),
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                      repetition_penalty=repetition_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,
