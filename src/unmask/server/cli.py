@@ -101,8 +101,10 @@ def serve(
         _fail(f"model directory {model} does not exist")
     if log_level.lower() not in LOG_LEVELS:
         _fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
-    if dtype is not None and dtype not in ("auto", "float32", "bfloat16", "float16"):  # before the port is bound
-        _fail(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
+    from unmask.models.loader import DTYPES
+
+    if dtype is not None and dtype not in ("auto", *DTYPES):  # checked before the port is bound
+        _fail(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     template = None
     if chat_template is not None:
         try:
