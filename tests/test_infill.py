@@ -582,8 +582,13 @@ def test_fim_errors(fim_server, span_server, unmask_dir):
         assert r.status_code == 400 and (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
     r = post(fim_server, "/v1/fim/completions", {**FIM, "echo": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
-    r = post(span_server, "/v1/fim/completions", {**FIM, "infill_lengths": [0]})
+    # candidate lengths: each in [1, max_tokens] (no longer filtered away in silence); masked-span models only
+    for lengths in ([0], [4, 13], []):
+        r = post(span_server, "/v1/fim/completions", {**FIM, "infill_lengths": lengths})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "infill_lengths", (lengths, r.text)
+    r = post(fim_server, "/v1/fim/completions", {**FIM, "infill_lengths": [4, 8]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "infill_lengths"
+    assert "fill-in-the-middle tokens" in r.json()["error"]["message"]
     r = post(span_server, "/v1/fim/completions", {"prompt": "", "suffix": "x", "max_tokens": 4})
     assert r.status_code == 200   # LLaDA starts an empty prefix with its BOS
 

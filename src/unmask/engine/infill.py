@@ -234,8 +234,9 @@ def infill_params(prompt: InfillPrompt, params: GenerationParams, lengths: list[
         return params
     if params.structured is not None:
         return replace(params, suffix_ids=list(prompt.suffix_ids), infill_lengths=None)
-    cands = [n for n in (lengths or candidate_lengths(params.max_tokens))
-             if params.min_tokens <= n <= params.max_tokens]
+    if lengths is not None:  # the caller's own candidates: GenerationParams checks their range
+        return replace(params, suffix_ids=list(prompt.suffix_ids), infill_lengths=list(lengths))
+    cands = [n for n in candidate_lengths(params.max_tokens) if params.min_tokens <= n <= params.max_tokens]
     return replace(params, suffix_ids=list(prompt.suffix_ids), infill_lengths=cands or [params.max_tokens])
 
 

@@ -52,16 +52,21 @@ class EditServing:
         s = self.s
         s._validate(req)
         try:
-            infill_mode(self.spec, self.tok)
+            mode = infill_mode(self.spec, self.tok)
             structured = from_request(req.response_format, req.regex, req.choice, req.grammar)
         except InvalidRequestError as e:
             raise _bad(e) from None
+        if req.infill_lengths is not None and mode != "masked_span":
+            raise APIError(400, f"infill_lengths applies to masked-span infilling (bidirectional families); this "
+                                f"{self.spec.family.name} model fills the middle with fill-in-the-middle tokens and "
+                                "ends it at its end-of-sequence token", param="infill_lengths")
         prompts = req.prompts()
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
         if len(prompts) * req.n > s.capacity:
             raise APIError(400, f"{len(prompts) * req.n} choices requested; this server holds at most "
-                                f"{s.capacity} requests (--max-num-seqs + --max-queue)", param="n")
+                                f"{s.capacity} requests (--max-num-seqs + --max-queue)",
+                           param="n" if req.n > 1 else "prompt")
         max_tokens = self._max_tokens(req.max_tokens, min(FIM_DEFAULT_MAX_TOKENS, s.cfg.default_max_tokens))
         kw = {**s.defaults, **req.generation_kwargs()}
         if structured is not None:
