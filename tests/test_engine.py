@@ -372,6 +372,10 @@ def test_a_refused_prompt_leaves_no_earlier_request_behind(family_dirs):
         llm.generate([[20, 21, 22], [10**7]], GenerationParams(max_tokens=4))
     assert not llm.engine.has_unfinished()
     assert GenerationParams(stop="(a").stop == ["(a"]   # a single stop string, not its characters
+    p = GenerationParams(max_tokens=3)
+    assert llm.generate((20, 21, 22), p)[0].token_ids == llm.generate([20, 21, 22], p)[0].token_ids   # ids as a tuple
+    with pytest.raises(InvalidRequestError, match="a prompt is a string or a list of token ids, got float"):
+        llm.generate([1.5], p)
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -8,7 +8,7 @@ from unmask.defaults import default_model_path
 from unmask.engine.engine import Engine
 from unmask.engine.outputs import RequestOutput, StepOutput
 from unmask.engine.params import GenerationParams
-from unmask.errors import ModelLoadError
+from unmask.errors import InvalidRequestError, ModelLoadError
 from unmask.models.loader import load_model
 from unmask.tokenizer import Tokenizer
 
@@ -26,7 +26,12 @@ class LLM:
         self.engine = Engine(self.model, self.spec, self.tokenizer, max_num_seqs, max_batch_tokens)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}",
+                                      "prompt")
+        return self.tokenizer.encode(prompt)
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, tools=tools))
@@ -48,7 +53,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt], params: GenerationParams | list[GenerationParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                              and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         plist = params if isinstance(params, list) else [params or GenerationParams()] * len(batch)
         if len(plist) != len(batch):
