@@ -696,6 +696,15 @@ def test_dropped_streams_release_their_slot(model_dir, caplog):
                for r in caplog.records)   # as vLLM logs its aborts
 
 
+def test_edit_on_a_model_that_cannot_infill_names_messages(server):
+    from test_infill import NEXT_EDIT
+
+    err = assert_envelope(raw_post(server, "/v1/edit/completions",
+                                   {"messages": [{"role": "user", "content": NEXT_EDIT}], "max_tokens": 8}),
+                          400, "messages")
+    assert "fill in the middle" in err["message"] or "fill-in-the-middle" in err["message"]
+
+
 def test_requests_past_the_drain_timeout_end_with_a_503(model_dir, tmp_path):
     """When --drain-timeout runs out, open requests are aborted by the engine before uvicorn would cancel them:
     a stream ends with an error frame and [DONE], a plain request gets the 503 envelope (not a cut connection
@@ -752,3 +761,4 @@ def test_chat_requests_take_the_models_chat_defaults_and_completions_do_not(mode
     asyncio.run(serving.completion(CompletionRequest(prompt="hi", max_tokens=4)))
     asyncio.run(serving.chat(ChatCompletionRequest(messages=CHAT, max_tokens=4, frequency_penalty=0.0)))
     assert [(p.frequency_penalty, p.repetition_penalty) for p in seen] == [(0.3, 1.1), (0.0, 1.1), (0.0, 1.1)]
+

@@ -179,8 +179,8 @@ class EditServing:
         try:
             infill_mode(self.spec, self.tok)
         except InvalidRequestError as e:
-            if required:
-                raise _bad(e) from None
+            if required:  # an edit request has no suffix field: the model cannot serve what its messages ask
+                raise APIError(400, str(e), param="messages") from None
             return plan.render(), "stop", 0
         kw = {**self.s.defaults, **req.generation_kwargs()}
         kw.pop("stop", None)          # stop strings would cut a region short
