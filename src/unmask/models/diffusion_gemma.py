@@ -461,7 +461,10 @@ class Experts(nn.Module):
     def _grouped(self, x: Tensor, idx: Tensor, w: Tensor, n: int, k: int) -> Tensor:
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        offs = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        # counts by scatter_add, not bincount: CUDA's bincount reads the input's min and max back to the host
+        # (two device syncs per layer per step)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        offs = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
         h = _grouped_mm(x[order // k], self.gate_up_proj.transpose(-2, -1), offs=offs)
         gate, up = h.chunk(2, dim=-1)
         y = _grouped_mm(self.act(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
@@ -577,6 +580,8 @@ class DiffusionGemmaLM(nn.Module):
     """Token ids + absolute positions over a ragged batch -> hidden states; `logits` adds the soft-cap."""
 
     keep_logits_on_device = True  # the sampler runs where the logits are (runner.py)
+    # a canvas-only step (no encoder rows) has no host syncs or host-built tensors: CUDA graphs may replay it
+    graph_decode_steps = True
 
     def __init__(self, a: GemmaArch):
         super().__init__()
