@@ -546,6 +546,39 @@ def test_batch_is_token_identical_per_row(ref, native):
         assert seqs[i].output_ids == want
 
 
+def test_decode_graph_replays_are_token_identical(ref, native):
+    """The CUDA-graph path's bookkeeping, emulated on the CPU (the forward re-run on the graph's static buffers):
+    a canvas step's first sighting runs eagerly, the second captures, later ones replay; tokens equal the
+    reference's, alone and batched (where the batch's make-up changes and, with room for two graphs, old
+    ones are dropped), and the step timing still counts the replays."""
+    from unmask.engine.graphs import DecodeGraphs
+
+    model, spec = native
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, VOCAB, (11,), generator=g).tolist()
+    want = ref_generate(ref, prompt, 7, 8, max_new_tokens=24, max_denoising_steps=8)[:24]
+    eng = _engine(native)
+    graphs = eng.runner.graphs = DecodeGraphs(model, torch.device("cpu"), max_graphs=2, emulate=True)
+    seq = eng.add_request(prompt, GenerationParams(max_tokens=24, steps=8, block_size=8, seed=7))
+    eng.run_to_completion()
+    assert seq.output_ids == want
+    # 3 canvases x 8 steps: step 1 has no self-conditioning (eager), step 2 warms up, step 3 captures, 4-8 replay
+    assert (graphs.captures, graphs.replays) == (3, 18)
+    assert eng.stats.forward_s > 0
+
+    cases = [(5, 8, 6), (19, 4, 5), (2, 8, 8), (33, 16, 4), (11, 8, 6)]
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n, _, _ in cases]
+    eng = _engine(native)
+    graphs = eng.runner.graphs = DecodeGraphs(model, torch.device("cpu"), max_graphs=2, emulate=True)
+    seqs = [eng.add_request(p, GenerationParams(max_tokens=16, steps=s, block_size=c, seed=60 + i, **EARLY))
+            for i, (p, (_, c, s)) in enumerate(zip(prompts, cases))]
+    eng.run_to_completion()
+    for i, (p, (_, c, s)) in enumerate(zip(prompts, cases)):
+        assert seqs[i].output_ids == ref_generate(ref, p, 60 + i, c, max_new_tokens=16, max_denoising_steps=s,
+                                                  **EARLY)[:16]
+    assert graphs.replays > 0 and len(graphs.graphs) <= 2
+
+
 @contextmanager
 def per_row_randomness(seeds: list[int], canvas: int, vocab: int):
     """Make the reference's batched `generate` draw each row's randomness from that row's own generator,

@@ -153,7 +153,9 @@ class GemmaSequence:
             return self._plan(self.tokens[self.cached:self.cached + n], n, None)
         if self.canvas is None:
             self._new_canvas()
-        ids = torch.cat([self.tokens[self.cached:self.block_start], self.canvas[0].cpu()])
+        # a canvas-only step keeps the canvas on its device (no copy to the host and back each step)
+        ids = self.canvas[0] if pending == 0 else torch.cat([self.tokens[self.cached:self.block_start],
+                                                              self.canvas[0].cpu()])
         return self._plan(ids, pending, self.sc_logits)
 
     def _plan(self, ids: Tensor, n_enc: int, sc_logits: Tensor | None) -> StepPlan:
