@@ -15,7 +15,8 @@ Writes device_check.json and device_check.md under --out and prints the markdown
 network; the tiny checkpoints are built on the spot (tests/tiny_checkpoints.py). It imports only torch,
 safetensors, tokenizers and numpy from outside (no server or grammar packages), so the lent machine's stock
 Python runs it from a bare checkout: `PYTHONUNBUFFERED=1 python3 scripts/device_check.py --out $OUT`
-(about 1-2 minutes after the machine starts; not yet run on a GPU: no session so far was lent one).
+(first run on an H200 on 2026-12-04: correctness and the float32 speed rows took ~70 s after the tiny
+checkpoints were built, and a 100 s limit cut the bf16 and training parts; figures in docs/benchmarks.md).
 """
 from __future__ import annotations
 
