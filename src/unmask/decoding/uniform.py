@@ -66,8 +66,9 @@ def linear_temperature(remaining: int, max_steps: int, t_min: float, t_max: floa
     """0-dim float32 T = t_min + (t_max - t_min) * remaining / max_steps; `remaining` counts N..1.
 
     Computed on an int32 tensor as the reference does (its step counter is a tensor), so T is bitwise its T.
+    Filled on the device, not copied there: a blocking host-to-device copy would wait for the forward.
     """
-    step = torch.tensor(remaining, dtype=torch.int32, device=device)
+    step = torch.full((), remaining, dtype=torch.int32, device=device)
     return t_min + ((t_max - t_min) * (step / max_steps))
 
 
@@ -215,23 +216,28 @@ def denoise_batch(logits: Tensor, canvas: Tensor, remaining: list[int], cfgs: li
         raise ValueError("denoise_batch: rows mix draws modes")
     dev = logits.device
     f32 = torch.float32
-    step = torch.tensor(remaining, dtype=torch.int32, device=dev)
-    steps = torch.tensor([g.max_steps for g in cfgs], dtype=torch.int32, device=dev)
-    span = torch.tensor([g.t_max - g.t_min for g in cfgs], dtype=f32, device=dev)
-    t_min = torch.tensor([g.t_min for g in cfgs], dtype=f32, device=dev)
+
+    def rows(values: list, dtype: torch.dtype) -> Tensor:
+        # built on the host and sent without blocking: a blocking copy would wait for the forward to finish
+        return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+    step = rows(remaining, torch.int32)
+    steps = rows([g.max_steps for g in cfgs], torch.int32)
+    span = rows([g.t_max - g.t_min for g in cfgs], f32)
+    t_min = rows([g.t_min for g in cfgs], f32)
     temp = t_min + span * (step / steps)
     processed = logits / temp[:, None, None]
     probs, entropy = _probs_and_entropy(processed, lean)
     draft = torch.argmax(processed, dim=-1)
     h, order = torch.sort(entropy, dim=-1, descending=False)
-    bound = torch.tensor([g.entropy_bound for g in cfgs], dtype=f32, device=dev)
+    bound = rows([g.entropy_bound for g in cfgs], f32)
     keep = torch.cumsum(h, dim=-1) - h <= bound[:, None]
     accepted = torch.scatter(torch.zeros_like(keep), -1, order, keep)
     if lean:
         nxt = lean_next(probs, accepted, v, generators)
     else:
         nxt = torch.stack([_reference_row(probs[i], canvas[i], accepted[i], v, g) for i, g in enumerate(generators)])
-    conf = torch.tensor([g.confidence_threshold for g in cfgs], dtype=f32, device=dev)
+    conf = rows([g.confidence_threshold for g in cfgs], f32)
     confident = torch.mean(entropy, dim=-1) < conf
     stable, new_hist = _stability_batch(draft, histories, [g.stability_threshold for g in cfgs])
     stop = (stable & confident).tolist()

@@ -95,8 +95,7 @@ class DecodeGraphs:
                 return None
         else:
             self.graphs.move_to_end(key)
-        g.ids.copy_(ids, non_blocking=True)
-        g.positions.copy_(positions, non_blocking=True)
+        g.ids.copy_(ids, non_blocking=True)  # positions need no copy: the key fixes each segment's start and length
         for buf, seg in zip(g.sc, batch.segments):
             buf.copy_(seg.extra["sc_logits"].reshape(buf.shape), non_blocking=True)
         if self.emulate:
