@@ -573,10 +573,20 @@ def test_decode_graph_replays_are_token_identical(ref, native):
     seqs = [eng.add_request(p, GenerationParams(max_tokens=16, steps=s, block_size=c, seed=60 + i, **EARLY))
             for i, (p, (_, c, s)) in enumerate(zip(prompts, cases))]
     eng.run_to_completion()
+    first = seqs
     for i, (p, (_, c, s)) in enumerate(zip(prompts, cases)):
         assert seqs[i].output_ids == ref_generate(ref, p, 60 + i, c, max_new_tokens=16, max_denoising_steps=s,
                                                   **EARLY)[:16]
     assert graphs.replays > 0 and len(graphs.graphs) <= 2
+
+    # a memory budget below one graph's logits keeps only the newest graph, and replays still agree
+    eng = _engine(native)
+    graphs = eng.runner.graphs = DecodeGraphs(model, torch.device("cpu"), max_bytes=1, emulate=True)
+    seqs = [eng.add_request(p, GenerationParams(max_tokens=16, steps=s, block_size=c, seed=60 + i, **EARLY))
+            for i, (p, (_, c, s)) in enumerate(zip(prompts, cases))]
+    eng.run_to_completion()
+    assert [s.output_ids for s in seqs] == [r.output_ids for r in first]
+    assert len(graphs.graphs) == 1 and graphs.captures > 1
 
 
 @contextmanager

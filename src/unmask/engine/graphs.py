@@ -50,10 +50,14 @@ class _Graph:
 class DecodeGraphs:
     """Captured decoder steps, keyed by everything their kernels read; least recently used dropped first."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, max_graphs: int = 8, emulate: bool = False):
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_graphs: int = 8,
+                 max_bytes: int = 1 << 30, emulate: bool = False):
         self.model = model
         self.device = device
         self.max_graphs = max_graphs
+        # each graph keeps its logits buffer ([canvas rows, V] float32: 268 MB for one 256-token canvas of a
+        # 262K vocabulary), so the count alone does not bound memory; the newest graph is always kept
+        self.max_bytes = max_bytes
         self.emulate = emulate
         self.enabled = True
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
@@ -158,6 +162,9 @@ class DecodeGraphs:
             g = _Graph(static_ids, static_pos, sc, out, graph.replay)
         self.graphs[key] = g
         self.captures += 1
-        if len(self.graphs) > self.max_graphs:
+        while len(self.graphs) > 1 and (len(self.graphs) > self.max_graphs or self.held_bytes() > self.max_bytes):
             self.graphs.popitem(last=False)
         return g
+
+    def held_bytes(self) -> int:
+        return sum(g.out.numel() * g.out.element_size() for g in self.graphs.values())
