@@ -505,6 +505,8 @@ def test_queue_overflow_answers_429_at_once(restricted):
 # ---------------------------------------------------------------------------------------- security and errors
 def test_api_keys(restricted, server):
     assert httpx.get(f"{restricted.url}/health").status_code == 200
+    head = httpx.head(f"{restricted.url}/health")  # load balancers probe with HEAD too
+    assert head.status_code == 200 and head.content == b""
     for key in (None, "wrong-key"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         for path in ("/v1/models", "/metrics", "/v1/models/restricted", "/nope"):

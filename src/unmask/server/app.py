@@ -166,7 +166,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     return respond(serving(request).detokenize(body))
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that only read the status code
 async def health(request: Request) -> Response:
     state = request.app.state
     if state.serving is None or not state.serving.engine.is_alive:
