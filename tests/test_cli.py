@@ -93,7 +93,7 @@ def test_generate_takes_dry_flags(family_dirs, monkeypatch):
     (("--policy", "factor", "--factor", "0"), "error: factor must be > 0, got 0.0"),
     (("--policy", "credit", "--credit-decay", "2"), "error: credit_decay must be in [0, 1], got 2.0"),
     (("--alg-temp", "-1"), "error: alg_temp must be >= 0, got -1.0"),
-    (("--policy", "entropy_bounded", "--entropy-bound", "-1"), "error: entropy_bound must be >= 0, got -1.0"),
+    (("--policy", "entropy_bounded", "--entropy-bound", "-1"), "error: entropy_bound must be >= 0 (> 0 for DiffusionGemma), got -1.0"),
     (("--max-tokens", "5000"), "over this model's context of 4096"),
     (("--presence-penalty", "3"), "error: presence_penalty must be in [-2, 2], got 3.0"),
     (("--repetition-penalty", "0"), "error: repetition_penalty must be in (0, 10] (1 = off), got 0.0"),

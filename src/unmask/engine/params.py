@@ -97,7 +97,9 @@ class GenerationParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop sequences must be non-empty strings", "stop")
         if self.entropy_bound is not None and not self.entropy_bound >= 0:
-            bad(f"entropy_bound must be >= 0, got {self.entropy_bound}", "entropy_bound")
+            # the masked families' rule takes 0 (accept the single lowest-entropy position); DiffusionGemma's
+            # reference refuses 0, which its own check says, so name both rules here
+            bad(f"entropy_bound must be >= 0 (> 0 for DiffusionGemma), got {self.entropy_bound}", "entropy_bound")
         for name in ("t_min", "t_max"):
             v = getattr(self, name)
             if v is not None and not 0.0 <= v <= 100.0:
