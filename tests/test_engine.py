@@ -498,3 +498,39 @@ def test_policy_knob_errors_name_the_field(field, value):
     with pytest.raises(InvalidRequestError) as e:
         GenerationParams(policy="credit", **{field: value})
     assert e.value.param == field and str(e.value).startswith(f"{field} must be")
+
+
+def test_forward_timer_reads_device_events_without_waiting(monkeypatch):
+    """On CUDA the runner times forwards with events it reads once they have completed (no sync per step);
+    `settle` waits for the rest. Driven here by a stand-in Event whose completion the test decides."""
+    from unmask.engine import runner as R
+
+    done: set[int] = set()
+
+    class FakeEvent:
+        count = 0
+
+        def __init__(self, enable_timing: bool):
+            FakeEvent.count += 1
+            self.i, self.t = FakeEvent.count, None
+
+        def record(self):
+            self.t = 0.010 * self.i  # events 10 ms apart
+
+        def query(self):
+            return self.i in done
+
+        def synchronize(self):
+            done.add(self.i)
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1000
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = R.ForwardTimer(torch.device("cuda"))
+    timer.start()
+    assert timer.stop() == 0.0 and len(timer.pending) == 1  # still running: nothing reported, nothing awaited
+    done.update({1, 2})
+    timer.start()
+    assert timer.stop() == pytest.approx(0.010)  # the first forward finished meanwhile
+    assert timer.settle() == pytest.approx(0.010) and not timer.pending  # the second, waited for

@@ -22,7 +22,7 @@ from unmask.tokenizer import Tokenizer
 @dataclass
 class EngineStats:
     steps: int = 0
-    forward_s: float = 0.0
+    forward_s: float = 0.0  # in model forwards: host clock on CPU, device time (CUDA events) on CUDA
     step_s: float = 0.0
     tokens_fed: int = 0
     batch_size_sum: int = 0
@@ -204,6 +204,8 @@ class Engine:
         s = self.stats
         s.steps += 1
         s.forward_s += result.forward_s
+        if not self.scheduler.has_unfinished():  # idle: collect the device time still in flight
+            s.forward_s += self.runner.settle_timing()
         s.step_s += time.perf_counter() - t0
         s.tokens_fed += result.num_tokens
         s.batch_size_sum += len(plans)

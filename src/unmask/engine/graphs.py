@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,8 +63,6 @@ class DecodeGraphs:
         self.seen: OrderedDict[tuple, None] = OrderedDict()  # keys that ran eagerly once (warmed up)
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
         self.captures = self.replays = 0
-        self._events: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
-        self._host_s = 0.0
 
     # ------------------------------------------------------------------ keys
     @staticmethod
@@ -102,26 +99,9 @@ class DecodeGraphs:
         g.ids.copy_(ids, non_blocking=True)  # positions need no copy: the key fixes each segment's start and length
         for buf, seg in zip(g.sc, batch.segments):
             buf.copy_(seg.extra["sc_logits"].reshape(buf.shape), non_blocking=True)
-        if self.emulate:
-            t0 = time.perf_counter()
-            g.replay()
-            self._host_s += time.perf_counter() - t0
-        else:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            self._events.append((start, end))
+        g.replay()
         self.replays += 1
         return g.out.clone()  # the policies edit logits in place and keep them across steps
-
-    def take_device_seconds(self) -> float:
-        """Seconds the replays finished so far took on the device (emulated: on the host), each counted once."""
-        total, self._host_s = self._host_s, 0.0
-        while self._events and self._events[0][1].query():
-            start, end = self._events.popleft()
-            total += start.elapsed_time(end) / 1000
-        return total
 
     def _capture(self, key: tuple, ids: Tensor, positions: Tensor, batch: AttentionBatch) -> _Graph | None:
         dev = self.device

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +21,56 @@ class RunnerOutput:
     num_tokens: int
 
 
+class ForwardTimer:
+    """Time spent in forwards. On the host clock off CUDA; on CUDA by device events read back once they have
+    completed, so timing never synchronises: the host goes on to queue the denoising step while the device
+    runs the forward. A step then reports the forwards that finished by the time it ends (they lag by a
+    step or so; `settle` collects the rest)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: deque = deque()
+        self.t0 = 0.0
+        self._start = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.t0
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pending.append((self._start, end))
+        return self._collect(wait=len(self.pending) > 64)
+
+    def settle(self) -> float:
+        return self._collect(wait=True) if self.cuda else 0.0
+
+    def _collect(self, wait: bool) -> float:
+        total = 0.0
+        while self.pending and (wait or self.pending[0][1].query()):
+            start, end = self.pending.popleft()
+            end.synchronize()
+            total += start.elapsed_time(end) / 1000
+        return total
+
+
 class ModelRunner:
     def __init__(self, model: DiffusionTransformer, graphs: DecodeGraphs | None = None):
         self.model = model
         self.device = model.lm_head.weight.device
         self.graphs = graphs if graphs is not None else (
             DecodeGraphs(model, self.device) if graphs_enabled(model, self.device) else None)
+        self.timer = ForwardTimer(self.device)
+
+    def settle_timing(self) -> float:
+        """Forward seconds not yet reported (on CUDA: waits for the queued forwards); call when idle."""
+        return self.timer.settle()
 
     @torch.no_grad()  # not inference_mode: policies edit the returned logits in place
     def execute(self, plans: list[StepPlan]) -> RunnerOutput:
@@ -43,23 +88,17 @@ class ModelRunner:
             rows.append(p.logit_rows + offset)
             counts.append(p.logit_rows.numel())
             offset += p.segment.length
-        t0 = time.perf_counter()
+        self.timer.start()
         logits = None
         if self.graphs is not None and self.graphs.enabled:
             key = self.graphs.key(batch, counts)
             if key is not None:
                 logits = self.graphs.run(key, ids, pos, batch)
-        if logits is not None:
-            # a replay is timed by the graphs' device events, without a sync: the host goes on to queue the
-            # denoising step while the device runs the forward
-            forward_s = self.graphs.take_device_seconds()
-        else:
+        if logits is None:
             hidden = self.model(ids, pos, batch)
-            flat_rows = torch.cat(rows).to(dev)
+            flat_rows = torch.cat(rows).to(dev, non_blocking=True)
             logits = self.model.logits(hidden[flat_rows]) if flat_rows.numel() else hidden.new_empty(0, 0).float()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            forward_s = time.perf_counter() - t0
+        forward_s = self.timer.stop()
         commit_cache_lengths(batch)
         if not getattr(self.model, "keep_logits_on_device", False):  # DiffusionGemma samples on the device
             logits = logits.cpu()
