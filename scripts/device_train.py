@@ -1,0 +1,231 @@
+"""Train a larger built-in model on a lent GPU within one device call: `make model`'s three phases, timed.
+
+    python scripts/device_train.py --out $OUT --minutes 8          # on a lent GPU machine, data/ carried
+    python scripts/device_train.py --quick --out /tmp/dt           # the same code path on this CPU (smoke run)
+
+Why: `make model` spends 3 h 20 min of 2 CPU cores on a 5.25M-parameter model (~1,570 tokens/s), which writes
+Python-shaped but wrong code (docs/model-card.md). A GPU trains a 4x larger model on ~20x the tokens in
+minutes. The phases are `make model`'s, on the same data (data/corpus, data/sft, data/tokenizer from
+`unmask corpus`): a causal next-token base, block diffusion with a causal context from it, then SFT with 25%
+corpus replay. A short calibration run of the base measures tokens/s; each phase then gets the steps that fit
+its share of --minutes (warmup, eval and save intervals scaled to them).
+
+The device machine has no `unmask` install: the phases run as `python -m unmask.cli ...` with src/ on
+PYTHONPATH. A device call brings back at most 8 files of 16 MiB, so --out gets the final model's weights in
+bfloat16 as safetensors shards of at most 15 MB, `meta.tar.gz` (the rest of the model directory and the
+phases' logs) and `summary.json`. `python scripts/device_train.py --join FETCHED_DIR --to MODEL_DIR` makes the
+model directory with one model.safetensors, as the shipped model has it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARD_BYTES = 15 * 1024 * 1024
+START = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - START:7.1f}s] {msg}", flush=True)
+
+
+def run(name: str, args: list[str], logs: Path) -> tuple[float, list[float]]:
+    """Runs one `unmask` command; returns (wall seconds, the tokens/s figures its log lines reported)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + [p for p in [os.environ.get("PYTHONPATH")]
+                                                                               if p]),
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    t0 = time.monotonic()
+    log(f"{name}: unmask {' '.join(args)}")
+    with open(logs / f"{name}.log", "w") as f:
+        p = subprocess.run([sys.executable, "-m", "unmask.cli", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
+                           cwd=ROOT)
+    text = (logs / f"{name}.log").read_text()
+    if p.returncode:
+        raise SystemExit(f"{name} failed (exit {p.returncode}):\n{text[-3000:]}")
+    tps = [float(x.replace(",", "")) for x in re.findall(r"([\d,]+) tok/s", text)]
+    wall = time.monotonic() - t0
+    log(f"{name}: {wall:.0f} s, last tokens/s {tps[-1] if tps else 'n/a'}; tail: {text.strip().splitlines()[-1][:200]}")
+    return wall, tps
+
+
+def steps_for(seconds: float, tps: float, rows: int, seq_len: int, floor: int) -> int:
+    return max(floor, int(seconds * tps / (rows * seq_len)))
+
+
+def schedule(steps: int) -> list[str]:
+    return ["--steps", str(steps), "--warmup", str(max(1, steps // 20)), "--eval-every", str(max(1, steps // 5)),
+            "--save-every", str(max(1, steps // 4))]
+
+
+def export_bf16_shards(src: Path, dst: Path) -> list[str]:
+    """The model directory with its weights cast to bfloat16 and split into <= 15 MB safetensors shards."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, dst / f.name)
+    state = {}
+    for f in sorted(src.glob("*.safetensors")):
+        state.update(load_file(f))
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t in state.items():
+        t = t.to(torch.bfloat16) if t.is_floating_point() else t
+        nbytes = t.numel() * t.element_size()
+        if nbytes > SHARD_BYTES:
+            raise SystemExit(f"{name}: {nbytes:,} bytes, more than one shard may hold ({SHARD_BYTES:,})")
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, dst / fname, metadata={"format": "pt"})
+        names.append(fname)
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}, indent=1) + "\n")
+    cfg_path = dst / "config.json"
+    if cfg_path.is_file():
+        cfg = json.loads(cfg_path.read_text())
+        cfg["torch_dtype"] = "bfloat16"
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    return names
+
+
+def package(model_dir: Path, logs: Path, out: Path) -> list[str]:
+    """out/: the shards as they are, and meta.tar.gz with the model directory's other files and the logs."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = []
+    with tarfile.open(out / "meta.tar.gz", "w:gz") as tar:
+        for f in sorted(model_dir.iterdir()):
+            if f.name.endswith(".safetensors"):
+                shutil.copy2(f, out / f.name)
+                names.append(f.name)
+            else:
+                tar.add(f, arcname=f"model/{f.name}")
+        for f in sorted(logs.glob("*.log")):
+            tar.add(f, arcname=f"logs/{f.name}")
+    return names
+
+
+def join_shards(fetched: Path, dst: Path) -> None:
+    """A fetched --out (shards + meta.tar.gz) -> a model directory with one model.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    with tarfile.open(fetched / "meta.tar.gz") as tar:
+        tar.extractall(dst.parent / (dst.name + ".meta"), filter="data")
+    meta = dst.parent / (dst.name + ".meta")
+    dst.mkdir(parents=True, exist_ok=True)
+    index = meta / "model" / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    state = {}
+    for f in files:
+        state.update(load_file(fetched / f))
+    for f in (meta / "model").iterdir():
+        if f.name != index.name:
+            shutil.copy2(f, dst / f.name)
+    tmp = dst / "model.safetensors.tmp"
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, dst / "model.safetensors")
+    print(f"{dst}: {len(state)} tensors from {len(files)} shards; logs in {meta / 'logs'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "build" / "device-train")
+    ap.add_argument("--runs", type=Path, default=None, help="scratch run directories (default: build/device-runs)")
+    ap.add_argument("--minutes", type=float, default=8.0, help="training time over the three phases")
+    ap.add_argument("--split", default="0.45,0.35,0.2", help="shares of --minutes: base, block diffusion, SFT")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=1e-3, help="base phase; block diffusion uses 2/3, SFT 1/3 of it")
+    ap.add_argument("--data", default="data/corpus", help="pre-training corpus (e.g. data/corpus-torch from "
+                    "`unmask corpus --package torch --out data/corpus-torch`: 2.5x the text)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, a few steps per phase (CPU smoke run)")
+    ap.add_argument("--join", type=Path, help="a fetched --out: write the model directory --to and exit")
+    ap.add_argument("--to", type=Path, help="with --join: the model directory to write")
+    a = ap.parse_args()
+    if a.join:
+        if a.to is None:
+            ap.error("--join needs --to MODEL_DIR")
+        join_shards(a.join, a.to)
+        return
+    if a.quick:
+        a.hidden, a.layers, a.heads, a.kv_heads, a.head_dim, a.intermediate = 64, 2, 4, 2, 16, 128
+        a.batch_size, a.seq_len = 4, 128
+    for need in (f"{a.data}/train.jsonl", "data/sft/train.jsonl", "data/tokenizer/tokenizer.json"):
+        if not (ROOT / need).is_file():
+            raise SystemExit(f"{need} is missing: run `unmask corpus` (and carry data/ to the device machine)")
+    runs = a.runs or ROOT / "build" / "device-runs"
+    logs = runs / "logs"
+    a.out.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    shape = ["--hidden", str(a.hidden), "--layers", str(a.layers), "--heads", str(a.heads), "--kv-heads",
+             str(a.kv_heads), "--head-dim", str(a.head_dim), "--intermediate", str(a.intermediate)]
+    rows = ["--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len)]
+    data = ["--data", a.data]
+    shares = [float(x) for x in a.split.split(",")]
+    budget = [a.minutes * 60 * s / sum(shares) for s in shares]
+    summary: dict = {"shape": shape, "rows": rows, "data": a.data, "minutes": a.minutes}
+
+    # calibration: the base phase's tokens/s on this machine (its first steps pay for start-up and allocation)
+    cal_steps = 4 if a.quick else 30
+    _, tps = run("calibrate", ["train", "--objective", "causal", "--out", str(runs / "calibrate"), "--overwrite",
+                               *data, *shape, *rows, "--steps", str(cal_steps), "--warmup", "2", "--eval-every", "0",
+                               "--save-every", "0"], logs)
+    rate = tps[-1] if tps else 1000.0
+    summary["calibration_tokens_per_s"] = rate
+    n = [3, 3, 3] if a.quick else [steps_for(b, rate, a.batch_size, a.seq_len, 50) for b in budget]
+    summary["steps"] = n
+
+    phases = [
+        ("base", ["train", "--objective", "causal", "--out", str(runs / "base"), "--overwrite", *data, *shape, *rows,
+                  "--lr", str(a.lr), *schedule(n[0])]),
+        ("adapt", ["train", "--init-from", str(runs / "base" / "model"), "--out", str(runs / "adapt"), "--overwrite",
+                   "--causal-context", *data, *rows, "--lr", str(a.lr * 2 / 3), *schedule(n[1])]),
+        ("sft", ["finetune", "--model", str(runs / "adapt" / "model"), "--data", "data/sft/train.jsonl",
+                 "--eval-data", "data/sft/heldout.jsonl", "--out", str(runs / "sft"), "--overwrite", *rows, "--pack",
+                 "--mix-text", a.data, "--mix-fraction", "0.25", "--lr", str(a.lr / 3), *schedule(n[2])]),
+    ]
+    for name, args in phases:
+        wall, tps = run(name, args, logs)
+        summary[name] = {"wall_s": wall, "tokens_per_s_last": tps[-1] if tps else None,
+                         "tokens": n[phases.index((name, args))] * a.batch_size * a.seq_len}
+        (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+    model_src = runs / "sft" / "model"
+    gen = model_src / "generation_config.json"
+    if gen.is_file():  # the chat default `make model` writes (docs/model-card.md, "Penalties against the loops")
+        g = json.loads(gen.read_text())
+        g["chat_defaults"] = {"frequency_penalty": 0.5}
+        gen.write_text(json.dumps(g, indent=2) + "\n")
+    export_bf16_shards(model_src, runs / "export")
+    summary["shards"] = package(runs / "export", logs, a.out)
+    summary["total_s"] = time.monotonic() - START
+    (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    log(f"done: {json.dumps(summary)}")
+
+
+if __name__ == "__main__":
+    main()
