@@ -162,17 +162,17 @@ def lean_next(probs: Tensor, accepted: Tensor, vocab: int, generators: list[torc
     (inverse CDF: the first token whose cumulative probability exceeds u * total) is one batched pass."""
     b, c, _ = probs.shape
     dev = probs.device
-    u = torch.empty(b, c, dtype=torch.float32)
-    noise = torch.empty(b, c, dtype=torch.long)
-    for i, g in enumerate(generators):
-        src = g.device if g is not None else "cpu"
-        u[i] = torch.rand(c, generator=g, device=src).cpu()
-        noise[i] = torch.randint(0, vocab, (c,), generator=g, device=src).cpu()
+    us, noises = [], []
+    for g in generators:  # drawn where each generator lives and kept on the device (no round trip to the host)
+        src = g.device if g is not None else dev
+        us.append(torch.rand(c, generator=g, device=src).to(dev, non_blocking=True))
+        noises.append(torch.randint(0, vocab, (c,), generator=g, device=src).to(dev, non_blocking=True))
+    u, noise = torch.stack(us), torch.stack(noises)
     cdf = probs.float().cumsum(dim=-1)
     # u < 1, so u * total < cdf[-1] and the index stays in range; a zero-probability token is never chosen
-    target = (u.to(dev) * cdf[..., -1])[..., None]
+    target = (u * cdf[..., -1])[..., None]
     sampled = torch.searchsorted(cdf, target, right=True)[..., 0]
-    return torch.where(accepted, sampled, noise.to(dev))
+    return torch.where(accepted, sampled, noise)
 
 
 def denoise_step(logits: Tensor, canvas: Tensor, remaining: int, cfg: UniformConfig, history: Tensor | None,
