@@ -263,7 +263,8 @@ def test_denoise_step_is_the_reference_step():
         logits = logits + torch.randn(b, c, v, generator=noise) * 0.01  # not from the global RNG
 
 
-def test_denoise_batch_rows_equal_single_steps():
+@pytest.mark.parametrize("mixed", [True, False])  # rows with different stability thresholds, or all alike
+def test_denoise_batch_rows_equal_single_steps(mixed):
     c, v = 5, 30
     cfgs = [U.UniformConfig(max_steps=6), U.UniformConfig(max_steps=4, entropy_bound=0.5, t_min=0.2, t_max=1.0,
                                                           stability_threshold=2, confidence_threshold=0.9),
@@ -271,6 +272,9 @@ def test_denoise_batch_rows_equal_single_steps():
     logits = torch.randn(3, c, v) * 5
     canvas = torch.randint(0, v, (3, c))
     hist = [None, torch.randint(0, v, (2, 1, c)), None]
+    if not mixed:
+        cfgs = [U.UniformConfig(max_steps=6, confidence_threshold=2.0)] * 3
+        hist = [None, torch.randint(0, v, (1, 1, c)), logits[2:3].argmax(-1)[None]]  # row 2: stable and confident
     batch = U.denoise_batch(logits, canvas, [6, 2, 3], cfgs, hist,
                             [torch.Generator().manual_seed(i) for i in range(3)])
     for i in range(3):

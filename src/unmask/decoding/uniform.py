@@ -258,8 +258,13 @@ def _stability_batch(draft: Tensor, histories: list[Tensor | None],
         hist = torch.cat([histories[i] if histories[i] is not None else
                           torch.full((s, 1, draft.shape[1]), -1, dtype=draft.dtype, device=draft.device)
                           for i in rows], dim=1)
-        d = draft[rows] if len(rows) < b else draft
-        stable[rows] = (hist == d[None]).all(dim=-1).all(dim=0)
+        if len(rows) == b:  # the usual case: no index tensor (a list index is a blocking copy to a GPU)
+            d = draft
+            stable = (hist == d[None]).all(dim=-1).all(dim=0)
+        else:
+            index = torch.tensor(rows).to(draft.device, non_blocking=True)
+            d = draft[index]
+            stable[index] = (hist == d[None]).all(dim=-1).all(dim=0)
         hist = torch.roll(hist, shifts=-1, dims=0)
         hist[-1] = d
         for j, i in enumerate(rows):
