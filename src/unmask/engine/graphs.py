@@ -76,8 +76,10 @@ class DecodeGraphs:
             if (cache is None or sc is None or extra.get("encoder", seg.length) != 0 or seg.write
                     or seg.block_ids is not None or seg.suffix or m != seg.length):
                 return None
+            # addresses and shapes both: a freed cache's memory (and its Python id) can come back with other rows
             parts.append((id(cache), seg.start, seg.length, getattr(cache, "base", 0), tuple(sc.shape), sc.dtype,
-                          tuple(t.data_ptr() for t in cache.k), tuple(t.data_ptr() for t in cache.v)))
+                          tuple((t.data_ptr(), t.shape) for t in cache.k),
+                          tuple((t.data_ptr(), t.shape) for t in cache.v)))
         return tuple(parts)
 
     # ------------------------------------------------------------------ running
