@@ -7,6 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # numbers compared against references are float32's; "auto" would pick bf16 on CPUs with native bf16 only
 os.environ["UNMASK_DTYPE"] = "float32"
+os.environ["UNMASK_DEVICE"] = "cpu"  # "auto" would take a GPU where there is one; the references run on the CPU
 torch.set_num_threads(1)  # tiny models: one thread avoids oversubscription on 2 cores
 
 

@@ -294,13 +294,26 @@ def test_a_damaged_model_directory_is_one_line(family_dirs, tmp_path, damage, me
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--device", "bogus"), "error: unknown device 'bogus'; use cpu or cuda[:N]"),
-    (("--device", "mps"), "error: device 'mps' is not supported; use cpu or cuda[:N]"),
+    (("--device", "bogus"), "error: unknown device 'bogus'; use auto, cpu or cuda[:N]"),
+    (("--device", "mps"), "error: device 'mps' is not supported; use auto, cpu or cuda[:N]"),
     (("--seed", str(10**20)), "error: seed must be an integer in [-2**63, 2**64)"),
 ])
 def test_device_and_seed_errors_are_one_line(family_dirs, args, message):
     r = invoke("generate", "--model", str(family_dirs["sdar"]), *args, "hi")
     assert r.exit_code == 1 and r.stderr.strip().splitlines() == [r.stderr.strip()] and message in r.stderr, r.stderr
+
+
+def test_device_auto_takes_the_environment_then_what_is_available(monkeypatch):
+    from unmask.models.loader import resolve_device
+
+    monkeypatch.delenv("UNMASK_DEVICE", raising=False)
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto") == resolve_device(None) == want
+    assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"  # explicit wins
+    monkeypatch.setenv("UNMASK_DEVICE", "cpu")
+    assert resolve_device("auto") == "cpu"
+    r = invoke("generate", "--device", "auto", "--max-tokens", "3", "def f(x):")
+    assert r.exit_code == 0 and r.stdout.startswith("def f(x):"), r.output
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line(family_dirs):

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from unmask.defaults import DTYPE_HELP
+from unmask.defaults import DEVICE_HELP, DTYPE_HELP
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -107,7 +107,7 @@ def generate(
                                           "model's chat_defaults penalties, as a chat request would)."),
     stats: bool = typer.Option(False, help="Print tokens, forwards, tokens per forward and tokens/s."),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
-    device: str = typer.Option("cpu"),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
 ):
     """Generate text for one prompt and print it."""
     from unmask.engine.llm import LLM
@@ -446,7 +446,7 @@ def chat(
     dry_multiplier: Optional[float] = typer.Option(None, help=DRY_HELP),
     stats: bool = typer.Option(False, help="After each reply: tokens, forwards, tokens per forward, tokens/s."),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
-    device: str = typer.Option("cpu"),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
 ):
     """Chat in the terminal through the model's chat template; replies stream as their tokens are committed.
     /reset starts over, /exit (or end of input) quits."""
@@ -523,7 +523,7 @@ def bench(
     threshold: float = typer.Option(0.9), block_size: Optional[int] = typer.Option(None),
     steps: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
-    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP), device: str = typer.Option("cpu"),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP), device: str = typer.Option("auto", help=DEVICE_HELP),
 ):
     """Offline throughput at several batch sizes (unmask.throughput; the full suite is `make bench`)."""
     import json

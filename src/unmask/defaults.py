@@ -8,5 +8,6 @@ def default_model_path() -> Path:
     """The built-in model shipped inside the package."""
     return Path(__file__).resolve().parent / "assets" / DEFAULT_MODEL_ID
 
+DEVICE_HELP = "auto | cpu | cuda[:N] (default: UNMASK_DEVICE, else auto: cuda when available, else cpu)."
 DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (default: UNMASK_DTYPE, else auto: bfloat16 where the device "
               "computes it natively, i.e. CUDA or a CPU with AVX512-BF16 / AMX, float32 elsewhere).")

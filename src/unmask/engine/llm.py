@@ -16,7 +16,7 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, dtype: str | None = None, device: str = "cpu",
+    def __init__(self, model: str | Path | None = None, dtype: str | None = None, device: str = "auto",
                  max_num_seqs: int = 64, max_batch_tokens: int = 4096, chat_template: str | None = None):
         if model is None and not default_model_path().is_dir():
             raise ModelLoadError(f"the built-in model is not installed at {default_model_path()}; pass --model DIR")

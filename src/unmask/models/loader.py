@@ -73,17 +73,26 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_device(device: str | None) -> str:
+    """'auto' (or None): UNMASK_DEVICE when set, else cuda when available, else cpu; anything else as given."""
+    if device in (None, "auto"):
+        device = os.environ.get("UNMASK_DEVICE") or "auto"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def check_device(device: str) -> None:
     """cpu or an available CUDA device; anything else is a one-line error, not a torch traceback."""
     try:
         kind = torch.device(device).type
     except (RuntimeError, ValueError):
-        raise ModelLoadError(f"unknown device {device!r}; use cpu or cuda[:N]") from None
+        raise ModelLoadError(f"unknown device {device!r}; use auto, cpu or cuda[:N]") from None
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
     elif kind != "cpu":
-        raise ModelLoadError(f"device {device!r} is not supported; use cpu or cuda[:N]")
+        raise ModelLoadError(f"device {device!r} is not supported; use auto, cpu or cuda[:N]")
 
 
 def model_directory(path: str | Path) -> Path:
@@ -206,6 +215,7 @@ def _skip_init():
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                device: str = "cpu") -> tuple[DiffusionTransformer, ModelSpec]:
+    device = resolve_device(device)
     check_device(device)
     spec = load_spec(path)
     dt = resolve_dtype(dtype, device)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from unmask.defaults import DTYPE_HELP
+from unmask.defaults import DEVICE_HELP, DTYPE_HELP
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's levels
@@ -76,7 +76,7 @@ def serve(
                                              help="End every stream with a usage chunk, asked for or not."),
     dtype: Optional[str] = typer.Option(None, envvar="UNMASK_DTYPE",
                                         help=DTYPE_HELP),
-    device: str = typer.Option("cpu", envvar="UNMASK_DEVICE"),
+    device: str = typer.Option("auto", envvar="UNMASK_DEVICE", help=DEVICE_HELP),
     served_model_name: Optional[str] = typer.Option(None, envvar="UNMASK_SERVED_MODEL_NAME",
                                                     help="Model id in the API (default: the directory name)."),
     drain_timeout: float = typer.Option(30.0, min=0, envvar="UNMASK_DRAIN_TIMEOUT",
