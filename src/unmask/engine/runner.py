@@ -61,11 +61,10 @@ class ForwardTimer:
 
 
 class ModelRunner:
-    def __init__(self, model: DiffusionTransformer, graphs: DecodeGraphs | None = None):
+    def __init__(self, model: DiffusionTransformer):
         self.model = model
         self.device = model.lm_head.weight.device
-        self.graphs = graphs if graphs is not None else (
-            DecodeGraphs(model, self.device) if graphs_enabled(model, self.device) else None)
+        self.graphs = DecodeGraphs(model, self.device) if graphs_enabled(model, self.device) else None
         self.timer = ForwardTimer(self.device)
 
     def settle_timing(self) -> float:
