@@ -575,15 +575,24 @@ def test_finetune_public_family_keeps_its_format(tmp_path, tokdir, config, probe
     assert torch.allclose(logits_all(res.model, ids), logits_all(loaded, ids), atol=1e-6)
 
 
-def test_lora_finetune_trains_adapters_and_merges(tmp_path, tokdir):
-    src = tmp_path / "src"
-    before = _tiny_family_checkpoint(src, SDAR_CFG, tokdir)
+def test_lora_finetune_trains_adapters_and_merges(tmp_path, tokdir, monkeypatch):
+    before = _tiny_family_checkpoint(tmp_path / "src", SDAR_CFG, tokdir)
+    monkeypatch.chdir(tmp_path)
+    src = Path("src")  # relative, as typed on a command line
     data = tmp_path / "sft.jsonl"
     data.write_text((json.dumps(CHAT) + "\n") * 4)
     res = finetune(tiny_cfg(tmp_path / "run", total_steps=3, seq_len=96, lora_rank=4, lr=5e-2), src, data)
     trained = {n for n, p in res.model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
     assert (res.out_dir / "adapter" / "adapter_model.safetensors").is_file()
+    # the adapter names its base so that it can be found from any working directory
+    adapter_cfg = json.loads((res.out_dir / "adapter" / "adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] == str(tmp_path / "src") and adapter_cfg["r"] == 4
+    # the weights are as readable as the json beside them (safetensors itself creates files 0600), so another
+    # account (a server's) can load what the training account exported
+    for d, weights, meta in (("model", "model.safetensors", "config.json"),
+                             ("adapter", "adapter_model.safetensors", "adapter_config.json")):
+        assert (res.out_dir / d / weights).stat().st_mode == (res.out_dir / d / meta).stat().st_mode
     loaded, _ = load_model(res.model_dir, dtype="float32")
     ids = torch.randint(16, 60, (2, 16))
     assert torch.allclose(logits_all(res.model, ids), logits_all(loaded, ids), atol=1e-5)
@@ -874,3 +883,96 @@ def test_a_failed_start_removes_the_out_dir_it_created(tmp_path, tokdir, corpus)
     with pytest.raises(TrainConfigError, match="shifted"):
         train(tiny_cfg(tmp_path / "late", causal_context=True), corpus, tokdir)
     assert not (tmp_path / "late").exists()
+
+
+def test_resume_with_a_new_lr_trains_at_that_lr(tmp_path, tokdir, corpus):
+    """The divergence message says to lower the lr: a resumed run must use the lr it is given, not the
+    checkpoint's (the optimizer's and scheduler's saved state used to keep the old one)."""
+    from unmask.train.trainer import lr_lambda
+
+    out = tmp_path / "run"
+    train(tiny_cfg(out, total_steps=2, lr=1e-2), corpus, tokdir)
+    seen = {}
+    cfg = tiny_cfg(out, total_steps=4, lr=1e-4, resume=True)
+    train(cfg, corpus, tokdir, on_step=lambda s, m: seen.setdefault(s, m["lr"]))
+    assert sorted(seen) == [3, 4]
+    assert seen[3] == pytest.approx(1e-4 * lr_lambda(cfg)(3), rel=1e-9)
+    assert seen[4] == pytest.approx(1e-4 * lr_lambda(cfg)(4), rel=1e-9)
+
+
+def test_finetune_of_an_inference_only_family_is_one_line(tmp_path):
+    src = tmp_path / "dgemma"
+    src.mkdir()
+    text = {"head_dim": 16, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "top_k_experts": 2,
+            "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16,
+            "vocab_size": 512, "eos_token_id": 1, "bos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": True}
+    (src / "config.json").write_text(json.dumps({"architectures": ["DiffusionGemmaForBlockDiffusion"],
+                                                 "model_type": "diffusion_gemma", "canvas_length": 8,
+                                                 "text_config": text}))
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps(CHAT) + "\n")
+    for extra in ((), ("--lora-rank", "4")):
+        r = _cli("finetune", "-m", src, "--data", data, "--out", tmp_path / "out", *extra)
+        _one_line_error(r, "diffusion_gemma", "cannot be trained")
+        assert not (tmp_path / "out").exists()
+
+
+def test_sft_data_that_is_a_directory_says_so(tmp_path):
+    with pytest.raises(DataError, match="is a directory, not a JSONL file"):
+        read_jsonl(tmp_path)
+    with pytest.raises(DataError, match="not found"):
+        read_jsonl(tmp_path / "none.jsonl")
+
+
+def test_overwrite_leaves_no_file_of_the_earlier_run(tmp_path, tokdir):
+    """--overwrite of a LoRA run by a full fine-tune: the old adapter/ must not stay beside the new model/."""
+    src = tmp_path / "src"
+    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)
+    data = tmp_path / "sft.jsonl"
+    data.write_text((json.dumps(CHAT) + "\n") * 4)
+    out = tmp_path / "run"
+    finetune(tiny_cfg(out, total_steps=1, seq_len=96, lora_rank=2), src, data)
+    assert (out / "adapter").is_dir()
+    res = finetune(tiny_cfg(out, total_steps=1, seq_len=96, overwrite=True), src, data)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "model"] and res.model_dir == out / "model"
+    # and an unmerged LoRA run over a full one drops the old model/, which the adapter does not describe
+    res = finetune(tiny_cfg(out, total_steps=1, seq_len=96, lora_rank=2, lora_merge=False, overwrite=True), src, data)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoint.pt"] and res.model_dir is None
+
+
+def test_a_run_clears_what_killed_runs_left_mid_write(tmp_path, tokdir, corpus):
+    """A kill while checkpoint.pt or model/ is being written leaves its temp file or folder (named by that
+    process's pid); killing and resuming again and again must not pile them up (each one a checkpoint's size)."""
+    out = tmp_path / "run"
+    train(tiny_cfg(out, total_steps=2, save_every=1), corpus, tokdir)
+    (out / ".checkpoint.pt.tmp999991").write_bytes(b"x" * 100)
+    for d in (".model.tmp999991", ".model.old999992", ".adapter.tmp999993"):
+        (out / d).mkdir()
+        (out / d / "model.safetensors").write_bytes(b"x")
+    (out / "notes.txt").write_text("mine")
+    train(tiny_cfg(out, total_steps=3, save_every=1, resume=True), corpus, tokdir)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "model", "notes.txt", "tokens"]
+    # killed between the two renames of an export: model/ is only in its .old copy, which is put back
+    from unmask.train.checkpoint import clear_leftovers
+
+    os.replace(out / "model", out / ".model.old999994")
+    (out / ".model.tmp999995").mkdir()
+    assert sorted(clear_leftovers(out)) == [".model.tmp999995"]
+    assert (out / "model" / "model.safetensors").is_file() and not list(out.glob(".model.*"))
+
+
+def test_cli_warnings_are_one_plain_line(tmp_path, tokdir):
+    """Skipped records are reported as `warning: …` lines, not Python's warning format with a source line."""
+    src = tmp_path / "src"
+    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)
+    data = tmp_path / "sft.jsonl"
+    long = {"messages": [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "y"}]}
+    data.write_text((json.dumps(CHAT) + "\n") * 3 + json.dumps(long) + "\n{oops\n")
+    r = _cli("finetune", "-m", src, "--data", data, "--out", tmp_path / "run", "--seq-len", 96, "--batch-size", 2,
+             "--steps", 1, "--warmup", 0, "--eval-every", 0, "--no-bf16", "--on-error", "skip")
+    assert r.exit_code == 0, r.output
+    warned = [line for line in r.stderr.splitlines() if line.strip()]
+    assert warned == [f"warning: {data}: skipped 1 malformed line(s): 5 (line 5: invalid JSON (Expecting property "
+                      "name enclosed in double quotes at column 2))",
+                      f"warning: {data}: skipped 1 record(s) longer than seq_len 96"], r.stderr

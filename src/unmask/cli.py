@@ -1,9 +1,11 @@
 """Command line: unmask generate | chat | bench | corpus | train | finetune | eval | serve."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +29,14 @@ def _root() -> None:
 def fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _plain_warnings():
+    """Warnings (skipped records, ...) as `warning: …` lines on stderr, without Python's file:line and source line."""
+    with warnings.catch_warnings():
+        warnings.showwarning = lambda message, *_a, **_k: typer.echo(f"warning: {message}", err=True)
+        yield
 
 
 def _check_utf8(text: str, what: str) -> None:
@@ -264,7 +274,8 @@ def train(
         if tokenizer is None:
             tokenizer = init_from if init_from is not None and (init_from / "tokenizer.json").is_file() \
                 else Path("data/tokenizer")
-        res = run_train(cfg, data, tokenizer, init_from=init_from)
+        with _plain_warnings():
+            res = run_train(cfg, data, tokenizer, init_from=init_from)
     except UnmaskError as e:
         fail(str(e))
     typer.echo(f"done: {res.steps} steps, final model in {res.model_dir}")
@@ -305,7 +316,8 @@ def finetune(
             if not 0.0 < mix_fraction < 1.0:
                 fail(f"--mix-fraction must be between 0 and 1 (exclusive), got {mix_fraction}")
             cfg.mix_fraction = mix_fraction
-        res = run_finetune(cfg, model, data, eval_path=eval_data, mix_text=mix_text)
+        with _plain_warnings():
+            res = run_finetune(cfg, model, data, eval_path=eval_data, mix_text=mix_text)
     except UnmaskError as e:
         fail(str(e))
     typer.echo(f"done: {res.steps} steps, final model in {res.model_dir}")

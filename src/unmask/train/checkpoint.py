@@ -97,6 +97,21 @@ def _write_dir(out_dir: Path, fill) -> Path:
     return out_dir
 
 
+def clear_leftovers(out_dir: Path) -> list[str]:
+    """Remove the temp files and folders that killed runs left in out_dir mid-write (`_atomic_write`, `_write_dir`;
+    named by their pid, so no later run replaces them). A `model/` or `adapter/` killed between its two renames is
+    first put back from its `.old` copy. Returns the names removed."""
+    removed = []
+    for name in (CHECKPOINT, "model", "adapter"):
+        olds = sorted(out_dir.glob(f".{name}.old*"), key=lambda p: p.stat().st_mtime)
+        if olds and olds[-1].is_dir() and not (out_dir / name).exists():
+            os.replace(olds.pop(), out_dir / name)
+        for p in [*olds, *out_dir.glob(f".{name}.tmp*")]:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
+
+
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -151,6 +166,7 @@ def export_model(tm: TrainableModel, out_dir: Path, tokenizer_dir: Path | None, 
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "config.json", dict(tm.config, torch_dtype=dtype))
         _write_json(tmp / "generation_config.json", tm.generation_config)
+        shutil.copymode(tmp / "config.json", tmp / "model.safetensors")  # safetensors writes it 0600
 
     return _write_dir(out_dir, fill)
 
@@ -165,9 +181,10 @@ def save_adapter(tm: TrainableModel, out_dir: Path) -> Path:
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         _write_json(tmp / "adapter_config.json", {
             "peft_type": "LORA", "task_type": None, "bias": "none", **tm.lora,
-            "base_model_name_or_path": str(tm.source) if tm.source else None,
+            "base_model_name_or_path": str(Path(tm.source).resolve()) if tm.source else None,
             "unmask_layout": "canonical (Qwen) module names of unmask.models.transformer",
         })
+        shutil.copymode(tmp / "adapter_config.json", tmp / "adapter_model.safetensors")  # safetensors: 0600
 
     return _write_dir(out_dir, fill)
 

@@ -143,6 +143,9 @@ def fresh_model(config: dict, generation_config: dict, seed: int) -> TrainableMo
 def load_trainable(model_dir: str | Path) -> TrainableModel:
     """A checkpoint of any supported family, in float32 with gradients (load_model freezes)."""
     spec = load_spec(model_dir)
+    if spec.family.model_class is not None or not isinstance(spec.arch, ArchConfig):  # its own network class
+        raise TrainConfigError(f"{spec.path}: {spec.family.name} models cannot be trained by unmask (inference "
+                               "only); the trainer takes unmask, LLaDA, Dream, SDAR, Fast-dLLM v2 and LLaDA2 models")
     model = DiffusionTransformer(spec.arch)
     load_weights(model, spec, read_state(weight_files(spec.path)))
     model = model.float().requires_grad_(True)

@@ -35,6 +35,8 @@ def read_jsonl(path: str | Path, on_error: Literal["skip", "raise"] = "raise") -
     if on_error not in ("raise", "skip"):
         raise DataError(f"on_error must be one of raise, skip, got {on_error!r}")
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"SFT data {str(path)!r} is a directory, not a JSONL file")
     if not path.is_file():
         raise DataError(f"SFT data {str(path)!r} not found")
     report, out = SFTReport(), []

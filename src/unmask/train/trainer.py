@@ -26,8 +26,8 @@ from unmask.errors import UnmaskError
 from unmask.models.registry import family_for
 from unmask.models.transformer import DiffusionTransformer
 from unmask.tokenizer import Tokenizer
-from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, ensure_writable, export_model, load_checkpoint,
-                                     rng_state, save_adapter, save_checkpoint, set_rng_state)
+from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, clear_leftovers, ensure_writable, export_model,
+                                     load_checkpoint, rng_state, save_adapter, save_checkpoint, set_rng_state)
 from unmask.train.data import BatchIterator, DataError, TokenRows, eval_batches, load_pretraining
 from unmask.train.model_init import (ModelShape, TrainableModel, TrainConfigError, apply_lora, count_params,
                                      fresh_model, load_trainable, shape_config, trainable_state)
@@ -358,6 +358,10 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
     batches = BatchIterator(len(rows), B, cfg.seed)
     step, losses, evals, train_time = 0, [], [], 0.0
 
+    if ctx.main:
+        left = clear_leftovers(out)
+        if left:
+            print(f"{out}: removed {', '.join(left)}, left by a run killed while writing")
     saved = load_checkpoint(out) if cfg.resume else None
     if ctx.main and cfg.resume and saved is None:
         print(f"{out}: no checkpoint to resume, starting fresh")
@@ -375,6 +379,11 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         except (KeyError, ValueError, RuntimeError, TypeError) as e:  # a damaged or foreign checkpoint
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"cannot resume from {out / CHECKPOINT}: {first}") from None
+        # the saved optimizer and scheduler carry the old run's lr: follow this run's lr and schedule (resuming
+        # with a lower lr is what a divergence asks for); the same lr gives the same values, bit for bit
+        sched.base_lrs = [cfg.lr] * len(opt.param_groups)
+        for group in opt.param_groups:
+            group["initial_lr"], group["lr"] = cfg.lr, cfg.lr * lr_lambda(cfg)(sched.last_epoch)
     first_step, first_time = step, train_time
 
     loss_module: nn.Module = _LossModule(model, obj)
@@ -491,6 +500,11 @@ def _export(cfg: TrainConfig, tm: TrainableModel, out: Path, tokenizer_dir: Path
             dtype = src if src in ("float32", "bfloat16", "float16") else "float32"
         model_dir = export_model(tm, out / "model", tokenizer_dir, dtype)
         rep.log(f"model exported to {model_dir} ({tm.family.name} format)")
+    # what this run did not write is an earlier run's (an --overwrite): it does not describe these weights
+    stale = out / ("model" if model_dir is None else "adapter")
+    if stale.is_dir() and (model_dir is None or not tm.lora):
+        shutil.rmtree(stale)
+        rep.log(f"removed {stale}, left by the earlier run")
     tm.model.train()
     return model_dir
 
