@@ -330,6 +330,16 @@ def test_serve_flag_errors_before_binding(family_dirs, args, message):
     assert r.exit_code == 1 and message in r.stderr, r.stderr
 
 
+def test_serve_refuses_a_directory_that_is_no_model_before_binding(family_dirs, tmp_path):
+    run = tmp_path / "run"  # a training run's directory: the export is run/model
+    shutil.copytree(family_dirs["sdar"], run / "model")
+    r = invoke("serve", "--model", str(run), "--port", "1")
+    assert r.exit_code == 1 and r.stderr.strip() == (f"error: {run} has no config.json (a training run's export is "
+                                                     f"its model/ folder: {run / 'model'})"), r.stderr
+    r = invoke("serve", "--model", str(family_dirs["sdar"]), "--port", "1", "--device", "mps")
+    assert r.exit_code == 1 and "device 'mps' is not supported" in r.stderr and "Uvicorn" not in r.output, r.output
+
+
 def test_serve_refuses_a_chat_template_that_does_not_parse(family_dirs, tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m.content }")

@@ -101,7 +101,9 @@ def model_directory(path: str | Path) -> Path:
         hint = " (unmask never downloads: pass a local directory)" if "/" in str(path) and not p.exists() else ""
         raise ModelLoadError(f"model directory {str(path)!r} not found{hint}")
     if not (p / "config.json").is_file():
-        raise ModelLoadError(f"{p} has no config.json")
+        hint = f" (a training run's export is its model/ folder: {p / 'model'})" if (p / "model" / "config.json").is_file() \
+            else ""
+        raise ModelLoadError(f"{p} has no config.json{hint}")
     return p
 
 

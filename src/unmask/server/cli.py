@@ -105,6 +105,14 @@ def serve(
 
     if dtype is not None and dtype not in ("auto", *DTYPES):  # checked before the port is bound
         _fail(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+    from unmask.errors import UnmaskError
+    from unmask.models.loader import check_device, load_spec, resolve_device
+
+    try:  # a directory that is no model, or a device there is not, fails here rather than after the port is up
+        load_spec(model)
+        check_device(resolve_device(device))
+    except UnmaskError as e:
+        _fail(str(e))
     template = None
     if chat_template is not None:
         try:
