@@ -1,6 +1,7 @@
 """Trainer tests on a tiny model (vocab 64, hidden 32, 2 layers, seq 32) and a char tokenizer."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -976,3 +977,17 @@ def test_cli_warnings_are_one_plain_line(tmp_path, tokdir):
     assert warned == [f"warning: {data}: skipped 1 malformed line(s): 5 (line 5: invalid JSON (Expecting property "
                       "name enclosed in double quotes at column 2))",
                       f"warning: {data}: skipped 1 record(s) longer than seq_len 96"], r.stderr
+
+
+def test_rows_longer_than_the_context_warn_or_widen_it(tmp_path, tokdir, corpus):
+    """Fine-tuning past a checkpoint's context is allowed with a warning (serving still stops there); a fresh
+    model's context is widened to the rows it trains on."""
+    src = tmp_path / "src"
+    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)  # max_position_embeddings 128
+    data = tmp_path / "sft.jsonl"
+    data.write_text((json.dumps(CHAT) + "\n") * 4)
+    with pytest.warns(UserWarning, match="seq_len 160 is longer than the model's context .*128"):
+        finetune(tiny_cfg(tmp_path / "ft", total_steps=1, seq_len=160), src, data)
+    res = train(tiny_cfg(tmp_path / "fresh", total_steps=1, seq_len=64, model=dataclasses.replace(TINY, max_position=32)),
+                corpus, tokdir)
+    assert json.loads((res.model_dir / "config.json").read_text())["max_position_embeddings"] == 64

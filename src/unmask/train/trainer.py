@@ -9,11 +9,13 @@ each rank's loss is scaled by the world size.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Literal
@@ -349,6 +351,11 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
     B, W = cfg.batch_size, ctx.world
     if rows.seq_len != cfg.seq_len:
         raise DataError(f"data rows have length {rows.seq_len}, seq_len is {cfg.seq_len}")
+    max_pos = tm.config.get("max_position_embeddings")
+    if ctx.main and isinstance(max_pos, int) and cfg.seq_len > max_pos:
+        # allowed (RoPE extends), but the served model refuses prompts past its context, so say so
+        warnings.warn(f"seq_len {cfg.seq_len} is longer than the model's context (max_position_embeddings "
+                      f"{max_pos}): positions past it are trained, but serving still stops at {max_pos}", stacklevel=2)
     model = tm.model.to(ctx.device)
     model.train()
     if cfg.compile:
@@ -579,7 +586,9 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
                 raise DataError(f"tokenizer {tokenizer_dir} has no mask token (<|mask|>)")
             stops = [i for i in (ids["eos"], ids["im_end"], ids["endoftext"]) if i is not None]
             vocab = -(-len(tok.hf) // 64) * 64
-            config = shape_config(cfg.model, vocab, ids["mask"], [ids["eos"]], ids["bos"], ids["pad"], list(sizes))
+            # a fresh model's context covers the rows it is trained on
+            shape = dataclasses.replace(cfg.model, max_position=max(cfg.model.max_position, cfg.seq_len))
+            config = shape_config(shape, vocab, ids["mask"], [ids["eos"]], ids["bos"], ids["pad"], list(sizes))
             gen = {"eos_token_id": stops, "bos_token_id": ids["bos"], "pad_token_id": ids["pad"]}
             tm = fresh_model(config, gen, cfg.seed)
         _check_vocab(tm, rows)
