@@ -991,3 +991,17 @@ def test_rows_longer_than_the_context_warn_or_widen_it(tmp_path, tokdir, corpus)
     res = train(tiny_cfg(tmp_path / "fresh", total_steps=1, seq_len=64, model=dataclasses.replace(TINY, max_position=32)),
                 corpus, tokdir)
     assert json.loads((res.model_dir / "config.json").read_text())["max_position_embeddings"] == 64
+
+
+def test_resume_takes_the_default_block_sizes_spelled_out(tmp_path, tokdir):
+    """Fine-tuning at the model's own block sizes (the default), then resuming with them named: the same run."""
+    src = tmp_path / "src"
+    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)  # block_size 4
+    data = tmp_path / "sft.jsonl"
+    data.write_text((json.dumps(CHAT) + "\n") * 4)
+    out = tmp_path / "run"
+    finetune(tiny_cfg(out, total_steps=1, seq_len=96, block_sizes=None), src, data)
+    res = finetune(tiny_cfg(out, total_steps=2, seq_len=96, block_sizes=(4,), resume=True), src, data)
+    assert res.steps == 2
+    with pytest.raises(CheckpointError, match=r"block_sizes was \(4,\), now \(8,\)"):
+        finetune(tiny_cfg(out, total_steps=3, seq_len=96, block_sizes=(8,), resume=True), src, data)

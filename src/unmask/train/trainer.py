@@ -269,12 +269,18 @@ def _noise_gen(seed: int, step: int, salt: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 31 + salt)
 
 
-def _check_resume(saved: dict, cfg: TrainConfig, tm: TrainableModel, model: nn.Module) -> None:
-    """Refuse, in one line, a checkpoint that this run's settings or model do not match."""
+def _check_resume(saved: dict, cfg: TrainConfig, tm: TrainableModel, model: nn.Module,
+                  block_sizes: tuple[int, ...] | None) -> None:
+    """Refuse, in one line, a checkpoint that this run's settings or model do not match. `block_sizes`: the
+    sizes this run trains with, which block_sizes None (the default) stands for on either side."""
     now, defaults = asdict(cfg), asdict(TrainConfig())
     config = saved.get("config", {})
+
+    def value(k: str, v):
+        return _norm(block_sizes if k == "block_sizes" and v is None else v)
+
     # a key missing from an older checkpoint had its default value then
-    diff = [k for k in _RESUME_KEYS if _norm(config.get(k, defaults[k])) != _norm(now.get(k))]
+    diff = [k for k in _RESUME_KEYS if value(k, config.get(k, defaults[k])) != value(k, now.get(k))]
     if diff:
         raise CheckpointError(f"cannot resume: {', '.join(f'{k} was {config.get(k)!r}, now {now.get(k)!r}' for k in diff)}")
     # the model being trained (a fresh one, --init-from or the fine-tuned checkpoint), not cfg.model
@@ -375,7 +381,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
     elif ctx.main and cfg.overwrite and _earlier_run(out):
         print(f"{out}: starting over (overwrite); the earlier run's files are replaced as this one saves")
     if saved is not None:
-        _check_resume(saved, cfg, tm, model)
+        _check_resume(saved, cfg, tm, model, obj.block_sizes)
         try:
             model.load_state_dict(saved["model"], strict=False)
             opt.load_state_dict(saved["optimizer"])
