@@ -1005,3 +1005,9 @@ def test_resume_takes_the_default_block_sizes_spelled_out(tmp_path, tokdir):
     assert res.steps == 2
     with pytest.raises(CheckpointError, match=r"block_sizes was \(4,\), now \(8,\)"):
         finetune(tiny_cfg(out, total_steps=3, seq_len=96, block_sizes=(8,), resume=True), src, data)
+
+
+def test_parameter_counts_read_as_millions_or_plain():
+    from unmask.train.trainer import _millions
+
+    assert (_millions(5_250_000), _millions(10_000), _millions(4_356)) == ("5.25M", "0.01M", "4,356")

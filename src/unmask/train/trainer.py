@@ -312,6 +312,11 @@ def _arch_of(model_config) -> object | None:
         return None
 
 
+def _millions(n: int) -> str:
+    """2 decimals of a million, or the plain count below 10,000 (a tiny LoRA read '0.00M trained')."""
+    return f"{n / 1e6:.2f}M" if n >= 10_000 else f"{n:,}"
+
+
 def _norm(v):
     return list(v) if isinstance(v, tuple) else v
 
@@ -405,8 +410,8 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
     bf16 = use_bf16(cfg.bf16, ctx.device)
     autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
     rep = _Reporter(cfg, ctx.main, step)
-    rep.log(f"{tm.family.name} model, {count_params(model) / 1e6:.2f}M parameters "
-            f"({count_params(model, trainable=True) / 1e6:.2f}M trained), {len(rows):,} rows x {cfg.seq_len}, "
+    rep.log(f"{tm.family.name} model, {_millions(count_params(model))} parameters "
+            f"({_millions(count_params(model, trainable=True))} trained), {len(rows):,} rows x {cfg.seq_len}, "
             f"{_describe(obj)}, "
             f"{W} process(es) on {ctx.device}, {'bf16 autocast' if bf16 else 'float32'}"
             + (f", resumed at step {step}" if saved else ""))
