@@ -42,7 +42,7 @@ def run(name: str, args: list[str], logs: Path) -> tuple[float, list[float]]:
     """Runs one `unmask` command; returns (wall seconds, the tokens/s figures its log lines reported)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + [p for p in [os.environ.get("PYTHONPATH")]
                                                                                if p]),
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+               HF_HUB_OFFLINE="1")  # tokenizers may use every core: nothing forks after it
     t0 = time.monotonic()
     log(f"{name}: unmask {' '.join(args)}")
     with open(logs / f"{name}.log", "w") as f:
@@ -55,6 +55,18 @@ def run(name: str, args: list[str], logs: Path) -> tuple[float, list[float]]:
     wall = time.monotonic() - t0
     log(f"{name}: {wall:.0f} s, last tokens/s {tps[-1] if tps else 'n/a'}; tail: {text.strip().splitlines()[-1][:200]}")
     return wall, tps
+
+
+def share_token_cache(run_dir: Path, cache: Path) -> None:
+    """Point run_dir/tokens at one cache, so the phases tokenize the corpus once between them (the cache is
+    keyed by file and tokenizer, so sharing it is safe)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    link = run_dir / "tokens"
+    if not link.is_symlink():
+        if link.is_dir():
+            shutil.rmtree(link)
+        link.symlink_to(cache.resolve(), target_is_directory=True)
 
 
 def steps_for(seconds: float, tps: float, rows: int, seq_len: int, floor: int) -> int:
@@ -189,6 +201,8 @@ def main() -> None:
     budget = [a.minutes * 60 * s / sum(shares) for s in shares]
     summary: dict = {"shape": shape, "rows": rows, "data": a.data, "minutes": a.minutes}
 
+    for phase in ("calibrate", "base", "adapt", "sft"):
+        share_token_cache(runs / phase, runs / "token-cache")
     # calibration: the base phase's tokens/s on this machine (its first steps pay for start-up and allocation)
     cal_steps = 4 if a.quick else 30
     _, tps = run("calibrate", ["train", "--objective", "causal", "--out", str(runs / "calibrate"), "--overwrite",
