@@ -172,6 +172,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=1e-3, help="base phase; block diffusion uses 2/3, SFT 1/3 of it")
+    ap.add_argument("--max-epochs", type=float, default=8.0,
+                    help="passes over the corpus at most, per pre-training phase (the time budget may allow more)")
     ap.add_argument("--data", default="data/corpus", help="pre-training corpus (e.g. data/corpus-torch from "
                     "`unmask corpus --package torch --out data/corpus-torch`: 2.5x the text)")
     ap.add_argument("--quick", action="store_true", help="tiny model, a few steps per phase (CPU smoke run)")
@@ -211,6 +213,14 @@ def main() -> None:
     rate = tps[-1] if tps else 1000.0
     summary["calibration_tokens_per_s"] = rate
     n = [3, 3, 3] if a.quick else [steps_for(b, rate, a.batch_size, a.seq_len, 50) for b in budget]
+    # a data-bound corpus: cap the pre-training phases at --max-epochs passes over its rows (more overfits a
+    # model of this size; the held-out losses in the logs show whether the cap was right)
+    found = re.findall(r"([\d,]+) rows x", (logs / "calibrate.log").read_text())
+    if found and not a.quick:
+        rows_in_corpus = int(found[0].replace(",", ""))
+        cap = max(50, int(a.max_epochs * rows_in_corpus / a.batch_size))
+        n = [min(n[0], cap), min(n[1], cap), n[2]]
+        summary["corpus_rows"], summary["epoch_cap_steps"] = rows_in_corpus, cap
     summary["steps"] = n
 
     phases = [
