@@ -15,8 +15,9 @@ Writes device_check.json and device_check.md under --out and prints the markdown
 network; the tiny checkpoints are built on the spot (tests/tiny_checkpoints.py). It imports only torch,
 safetensors, tokenizers and numpy from outside (no server or grammar packages), so the lent machine's stock
 Python runs it from a bare checkout: `PYTHONUNBUFFERED=1 python3 scripts/device_check.py --out $OUT`
-(first run on an H200 on 2026-12-04: correctness and the float32 speed rows took ~70 s after the tiny
-checkpoints were built, and a 100 s limit cut the bf16 and training parts; figures in docs/benchmarks.md).
+(first run on an H200 on 2026-12-04 under a 100 s limit, which cut it after the float32 speed rows, before
+the bf16 and training parts and the JSON: the console lines are docs/bench/h200_device_check_console.txt,
+the figures docs/benchmarks.md).
 """
 from __future__ import annotations
 

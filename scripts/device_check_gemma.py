@@ -8,9 +8,10 @@
    device (max abs difference, prompts of 5, 40 and 300 tokens), and generations token for token against the
    reference's `generate` with the same seed (canvas lengths 4, 8 and 16, a prompt longer than a block, and
    five concurrent requests of different canvas lengths and step caps in one engine).
-2. Speed: bench/diffusion_gemma.py (interleaved A/B rounds, unmask / reference tokens/s) on a ~160M-parameter
-   random checkpoint, several workloads, each under its own time limit.
+2. unmask with and without CUDA graphs on the same prompts and seeds (tokens, wall time, captures/replays).
 3. Where the time goes: torch profiler tables (top ops by self CPU time) of one sequential request in each.
+4. Speed: bench/diffusion_gemma.py (interleaved A/B rounds, unmask / reference tokens/s) on a 167M-parameter
+   random checkpoint, several workloads, each under its own time limit.
 
 Writes gemma_check.json, gemma_check.md and profile_*.txt under --out. Imports torch, transformers, pytest
 (for the test module's checkpoint builder) and unmask from this checkout: no server packages.
@@ -249,7 +250,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "gemma-check")
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every part")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; workloads that would start later are skipped")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: correctness,profile,bench")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: correctness,graphs,profile,bench")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -1,18 +1,20 @@
 """Train a larger built-in model on a lent GPU within one device call: `make model`'s three phases, timed.
 
-    python scripts/device_train.py --out $OUT --minutes 8          # on a lent GPU machine, data/ carried
+    python scripts/device_train.py --out $OUT --minutes 8          # on a lent GPU machine (docs/training.md:
+                                                                   # how to carry the data within 64 MiB)
     python scripts/device_train.py --quick --out /tmp/dt           # the same code path on this CPU (smoke run)
 
-Why: `make model` spends 3 h 20 min of 2 CPU cores on a 5.25M-parameter model (~1,570 tokens/s), which writes
-Python-shaped but wrong code (docs/model-card.md). A GPU trains a 4x larger model on ~20x the tokens in
-minutes. The phases are `make model`'s, on the same data (data/corpus, data/sft, data/tokenizer from
+Why: `make model` spends 3 h 20 min of 2 CPU cores on a 5.25M-parameter model (1,570-3,955 tokens/s by
+phase), which writes Python-shaped but wrong code (docs/model-card.md). A GPU should train a 4x larger model
+on many times the tokens in minutes (not yet run: its tokens/s there is what the calibration measures).
+The phases are `make model`'s, on the same data (data/corpus, data/sft, data/tokenizer from
 `unmask corpus`): a causal next-token base, block diffusion with a causal context from it, then SFT with 25%
 corpus replay. A short calibration run of the base measures tokens/s; each phase then gets the steps that fit
 its share of --minutes (warmup, eval and save intervals scaled to them).
 
 The device machine has no `unmask` install: the phases run as `python -m unmask.cli ...` with src/ on
 PYTHONPATH. A device call brings back at most 8 files of 16 MiB, so --out gets the final model's weights in
-bfloat16 as safetensors shards of at most 15 MB, `meta.tar.gz` (the rest of the model directory and the
+bfloat16 as safetensors shards of at most 15 MiB, `meta.tar.gz` (the rest of the model directory and the
 phases' logs) and `summary.json`. `python scripts/device_train.py --join FETCHED_DIR --to MODEL_DIR` makes the
 model directory with one model.safetensors, as the shipped model has it.
 """
@@ -79,7 +81,7 @@ def schedule(steps: int) -> list[str]:
 
 
 def export_bf16_shards(src: Path, dst: Path) -> list[str]:
-    """The model directory with its weights cast to bfloat16 and split into <= 15 MB safetensors shards."""
+    """The model directory with its weights cast to bfloat16 and split into <= 15 MiB safetensors shards."""
     import torch
     from safetensors.torch import load_file, save_file
 

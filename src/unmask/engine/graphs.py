@@ -2,8 +2,8 @@
 
 A canvas is denoised by up to `steps` forwards of the same shape: the same requests, the same cached prefix,
 the same positions; only the canvas tokens and the self-conditioning logits change. On a GPU such a forward
-of a small batch is launch overhead (measured on an H200 with a 160M-parameter DiffusionGemma: ~1,000 kernel
-launches and ~34 ms of CPU time per step against ~2.5 ms of kernel time), so once a step's exact shape has
+of a small batch is launch overhead (measured on an H200 with a 167M-parameter DiffusionGemma: ~1,000 kernel
+launches and ~34 ms of wall time per step against ~2.5 ms of kernel time), so once a step's exact shape has
 run eagerly (the warm-up), the next step with that shape is captured and every later one replays it: the
 inputs are copied into the graph's own buffers and one launch runs the whole forward and the output head.
 
