@@ -901,6 +901,19 @@ def test_resume_with_a_new_lr_trains_at_that_lr(tmp_path, tokdir, corpus):
     assert seen[4] == pytest.approx(1e-4 * lr_lambda(cfg)(4), rel=1e-9)
 
 
+def test_resume_follows_this_runs_weight_decay_and_betas(tmp_path, tokdir, corpus, monkeypatch):
+    """Like the lr: the optimizer's hyper-parameters on resume are this run's, not the checkpoint's."""
+    from unmask.train import trainer as T
+
+    out = tmp_path / "run"
+    train(tiny_cfg(out, total_steps=2, weight_decay=0.1, betas=(0.9, 0.95)), corpus, tokdir)
+    groups = []
+    real = T._optimizer
+    monkeypatch.setattr(T, "_optimizer", lambda model, cfg: groups.append(real(model, cfg)) or groups[-1])
+    train(tiny_cfg(out, total_steps=3, weight_decay=0.0, betas=(0.8, 0.9), resume=True), corpus, tokdir)
+    assert [(g["weight_decay"], tuple(g["betas"])) for g in groups[0].param_groups] == [(0.0, (0.8, 0.9))] * 2
+
+
 def test_finetune_of_an_inference_only_family_is_one_line(tmp_path):
     src = tmp_path / "dgemma"
     src.mkdir()

@@ -397,11 +397,13 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         except (KeyError, ValueError, RuntimeError, TypeError) as e:  # a damaged or foreign checkpoint
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"cannot resume from {out / CHECKPOINT}: {first}") from None
-        # the saved optimizer and scheduler carry the old run's lr: follow this run's lr and schedule (resuming
-        # with a lower lr is what a divergence asks for); the same lr gives the same values, bit for bit
+        # the saved optimizer and scheduler carry the old run's hyper-parameters: follow this run's lr, schedule,
+        # weight decay and betas (resuming with a lower lr is what a divergence asks for); the same settings
+        # give the same values, bit for bit. Groups as _optimizer builds them: matrices decay, the rest not.
         sched.base_lrs = [cfg.lr] * len(opt.param_groups)
-        for group in opt.param_groups:
+        for group, decay in zip(opt.param_groups, (cfg.weight_decay, 0.0)):
             group["initial_lr"], group["lr"] = cfg.lr, cfg.lr * lr_lambda(cfg)(sched.last_epoch)
+            group["weight_decay"], group["betas"] = decay, tuple(cfg.betas)
     first_step, first_time = step, train_time
 
     loss_module: nn.Module = _LossModule(model, obj)
