@@ -15,6 +15,8 @@ tokens/s counts generated tokens (up to each request's max_new_tokens, or the fi
 then one JSON line with the median / min / max of the per-round ratio unmask / reference.
 --draws lean lets unmask draw only the random numbers it uses (same output distribution, not the
 reference's stream); --mixed-lengths gives requests different budgets, as a server sees them.
+  staggered   unmask alone, CUDA graphs on against off (UNMASK_CUDA_GRAPHS), requests arriving one every
+              --stagger engine steps, so the batch's make-up keeps changing (a server's load); no reference.
 --device cuda runs both on a GPU (timings end with a device synchronise); a larger random checkpoint for it:
     python bench/diffusion_gemma.py --make-tiny /tmp/dg-mid --hidden 1024 --layers 8 --vocab 32768
     python bench/diffusion_gemma.py --model /tmp/dg-mid --device cuda --dtype bfloat16 --reps 5
@@ -142,6 +144,47 @@ def run_unmask(model, spec, prompts, budgets, a, mode: str) -> tuple[float, int,
     return wall, sum(len(o) for o in outs), outs, eng.stats.steps
 
 
+def run_staggered(model, spec, prompts, budgets, a) -> tuple[float, int, int]:
+    """unmask alone, requests arriving one every --stagger engine steps (a server's staggered load): the batch's
+    make-up changes as they come and go. Returns (wall seconds, tokens, steps)."""
+    from unmask.engine.engine import Engine
+
+    eng = Engine(model, spec, max_num_seqs=max(len(prompts), 1))
+    synchronize(a.device)
+    t0 = time.perf_counter()
+    seqs, i = [], 0
+    while i < len(prompts) or eng.has_unfinished():
+        if i < len(prompts) and eng.stats.steps >= i * a.stagger:
+            seqs.append(eng.add_request(prompts[i], unmask_params(a, a.seed + i, budgets[i])))
+            i += 1
+            continue
+        eng.step()
+    synchronize(a.device)
+    return time.perf_counter() - t0, sum(len(s.output_ids) for s in seqs), eng.stats.steps
+
+
+def bench_staggered(model, spec, prompts, a) -> dict:
+    """Rounds of run_staggered with CUDA graphs on and off (UNMASK_CUDA_GRAPHS read per engine), interleaved."""
+    import os
+
+    budgets = budgets_for(a, len(prompts))
+    rounds = []
+    for r in range(a.reps + 1):  # round 0 warms both up and is not counted
+        res = {}
+        for graphs in (("1", "0") if r % 2 == 0 else ("0", "1")):
+            os.environ["UNMASK_CUDA_GRAPHS"] = graphs
+            res[graphs] = run_staggered(model, spec, prompts, budgets, a)
+        if r:
+            (gw, gt, _), (ew, et, steps) = res["1"], res["0"]
+            rounds.append({"graphs_tps": gt / gw, "eager_tps": et / ew, "ratio": (gt / gw) / (et / ew), "steps": steps})
+    os.environ.pop("UNMASK_CUDA_GRAPHS", None)
+    ratios = [x["ratio"] for x in rounds]
+    return {"mode": "staggered", "requests": len(prompts), "stagger": a.stagger,
+            "graphs_tps": statistics.median(x["graphs_tps"] for x in rounds),
+            "eager_tps": statistics.median(x["eager_tps"] for x in rounds),
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+
 def bench_mode(ref, model, spec, prompts, a, mode: str) -> dict:
     budgets = budgets_for(a, len(prompts))
     run_reference(ref, prompts[:1], budgets[:1], a, mode)  # warm-up (first-call allocations, lazy init)
@@ -181,7 +224,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--canvas", type=int, default=16)
-    ap.add_argument("--mode", choices=("sequential", "concurrent", "both"), default="both")
+    ap.add_argument("--mode", choices=("sequential", "concurrent", "both", "staggered"), default="both",
+                    help="staggered: unmask alone with CUDA graphs on vs off, requests arriving every --stagger steps")
+    ap.add_argument("--stagger", type=int, default=3, help="staggered mode: engine steps between arrivals")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-len", default="8,64", help="min,max prompt tokens")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -215,11 +260,21 @@ def main() -> None:
     from unmask.models.loader import load_model
 
     hf_logging.set_verbosity_error()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
-    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(a.model, dtype=dtype).to(a.device).eval()
     model, spec = load_model(a.model, dtype=a.dtype, device=a.device)
     lo, hi = (int(x) for x in a.prompt_len.split(","))
     prompts = prompts_for(a.requests, spec.arch.vocab_size, lo, hi, a.seed)
+    if a.mode == "staggered":
+        r = bench_staggered(model, spec, prompts, a)
+        if not str(a.device).startswith("cuda"):
+            print("note: CUDA graphs exist on CUDA only; both sides ran eagerly here")
+        print(f"staggered: {a.requests} requests, one every {a.stagger} steps, device={a.device} dtype={a.dtype}: "
+              f"graphs {r['graphs_tps']:.1f} tok/s, eager {r['eager_tps']:.1f} tok/s, ratio {r['ratio_median']:.2f} "
+              f"[{r['ratio_min']:.2f}-{r['ratio_max']:.2f}]")
+        print(json.dumps({"bench": "diffusion_gemma", "model": a.model.name, "device": a.device, "dtype": a.dtype,
+                          "max_new_tokens": a.max_new_tokens, "results": [r]}))
+        return
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(a.model, dtype=dtype).to(a.device).eval()
     modes = ("sequential", "concurrent") if a.mode == "both" else (a.mode,)
     results = [bench_mode(ref, model, spec, prompts, a, m) for m in modes]
 
