@@ -534,3 +534,18 @@ def test_forward_timer_reads_device_events_without_waiting(monkeypatch):
     timer.start()
     assert timer.stop() == pytest.approx(0.010)  # the first forward finished meanwhile
     assert timer.settle() == pytest.approx(0.010) and not timer.pending  # the second, waited for
+
+
+def test_cuda_graphs_are_on_only_for_declaring_models_on_cuda(monkeypatch):
+    from unmask.engine.graphs import graphs_enabled
+
+    class Declares(torch.nn.Module):
+        graph_decode_steps = True
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("UNMASK_CUDA_GRAPHS", raising=False)
+    assert graphs_enabled(Declares(), cuda) and not graphs_enabled(Declares(), cpu)
+    assert not graphs_enabled(torch.nn.Linear(1, 1), cuda)  # a model that does not declare graph-safe steps
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("UNMASK_CUDA_GRAPHS", off)
+        assert not graphs_enabled(Declares(), cuda)
