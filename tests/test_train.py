@@ -1024,3 +1024,17 @@ def test_parameter_counts_read_as_millions_or_plain():
     from unmask.train.trainer import _millions
 
     assert (_millions(5_250_000), _millions(10_000), _millions(4_356)) == ("5.25M", "0.01M", "4,356")
+
+
+def test_lora_resume_refuses_another_base_of_the_same_shape(tmp_path, tokdir):
+    src, other = tmp_path / "src", tmp_path / "other"
+    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)
+    state = _tiny_family_checkpoint(other, SDAR_CFG, tokdir)
+    save_file({k: (v + 0.01).contiguous() for k, v in state.items()}, str(other / "model.safetensors"))
+    data = tmp_path / "sft.jsonl"
+    data.write_text((json.dumps(CHAT) + "\n") * 4)
+    out = tmp_path / "run"
+    finetune(tiny_cfg(out, total_steps=1, seq_len=96, lora_rank=2, save_every=1), src, data)
+    assert finetune(tiny_cfg(out, total_steps=2, seq_len=96, lora_rank=2, resume=True), src, data).steps == 2
+    with pytest.raises(CheckpointError, match="frozen weights differ from the checkpoint's"):
+        finetune(tiny_cfg(out, total_steps=3, seq_len=96, lora_rank=2, resume=True), other, data)

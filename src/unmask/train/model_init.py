@@ -167,6 +167,23 @@ def apply_lora(tm: TrainableModel, rank: int, alpha: float | None = None, dropou
     tm.lora = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": list(LORA_TARGETS)}
 
 
+def frozen_fingerprint(model: nn.Module) -> str:
+    """A short hash of the frozen weights (a LoRA run's base): names, shapes and a sample of each tensor's values,
+    so a resume can tell it was given another base of the same shape without hashing gigabytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if p.requires_grad:
+                continue
+            flat = p.detach().reshape(-1)
+            sample = torch.cat([flat[:64], flat[-64:]]).float().cpu()
+            h.update(f"{name}:{tuple(p.shape)}".encode())
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def canonical_state(model: nn.Module, arch: ArchConfig) -> dict[str, torch.Tensor]:
     """Full weights in canonical names, LoRA deltas merged in (W + B A * alpha / r)."""
     from peft.tuners.lora import LoraLayer

@@ -32,7 +32,7 @@ from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, clear_leftover
                                      load_checkpoint, rng_state, save_adapter, save_checkpoint, set_rng_state)
 from unmask.train.data import BatchIterator, DataError, TokenRows, eval_batches, load_pretraining
 from unmask.train.model_init import (ModelShape, TrainableModel, TrainConfigError, apply_lora, count_params,
-                                     fresh_model, load_trainable, shape_config, trainable_state)
+                                     fresh_model, frozen_fingerprint, load_trainable, shape_config, trainable_state)
 from unmask.train.objectives import Noise, Objective, diffusion_loss_sum, draw_noise, loss_eligible
 from unmask.train.precision import use_bf16
 from unmask.train.sft import SFTEncoder, load_sft
@@ -380,6 +380,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         left = clear_leftovers(out)
         if left:
             print(f"{out}: removed {', '.join(left)}, left by a run killed while writing")
+    frozen = frozen_fingerprint(model) if tm.lora else None  # the base a LoRA run's adapters belong to
     saved = load_checkpoint(out) if cfg.resume else None
     if ctx.main and cfg.resume and saved is None:
         print(f"{out}: no checkpoint to resume, starting fresh")
@@ -387,6 +388,9 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         print(f"{out}: starting over (overwrite); the earlier run's files are replaced as this one saves")
     if saved is not None:
         _check_resume(saved, cfg, tm, model, obj.block_sizes)
+        if frozen is not None and saved.get("frozen") not in (None, frozen):
+            raise CheckpointError("cannot resume: the base model's frozen weights differ from the checkpoint's "
+                                  "(a LoRA run resumes on the base it started from; check --model)")
         try:
             model.load_state_dict(saved["model"], strict=False)
             opt.load_state_dict(saved["optimizer"])
@@ -425,7 +429,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
                 "format": 1, "step": step, "model": trainable_state(model), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict(), "data": batches.state_dict(), "rng": rng_state(),
                 "config": asdict(cfg), "model_config": tm.config, "losses": losses, "evals": evals,
-                "train_time": train_time})
+                "train_time": train_time, "frozen": frozen})
         ctx.barrier()
 
     # the diffusion loss alone, under independent masks: comparable across recipes
