@@ -186,15 +186,18 @@ def frozen_fingerprint(model: nn.Module) -> str:
 
 def canonical_state(model: nn.Module, arch: ArchConfig) -> dict[str, torch.Tensor]:
     """Full weights in canonical names, LoRA deltas merged in (W + B A * alpha / r)."""
-    from peft.tuners.lora import LoraLayer
+    raw = model.state_dict()
+    lora = any("lora_" in k for k in raw)
+    if lora:  # peft only where there are adapters: a plain export needs no peft installed
+        from peft.tuners.lora import LoraLayer
 
     state = {}
     with torch.no_grad():
-        for k, v in model.state_dict().items():
+        for k, v in raw.items():
             if "lora_" in k:
                 continue
             state[k.replace(".base_layer.", ".")] = v.detach()
-        for name, mod in model.named_modules():
+        for name, mod in model.named_modules() if lora else ():
             if isinstance(mod, LoraLayer):
                 key = f"{name}.weight"
                 state[key] = state[key] + mod.get_delta_weight("default").to(state[key].dtype)
