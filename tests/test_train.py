@@ -557,6 +557,14 @@ LLADA_CFG = {"architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model"
              "eos_token_id": 2, "pad_token_id": 2}
 
 
+def _sdar_and_chat(tmp_path: Path, tokdir: Path) -> tuple[Path, Path]:
+    """A tiny SDAR checkpoint (tmp_path/src) and four copies of the CHAT record (tmp_path/sft.jsonl)."""
+    src, data = tmp_path / "src", tmp_path / "sft.jsonl"
+    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)
+    data.write_text((json.dumps(CHAT) + "\n") * 4)
+    return src, data
+
+
 @pytest.mark.parametrize("config,probe", [(SDAR_CFG, "model.layers.0.self_attn.q_norm.weight"),
                                           (LLADA_CFG, "model.transformer.blocks.0.ff_proj.weight")])
 def test_finetune_public_family_keeps_its_format(tmp_path, tokdir, config, probe):
@@ -815,10 +823,7 @@ def test_bad_finetune_flags_are_one_line_errors(tmp_path):
 
 
 def test_finetune_resume_compares_the_model_being_finetuned(tmp_path, tokdir):
-    src = tmp_path / "src"
-    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)
-    data = tmp_path / "sft.jsonl"
-    data.write_text((json.dumps(CHAT) + "\n") * 4)
+    src, data = _sdar_and_chat(tmp_path, tokdir)
     out = tmp_path / "run"
     ft = ("--data", data, "--out", out, "--seq-len", 96, "--batch-size", 4, "--warmup", 0, "--eval-every", 0,
           "--no-bf16")
@@ -941,10 +946,7 @@ def test_sft_data_that_is_a_directory_says_so(tmp_path):
 
 def test_overwrite_leaves_no_file_of_the_earlier_run(tmp_path, tokdir):
     """--overwrite of a LoRA run by a full fine-tune: the old adapter/ must not stay beside the new model/."""
-    src = tmp_path / "src"
-    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)
-    data = tmp_path / "sft.jsonl"
-    data.write_text((json.dumps(CHAT) + "\n") * 4)
+    src, data = _sdar_and_chat(tmp_path, tokdir)
     out = tmp_path / "run"
     finetune(tiny_cfg(out, total_steps=1, seq_len=96, lora_rank=2), src, data)
     assert (out / "adapter").is_dir()
@@ -995,10 +997,7 @@ def test_cli_warnings_are_one_plain_line(tmp_path, tokdir):
 def test_rows_longer_than_the_context_warn_or_widen_it(tmp_path, tokdir, corpus):
     """Fine-tuning past a checkpoint's context is allowed with a warning (serving still stops there); a fresh
     model's context is widened to the rows it trains on."""
-    src = tmp_path / "src"
-    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)  # max_position_embeddings 128
-    data = tmp_path / "sft.jsonl"
-    data.write_text((json.dumps(CHAT) + "\n") * 4)
+    src, data = _sdar_and_chat(tmp_path, tokdir)  # max_position_embeddings 128
     with pytest.warns(UserWarning, match="seq_len 160 is longer than the model's context .*128"):
         finetune(tiny_cfg(tmp_path / "ft", total_steps=1, seq_len=160), src, data)
     res = train(tiny_cfg(tmp_path / "fresh", total_steps=1, seq_len=64, model=dataclasses.replace(TINY, max_position=32)),
@@ -1008,10 +1007,7 @@ def test_rows_longer_than_the_context_warn_or_widen_it(tmp_path, tokdir, corpus)
 
 def test_resume_takes_the_default_block_sizes_spelled_out(tmp_path, tokdir):
     """Fine-tuning at the model's own block sizes (the default), then resuming with them named: the same run."""
-    src = tmp_path / "src"
-    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)  # block_size 4
-    data = tmp_path / "sft.jsonl"
-    data.write_text((json.dumps(CHAT) + "\n") * 4)
+    src, data = _sdar_and_chat(tmp_path, tokdir)  # block_size 4
     out = tmp_path / "run"
     finetune(tiny_cfg(out, total_steps=1, seq_len=96, block_sizes=None), src, data)
     res = finetune(tiny_cfg(out, total_steps=2, seq_len=96, block_sizes=(4,), resume=True), src, data)
@@ -1027,12 +1023,10 @@ def test_parameter_counts_read_as_millions_or_plain():
 
 
 def test_lora_resume_refuses_another_base_of_the_same_shape(tmp_path, tokdir):
-    src, other = tmp_path / "src", tmp_path / "other"
-    _tiny_family_checkpoint(src, SDAR_CFG, tokdir)
+    src, data = _sdar_and_chat(tmp_path, tokdir)
+    other = tmp_path / "other"  # the same shape, other weights
     state = _tiny_family_checkpoint(other, SDAR_CFG, tokdir)
     save_file({k: (v + 0.01).contiguous() for k, v in state.items()}, str(other / "model.safetensors"))
-    data = tmp_path / "sft.jsonl"
-    data.write_text((json.dumps(CHAT) + "\n") * 4)
     out = tmp_path / "run"
     finetune(tiny_cfg(out, total_steps=1, seq_len=96, lora_rank=2, save_every=1), src, data)
     assert finetune(tiny_cfg(out, total_steps=2, seq_len=96, lora_rank=2, resume=True), src, data).steps == 2
