@@ -39,8 +39,7 @@ def graphs_enabled(model: torch.nn.Module, device: torch.device) -> bool:
 
 @dataclass
 class _Graph:
-    ids: Tensor            # [N] static input buffers
-    positions: Tensor
+    ids: Tensor            # [N] static input buffer (positions are fixed by the key)
     sc: list[Tensor]       # per segment [length, V]
     out: Tensor            # [N, V] logits, written by each replay
     replay: Callable[[], None]
@@ -121,7 +120,7 @@ class DecodeGraphs:
             def replay() -> None:
                 holder["out"].copy_(forward())
 
-            g = _Graph(static_ids, static_pos, sc, holder["out"], replay)
+            g = _Graph(static_ids, sc, holder["out"], replay)
         else:
             try:
                 graph = torch.cuda.CUDAGraph()
@@ -141,7 +140,7 @@ class DecodeGraphs:
                 self.enabled = False
                 log.warning("CUDA graphs off for this engine (capture failed: %s)", str(e).splitlines()[0][:200])
                 return None
-            g = _Graph(static_ids, static_pos, sc, out, graph.replay)
+            g = _Graph(static_ids, sc, out, graph.replay)
         self.graphs[key] = g
         self.captures += 1
         while len(self.graphs) > 1 and (len(self.graphs) > self.max_graphs or self.held_bytes() > self.max_bytes):

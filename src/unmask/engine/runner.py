@@ -76,7 +76,7 @@ class ModelRunner:
         dev = self.device
         # token ids may already be on the device (a canvas step of a family that samples there)
         ids = torch.cat([p.token_ids.to(dev, non_blocking=True) for p in plans])
-        pos = torch.cat([p.positions for p in plans]).to(dev, non_blocking=True)
+        pos = torch.cat([p.positions for p in plans])  # on the host: a graph replay needs none (its key fixes them)
         batch = AttentionBatch([p.segment for p in plans])
         for seg in batch.segments:
             if seg.block_ids is not None:
@@ -94,7 +94,7 @@ class ModelRunner:
             if key is not None:
                 logits = self.graphs.run(key, ids, pos, batch)
         if logits is None:
-            hidden = self.model(ids, pos, batch)
+            hidden = self.model(ids, pos.to(dev, non_blocking=True), batch)
             flat_rows = torch.cat(rows).to(dev, non_blocking=True)
             logits = self.model.logits(hidden[flat_rows]) if flat_rows.numel() else hidden.new_empty(0, 0).float()
         forward_s = self.timer.stop()
