@@ -33,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_BYTES = 15 * 1024 * 1024
+PACKAGE_S = 20.0   # --deadline: export + packaging allowance
+STARTUP_S = 15.0   # --deadline: each phase's process start, model load and data set-up
 START = time.monotonic()
 
 
@@ -165,6 +167,11 @@ def main() -> None:
     ap.add_argument("--runs", type=Path, default=None, help="scratch run directories (default: build/device-runs)")
     ap.add_argument("--minutes", type=float, default=8.0, help="training time over the three phases")
     ap.add_argument("--split", default="0.45,0.35,0.2", help="shares of --minutes: base, block diffusion, SFT")
+    ap.add_argument("--cost", default="1,2,2", help="each phase's time per token relative to the causal base "
+                    "(block diffusion with a causal context runs the clean and the noisy stream: 2L tokens a row)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from start by which the run must be packaged: each phase's steps are re-planned "
+                         "from the time left and the rate the previous phase measured (--minutes is then unused)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--heads", type=int, default=8)
@@ -214,7 +221,8 @@ def main() -> None:
                                "--save-every", "0"], logs)
     rate = tps[-1] if tps else 1000.0
     summary["calibration_tokens_per_s"] = rate
-    n = [3, 3, 3] if a.quick else [steps_for(b, rate, a.batch_size, a.seq_len, 50) for b in budget]
+    cost = [float(x) for x in a.cost.split(",")]
+    n = [3, 3, 3] if a.quick else [steps_for(b, rate / c, a.batch_size, a.seq_len, 50) for b, c in zip(budget, cost)]
     # a data-bound corpus: cap the pre-training phases at --max-epochs passes over its rows (more overfits a
     # model of this size; the held-out losses in the logs show whether the cap was right)
     found = re.findall(r"([\d,]+) rows x", (logs / "calibrate.log").read_text())
@@ -234,10 +242,29 @@ def main() -> None:
                  "--eval-data", "data/sft/heldout.jsonl", "--out", str(runs / "sft"), "--overwrite", *rows, "--pack",
                  "--mix-text", a.data, "--mix-fraction", "0.25", "--lr", str(a.lr / 3), *schedule(n[2])]),
     ]
-    for name, args in phases:
+    measured = {"base": rate}  # tokens/s each phase's log reported last (a phase's rate predicts the next one's)
+    for i, (name, args) in enumerate(phases):
+        if a.deadline is not None and not a.quick:
+            # re-plan this phase from the time actually left: its share of what remains, at the rate the
+            # previous phase measured (scaled by the cost ratio), less a start-up allowance per phase left
+            left = a.deadline - (time.monotonic() - START) - PACKAGE_S - STARTUP_S * (len(phases) - i)
+            seconds = max(0.0, left) * shares[i] / sum(shares[i:])
+            prev = list(measured.values())[-1]
+            prev_cost = cost[i - 1] if i else 1.0
+            steps = steps_for(seconds, prev * prev_cost / cost[i], a.batch_size, a.seq_len, 20)
+            if i < 2 and "epoch_cap_steps" in summary:
+                steps = min(steps, summary["epoch_cap_steps"])
+            n[i] = steps
+            args = [x for x in args]
+            j = args.index("--steps")
+            args[j:j + 8] = schedule(steps)
+            log(f"{name}: {seconds:.0f} s left for it at ~{prev * prev_cost / cost[i]:,.0f} tokens/s -> {steps} steps")
+            summary["steps"] = n
         wall, tps = run(name, args, logs)
+        if tps:
+            measured[name] = tps[-1]
         summary[name] = {"wall_s": wall, "tokens_per_s_last": tps[-1] if tps else None,
-                         "tokens": n[phases.index((name, args))] * a.batch_size * a.seq_len}
+                         "tokens": n[i] * a.batch_size * a.seq_len}
         (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
     model_src = runs / "sft" / "model"
