@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 NEED_DOCS = @ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { echo "make $@: the corpus" \
 	"includes the Python docs, which are not installed (Debian/Ubuntu: apt-get install python3.11-doc)"; exit 1; }
 
-.PHONY: setup test serve bench bench-quick llama-cpp model twin clean
+.PHONY: setup test serve bench bench-quick llama-cpp model model-5m twin clean
 
 setup: $(STAMP)
 
@@ -32,11 +32,11 @@ serve: $(STAMP)
 	$(BIN)/unmask serve
 
 # Benchmark suite (bench/suite.py): regenerates docs/benchmarks.md, docs/benchmarks.json, docs/bench/*.png.
-# MODEL=DIR (default: the built-in model), THREADS=N (default: all cores; 1 on a busy machine), TWIN=DIR,
+# MODEL=DIR (default: bench/models/unmask-tiny-5m, which the AR twin is compute-matched to), THREADS=N (default: all cores; 1 on a busy machine), TWIN=DIR,
 # BENCH_ARGS=... (e.g. --sections cost). Without BENCH_ARGS it then runs the section longprefill (real 32K-128K
 # prefills, one round: 6.3 min here, after the 14.8-min suite). The full run decodes the AR twin from bench/models/ar-twin (committed;
 # `make twin` retrains it from the causal base bench/models/unmask-tiny-base, about as long as the diffusion
-# phases of `make model`), else from runs/ar-twin/model.
+# phases of `make model-5m`), else from runs/ar-twin/model.
 BENCH_OPTS = $(if $(MODEL),--model $(MODEL)) $(if $(THREADS),--threads $(THREADS)) $(if $(TWIN),--twin $(TWIN)) $(BENCH_ARGS)
 
 bench: $(STAMP)
@@ -62,13 +62,29 @@ bench-quick: $(STAMP)
 llama-cpp: $(STAMP)
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF" $(BIN)/pip install -q -e '.[test,llama]'
 
-# Rebuild the built-in model from scratch (about 3 h 20 min on idle 2 cores with native bf16; longer in float32 on
-# AVX2-only CPUs; see docs/model-card.md):
+# Rebuild the built-in model from scratch: the recipe and step counts of the run that trained it on one H200
+# (2026-12-04, about 13 min there; docs/model-card.md). scripts/device_train.py runs `make model-5m`'s phases for a
+# 19.9M-parameter shape (hidden 512, 5 layers) on 2.5x the text (stdlib, docs and torch's own source): a causal base,
+# block diffusion with a causal context, SFT; then block diffusion and SFT again from that model. It trains on CUDA
+# when there is one; on 2 CPU cores the same tokens take about 5 days (not run; docs/model-card.md, "Training").
+model: $(STAMP)
+	$(NEED_DOCS)
+	$(BIN)/unmask corpus
+	$(BIN)/unmask corpus --package torch --out data/corpus-torch
+	$(BIN)/python scripts/device_train.py --data data/corpus-torch --steps 1349,3088,712 --out build/model-1 --runs runs/model-1
+	$(BIN)/python scripts/device_train.py --join build/model-1 --to runs/model-1-joined
+	$(BIN)/python scripts/device_train.py --continue-from runs/model-1-joined --data data/corpus-torch --steps 1716,184 \
+		--lr 6e-4 --out build/model-2 --runs runs/model-2
+	$(BIN)/python scripts/device_train.py --join build/model-2 --to runs/model-2-joined
+	rm -rf src/unmask/assets/unmask-tiny && cp -r runs/model-2-joined src/unmask/assets/unmask-tiny
+
+# The built-in model until 2026-12-04, kept in bench/models/unmask-tiny-5m because the AR twin is compute-matched to
+# it (about 3 h 20 min on idle 2 cores with native bf16; longer in float32 on AVX2-only CPUs; docs/model-card.md):
 # a causal next-token base (1,600 steps, then 2,400 more with a re-warmed schedule), block diffusion initialised from
 # it (shifted logits, as Fast-dLLM v2, with a causal context: committed text attends token-causally and keeps its
 # next-token loss; 592 steps, then 600 more at half the peak lr), then SFT with a quarter of plain-text rows. The
 # base is kept in bench/models: the AR twin (`make twin`) starts from it.
-model: $(STAMP)
+model-5m: $(STAMP)
 	$(NEED_DOCS)
 	$(BIN)/unmask corpus
 	$(BIN)/unmask train --objective causal --out runs/base --overwrite --steps 1600 --warmup 80 --lr 1.5e-3 \
@@ -82,9 +98,9 @@ model: $(STAMP)
 	$(BIN)/unmask finetune --model runs/adapt-long/model --data data/sft/train.jsonl --eval-data data/sft/heldout.jsonl \
 		--out runs/sft --overwrite --steps 359 --warmup 20 --lr 5e-4 --pack --mix-text data/corpus \
 		--mix-fraction 0.25 --eval-every 100 --save-every 50 --compile
-	rm -rf src/unmask/assets/unmask-tiny && cp -r runs/sft/model src/unmask/assets/unmask-tiny
+	rm -rf bench/models/unmask-tiny-5m && cp -r runs/sft/model bench/models/unmask-tiny-5m
 	# chat answers default to frequency_penalty 0.5 (completions keep none): docs/model-card.md, "Penalties against the loops"
-	$(BIN)/python -c "import json, pathlib; p = pathlib.Path('src/unmask/assets/unmask-tiny/generation_config.json'); \
+	$(BIN)/python -c "import json, pathlib; p = pathlib.Path('bench/models/unmask-tiny-5m/generation_config.json'); \
 		g = json.loads(p.read_text()); g['chat_defaults'] = {'frequency_penalty': 0.5}; \
 		p.write_text(json.dumps(g, indent=2, ensure_ascii=False) + '\n')"
 	rm -rf bench/models/unmask-tiny-base && mkdir -p bench/models && cp -r runs/base2/model bench/models/unmask-tiny-base

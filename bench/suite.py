@@ -12,7 +12,8 @@ Opt-in (named in --sections only; `make bench` runs it after the suite):
 A run of some sections merges them into the existing JSON (when it was written in the same mode) and
 regenerates the whole document. --report-only re-renders the document from the JSON.
 
-Model: --model DIR (default: the built-in model). Twin: --twin DIR, a Hugging Face causal LM written by
+Model: --model DIR (default: bench/models/unmask-tiny-5m, the 5.25M model the committed AR twin is
+compute-matched to and the built-in model until 2026-12-04; else the built-in model). Twin: --twin DIR, a Hugging Face causal LM written by
 scripts/train_ar_twin.py (default: runs/ar-twin/model, in --quick mode build/ar-twin-quick/model);
 --twin-gguf FILE adds llama.cpp when llama-cpp-python is installed. Data: `unmask corpus` output.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TWIN_DIR = "bench/models/ar-twin"  # committed by `make twin`
+TWIN_REFERENCE = "bench/models/unmask-tiny-5m"  # the diffusion model that twin is compute-matched to (`make model-5m`)
 sys.path.insert(0, str(HERE))
 if str(ROOT / "src") not in sys.path:
     sys.path.append(str(ROOT / "src"))
@@ -138,10 +140,10 @@ def main() -> None:
     from unmask.defaults import default_model_path
     from unmask.engine.llm import LLM
 
-    if args.model is None:
-        if not default_model_path().is_dir():
+    if args.model is None:  # the model the AR twin is compute-matched to, else the built-in one
+        args.model = next((p for p in (ROOT / TWIN_REFERENCE, default_model_path()) if p.is_dir()), None)
+        if args.model is None:
             sys.exit(f"the built-in model is not installed at {default_model_path()}; pass --model DIR")
-        args.model = default_model_path()
     if not (args.corpus / "heldout.jsonl").is_file():
         sys.exit(f"{args.corpus / 'heldout.jsonl'} not found: run `unmask corpus` first")
     if args.twin is None and not args.no_twin:

@@ -3,14 +3,16 @@
     python scripts/device_train.py --out $OUT --minutes 8          # on a lent GPU machine (docs/training.md:
                                                                    # how to carry the data within 64 MiB)
     python scripts/device_train.py --quick --out /tmp/dt           # the same code path on this CPU (smoke run)
+    python scripts/device_train.py --steps 1349,3088,712 ...       # repeat a recorded run (`make model`)
 
-Why: `make model` spends 3 h 20 min of 2 CPU cores on a 5.25M-parameter model (1,570-3,955 tokens/s by
-phase), which writes Python-shaped but wrong code (docs/model-card.md). A GPU should train a 4x larger model
-on many times the tokens in minutes (not yet run: its tokens/s there is what the calibration measures).
-The phases are `make model`'s, on the same data (data/corpus, data/sft, data/tokenizer from
-`unmask corpus`): a causal next-token base, block diffusion with a causal context from it, then SFT with 25%
-corpus replay. A short calibration run of the base measures tokens/s; each phase then gets the steps that fit
-its share of --minutes (warmup, eval and save intervals scaled to them).
+Why: the 5.25M-parameter model that 3 h 20 min of 2 CPU cores trained (`make model-5m`) writes Python-shaped
+but wrong code. On one H200 this script trained the shipped 19.9M-parameter unmask-tiny in two calls
+(2026-12-04, docs/model-card.md): 8 min with --deadline 500, then 4 min more with --continue-from.
+The phases are `make model-5m`'s (data from `unmask corpus`): a causal next-token base, block diffusion with a
+causal context from it, then SFT with 25% corpus replay. A short calibration run of the base measures
+tokens/s; each phase then gets the steps that fit its share of --minutes, or with --deadline of the time
+actually left at the previous phase's measured rate (warmup, eval and save intervals scaled to the steps).
+--steps skips both and repeats a recorded run.
 
 The device machine has no `unmask` install: the phases run as `python -m unmask.cli ...` with src/ on
 PYTHONPATH. A device call brings back at most 8 files of 16 MiB, so --out gets the final model's weights in
@@ -75,6 +77,15 @@ def share_token_cache(run_dir: Path, cache: Path) -> None:
 
 def steps_for(seconds: float, tps: float, rows: int, seq_len: int, floor: int) -> int:
     return max(floor, int(seconds * tps / (rows * seq_len)))
+
+
+def plan_steps(deadline: float, elapsed: float, phases_left: int, share: float, shares_left: float, rate: float,
+               rows: int, seq_len: int) -> tuple[float, int]:
+    """--deadline: the seconds and steps the next phase gets: its share of the time left once packaging and a
+    start-up allowance per remaining phase are set aside, at `rate` tokens/s (at least 20 steps)."""
+    left = deadline - elapsed - PACKAGE_S - STARTUP_S * phases_left
+    seconds = max(0.0, left) * share / shares_left
+    return seconds, steps_for(seconds, rate, rows, seq_len, 20)
 
 
 def schedule(steps: int) -> list[str]:
@@ -185,6 +196,14 @@ def main() -> None:
                     help="passes over the corpus at most, per pre-training phase (the time budget may allow more)")
     ap.add_argument("--data", default="data/corpus", help="pre-training corpus (e.g. data/corpus-torch from "
                     "`unmask corpus --package torch --out data/corpus-torch`: 2.5x the text)")
+    ap.add_argument("--continue-from", type=Path, default=None,
+                    help="a model this script made: skip calibration and the causal base, run block diffusion "
+                         "and SFT again from it (a second device call that carries the first one's model)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="with --continue-from: the block-diffusion tokens/s the first call measured")
+    ap.add_argument("--steps", default=None,
+                    help="fixed steps per phase, comma-separated (base,adapt,sft; with --continue-from adapt,sft): "
+                         "repeat a recorded run (`make model`) with no calibration or time planning")
     ap.add_argument("--quick", action="store_true", help="tiny model, a few steps per phase (CPU smoke run)")
     ap.add_argument("--join", type=Path, help="a fetched --out: write the model directory --to and exit")
     ap.add_argument("--to", type=Path, help="with --join: the model directory to write")
@@ -194,6 +213,14 @@ def main() -> None:
             ap.error("--join needs --to MODEL_DIR")
         join_shards(a.join, a.to)
         return
+    try:
+        fixed = [int(x) for x in a.steps.split(",")] if a.steps else None
+    except ValueError:
+        ap.error(f"--steps {a.steps!r}: comma-separated whole numbers")
+    if fixed is not None and len(fixed) != (2 if a.continue_from is not None else 3):
+        ap.error("--steps takes one count per phase: base,adapt,sft (adapt,sft with --continue-from)")
+    if fixed is not None:
+        a.deadline = None
     if a.quick:
         a.hidden, a.layers, a.heads, a.kv_heads, a.head_dim, a.intermediate = 64, 2, 4, 2, 16, 128
         a.batch_size, a.seq_len = 4, 128
@@ -214,6 +241,17 @@ def main() -> None:
 
     for phase in ("calibrate", "base", "adapt", "sft"):
         share_token_cache(runs / phase, runs / "token-cache")
+    cost = [float(x) for x in a.cost.split(",")]
+    if a.continue_from is not None:
+        if fixed is None and (a.deadline is None or a.rate is None):
+            ap.error("--continue-from needs --steps, or --deadline and --rate")
+        a.fixed = fixed
+        continue_run(a, runs, logs, shape, rows, data, shares, cost, summary)
+        return
+    if fixed is not None:
+        run_phases(a, runs, logs, shape, rows, data, fixed, summary)
+        finish(a, runs, logs, summary)
+        return
     # calibration: the base phase's tokens/s on this machine (its first steps pay for start-up and allocation)
     cal_steps = 4 if a.quick else 30
     _, tps = run("calibrate", ["train", "--objective", "causal", "--out", str(runs / "calibrate"), "--overwrite",
@@ -221,7 +259,6 @@ def main() -> None:
                                "--save-every", "0"], logs)
     rate = tps[-1] if tps else 1000.0
     summary["calibration_tokens_per_s"] = rate
-    cost = [float(x) for x in a.cost.split(",")]
     n = [3, 3, 3] if a.quick else [steps_for(b, rate / c, a.batch_size, a.seq_len, 50) for b, c in zip(budget, cost)]
     # a data-bound corpus: cap the pre-training phases at --max-epochs passes over its rows (more overfits a
     # model of this size; the held-out losses in the logs show whether the cap was right)
@@ -233,25 +270,16 @@ def main() -> None:
         summary["corpus_rows"], summary["epoch_cap_steps"] = rows_in_corpus, cap
     summary["steps"] = n
 
-    phases = [
-        ("base", ["train", "--objective", "causal", "--out", str(runs / "base"), "--overwrite", *data, *shape, *rows,
-                  "--lr", str(a.lr), *schedule(n[0])]),
-        ("adapt", ["train", "--init-from", str(runs / "base" / "model"), "--out", str(runs / "adapt"), "--overwrite",
-                   "--causal-context", *data, *rows, "--lr", str(a.lr * 2 / 3), *schedule(n[1])]),
-        ("sft", ["finetune", "--model", str(runs / "adapt" / "model"), "--data", "data/sft/train.jsonl",
-                 "--eval-data", "data/sft/heldout.jsonl", "--out", str(runs / "sft"), "--overwrite", *rows, "--pack",
-                 "--mix-text", a.data, "--mix-fraction", "0.25", "--lr", str(a.lr / 3), *schedule(n[2])]),
-    ]
+    phases = three_phases(a, runs, shape, rows, data, n)
     measured = {"base": rate}  # tokens/s each phase's log reported last (a phase's rate predicts the next one's)
     for i, (name, args) in enumerate(phases):
         if a.deadline is not None and not a.quick:
             # re-plan this phase from the time actually left: its share of what remains, at the rate the
             # previous phase measured (scaled by the cost ratio), less a start-up allowance per phase left
-            left = a.deadline - (time.monotonic() - START) - PACKAGE_S - STARTUP_S * (len(phases) - i)
-            seconds = max(0.0, left) * shares[i] / sum(shares[i:])
             prev = list(measured.values())[-1]
             prev_cost = cost[i - 1] if i else 1.0
-            steps = steps_for(seconds, prev * prev_cost / cost[i], a.batch_size, a.seq_len, 20)
+            seconds, steps = plan_steps(a.deadline, time.monotonic() - START, len(phases) - i, shares[i],
+                                        sum(shares[i:]), prev * prev_cost / cost[i], a.batch_size, a.seq_len)
             if i < 2 and "epoch_cap_steps" in summary:
                 steps = min(steps, summary["epoch_cap_steps"])
             n[i] = steps
@@ -267,6 +295,59 @@ def main() -> None:
                          "tokens": n[i] * a.batch_size * a.seq_len}
         (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
+    finish(a, runs, logs, summary)
+
+
+def three_phases(a, runs: Path, shape, rows, data, n: list[int]) -> list[tuple[str, list[str]]]:
+    return [
+        ("base", ["train", "--objective", "causal", "--out", str(runs / "base"), "--overwrite", *data, *shape, *rows,
+                  "--lr", str(a.lr), *schedule(n[0])]),
+        ("adapt", ["train", "--init-from", str(runs / "base" / "model"), "--out", str(runs / "adapt"), "--overwrite",
+                   "--causal-context", *data, *rows, "--lr", str(a.lr * 2 / 3), *schedule(n[1])]),
+        ("sft", ["finetune", "--model", str(runs / "adapt" / "model"), "--data", "data/sft/train.jsonl",
+                 "--eval-data", "data/sft/heldout.jsonl", "--out", str(runs / "sft"), "--overwrite", *rows, "--pack",
+                 "--mix-text", a.data, "--mix-fraction", "0.25", "--lr", str(a.lr / 3), *schedule(n[2])]),
+    ]
+
+
+def run_phases(a, runs: Path, logs: Path, shape, rows, data, n: list[int], summary: dict) -> None:
+    """--steps: the three phases with the given step counts."""
+    summary["steps"] = n
+    for i, (name, args) in enumerate(three_phases(a, runs, shape, rows, data, n)):
+        wall, tps = run(name, args, logs)
+        summary[name] = {"wall_s": wall, "tokens_per_s_last": tps[-1] if tps else None,
+                         "tokens": n[i] * a.batch_size * a.seq_len}
+        (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def continue_run(a, runs: Path, logs: Path, shape, rows, data, shares, cost, summary: dict) -> None:
+    """Block diffusion then SFT again from --continue-from, each phase planned from the time left."""
+    phases = [
+        ("adapt", cost[1], shares[1], ["train", "--init-from", str(a.continue_from), "--out", str(runs / "adapt"),
+                                        "--overwrite", "--causal-context", *data, *rows, "--lr", str(a.lr * 2 / 3)]),
+        ("sft", cost[2], shares[2], ["finetune", "--model", str(runs / "adapt" / "model"), "--data",
+                                     "data/sft/train.jsonl", "--eval-data", "data/sft/heldout.jsonl", "--out",
+                                     str(runs / "sft"), "--overwrite", *rows, "--pack", "--mix-text", a.data,
+                                     "--mix-fraction", "0.25", "--lr", str(a.lr / 3)]),
+    ]
+    rate = a.rate  # tokens/s at cost[1]
+    summary["continue_from"] = str(a.continue_from)
+    for i, (name, c, share, args) in enumerate(phases):
+        if a.fixed is not None:
+            steps = a.fixed[i]
+        else:
+            seconds, steps = plan_steps(a.deadline, time.monotonic() - START, len(phases) - i, share,
+                                        sum(p[2] for p in phases[i:]), rate, a.batch_size, a.seq_len)
+            log(f"{name}: {seconds:.0f} s left for it at ~{rate:,.0f} tokens/s -> {steps} steps")
+        wall, tps = run(name, [*args, *schedule(steps)], logs)
+        rate = tps[-1] if tps else rate
+        summary[name] = {"wall_s": wall, "tokens_per_s_last": tps[-1] if tps else None,
+                         "tokens": steps * a.batch_size * a.seq_len}
+        (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    finish(a, runs, logs, summary)
+
+
+def finish(a, runs: Path, logs: Path, summary: dict) -> None:
     model_src = runs / "sft" / "model"
     gen = model_src / "generation_config.json"
     if gen.is_file():  # the chat default `make model` writes (docs/model-card.md, "Penalties against the loops")

@@ -7,14 +7,15 @@ The twin is an ordinary causal LM (transformers `Qwen3ForCausalLM`: the same lay
 family, q/k norms included, so the parameter count is identical) with the reference model's
 tokenizer, width, depth, heads, MLP size and tied embeddings.
 
-`unmask-tiny` is AR-initialised (`make model`): a causal next-token base (`unmask train --objective
-causal`), then block diffusion from it, then SFT. The twin branches from that same base
+The 5.25M `unmask-tiny` (built in until 2026-12-04, now bench/models/unmask-tiny-5m) is AR-initialised
+(`make model-5m`): a causal next-token base (`unmask train --objective causal`), then block diffusion from
+it, then SFT. The twin branches from that same base
 (`--init-from`, its weights loaded unchanged: the base is a causal LM in Qwen3 names) and spends the
 compute of the diffusion phases on causal training instead: the same packed rows of `data/corpus`
 in the same order (same seed, same `BatchIterator`) as each block-diffusion run, then the same packed
 SFT rows of `data/sft/train.jsonl` with the loss on the same answer tokens, mixed with the same share of
 plain-text rows. Both models therefore have the base's compute plus equal compute after it.
-A recipe with several block-diffusion runs (`make model`: 592 steps at lr 1e-3, then 600 more at 5e-4)
+A recipe with several block-diffusion runs (`make model-5m`: 592 steps at lr 1e-3, then 600 more at 5e-4)
 is mirrored stage by stage: `--ref-pretrain-steps 592,600 --ref-pretrain-lr 1e-3,5e-4`, each stage with
 its own warmup and cosine schedule and its data order restarted, as each `unmask train` run has.
 `--init-from` also takes an earlier twin's OUT/pretrain/model, to add a stage without redoing the first.
@@ -333,7 +334,7 @@ def main() -> None:
                     help="the causal base the diffusion model was initialised from (unmask format, shift_logits), "
                          "or an earlier twin stage (Qwen3ForCausalLM); the twin starts from the same weights and "
                          "matches the compute spent after it")
-    # the reference recipe (Makefile `model`): what the diffusion model was trained with after the base
+    # the reference recipe (Makefile `model-5m`): what the diffusion model was trained with after the base
     ap.add_argument("--ref-pretrain-steps", default="592",
                     help="steps of each block-diffusion pre-training run after the base, comma-separated: each "
                          "run is a stage of the twin with its own warmup + cosine schedule, as in the recipe")
@@ -377,7 +378,9 @@ def main() -> None:
 
     from unmask.defaults import default_model_path
 
-    ref = args.reference or next((p for p in (default_model_path(), ROOT / "runs/pretrain/model") if p.is_dir()), None)
+    # the committed twin is compute-matched to the 5.25M model (the built-in one until 2026-12-04)
+    ref = args.reference or next((p for p in (ROOT / "bench/models/unmask-tiny-5m", default_model_path(),
+                                              ROOT / "runs/pretrain/model") if p.is_dir()), None)
     if ref is None:
         sys.exit("no reference model: pass --reference DIR (a diffusion model whose shape the twin copies)")
     shape, ref_config, ref_gen = shape_from(ref)

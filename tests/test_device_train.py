@@ -24,7 +24,7 @@ def _script():
 
 def test_shards_round_trip_to_one_bf16_model(tmp_path, monkeypatch):
     dt = _script()
-    monkeypatch.setattr(dt, "SHARD_BYTES", 5 * 1024 * 1024)  # the embedding is 4 MiB in bf16
+    monkeypatch.setattr(dt, "SHARD_BYTES", 9 * 1024 * 1024)  # the embedding is 8 MiB in bf16
     src = default_model_path()
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -32,7 +32,7 @@ def test_shards_round_trip_to_one_bf16_model(tmp_path, monkeypatch):
     dt.export_bf16_shards(src, tmp_path / "export")
     fetched = tmp_path / "fetched"
     names = dt.package(tmp_path / "export", logs, fetched)
-    assert len(names) >= 2 and all((fetched / n).stat().st_size <= 5 * 1024 * 1024 + 4096 for n in names)
+    assert len(names) >= 2 and all((fetched / n).stat().st_size <= 9 * 1024 * 1024 + 4096 for n in names)
     assert sorted(p.name for p in fetched.iterdir()) == sorted(names + ["meta.tar.gz"])
     dst = tmp_path / "model"
     dt.join_shards(fetched, dst)
@@ -44,7 +44,7 @@ def test_shards_round_trip_to_one_bf16_model(tmp_path, monkeypatch):
     assert not (dst / "model.safetensors.index.json").exists()
     assert (tmp_path / "model.meta" / "logs" / "base.log").read_text().startswith("step 10/10")
     model, spec = load_model(dst, dtype="float32")
-    assert model.lm_head.weight.dtype == torch.float32 and spec.arch.hidden_size == 256
+    assert model.lm_head.weight.dtype == torch.float32 and spec.arch.hidden_size == 512
 
 
 def test_a_tensor_over_the_shard_limit_is_refused(tmp_path, monkeypatch):
@@ -52,5 +52,28 @@ def test_a_tensor_over_the_shard_limit_is_refused(tmp_path, monkeypatch):
 
     dt = _script()
     monkeypatch.setattr(dt, "SHARD_BYTES", 1024 * 1024)
-    with pytest.raises(SystemExit, match="embed_tokens.weight: 4,194,304 bytes, more than one shard may hold"):
+    with pytest.raises(SystemExit, match="embed_tokens.weight: 8,388,608 bytes, more than one shard may hold"):
         dt.export_bf16_shards(default_model_path(), tmp_path / "export")
+
+
+def test_deadline_plan_gives_each_phase_its_share_of_the_time_left():
+    dt = _script()
+    # 500 s deadline, 45 s gone, 3 phases left: 500 - 45 - 20 (packaging) - 3 * 15 (start-ups) = 390 s to share
+    seconds, steps = dt.plan_steps(500, 45, 3, 0.4, 1.0, 300_000, 64, 512)
+    assert seconds == 390 * 0.4 and steps == int(156 * 300_000 / (64 * 512))
+    # the last phase gets all that is left; past the deadline it still runs the 20-step floor
+    assert dt.plan_steps(500, 400, 1, 0.1, 0.1, 300_000, 64, 512)[0] == 500 - 400 - 20 - 15
+    assert dt.plan_steps(500, 499, 1, 0.1, 0.1, 300_000, 64, 512) == (0.0, 20)
+
+
+def test_steps_must_give_one_count_per_phase(monkeypatch, capsys):
+    import pytest
+
+    dt = _script()
+    for argv, msg in ((["--steps", "10,20"], "one count per phase: base,adapt,sft"),
+                      (["--steps", "10,20,30", "--continue-from", "m"], "adapt,sft with --continue-from"),
+                      (["--steps", "10,x,30"], "comma-separated whole numbers")):
+        monkeypatch.setattr("sys.argv", ["device_train.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            dt.main()
+        assert e.value.code == 2 and msg in capsys.readouterr().err
