@@ -219,8 +219,15 @@ def main() -> None:
         ap.error(f"--steps {a.steps!r}: comma-separated whole numbers")
     if fixed is not None and len(fixed) != (2 if a.continue_from is not None else 3):
         ap.error("--steps takes one count per phase: base,adapt,sft (adapt,sft with --continue-from)")
+    if a.continue_from is not None:
+        if fixed is None and (a.deadline is None or a.rate is None):
+            ap.error("--continue-from needs --steps, or --deadline and --rate")
+        if not (a.continue_from / "config.json").is_file():
+            ap.error(f"--continue-from {a.continue_from}: no config.json there (a model directory, e.g. --join's)")
+        a.continue_from = a.continue_from.resolve()  # the phases run from the repository root
     if fixed is not None:
         a.deadline = None
+    a.fixed = fixed
     if a.quick:
         a.hidden, a.layers, a.heads, a.kv_heads, a.head_dim, a.intermediate = 64, 2, 4, 2, 16, 128
         a.batch_size, a.seq_len = 4, 128
@@ -243,9 +250,6 @@ def main() -> None:
         share_token_cache(runs / phase, runs / "token-cache")
     cost = [float(x) for x in a.cost.split(",")]
     if a.continue_from is not None:
-        if fixed is None and (a.deadline is None or a.rate is None):
-            ap.error("--continue-from needs --steps, or --deadline and --rate")
-        a.fixed = fixed
         continue_run(a, runs, logs, shape, rows, data, shares, cost, summary)
         return
     if fixed is not None:

@@ -72,7 +72,9 @@ def test_steps_must_give_one_count_per_phase(monkeypatch, capsys):
     dt = _script()
     for argv, msg in ((["--steps", "10,20"], "one count per phase: base,adapt,sft"),
                       (["--steps", "10,20,30", "--continue-from", "m"], "adapt,sft with --continue-from"),
-                      (["--steps", "10,x,30"], "comma-separated whole numbers")):
+                      (["--steps", "10,x,30"], "comma-separated whole numbers"),
+                      (["--continue-from", "m"], "--continue-from needs --steps, or --deadline and --rate"),
+                      (["--continue-from", "/nonexistent", "--steps", "1,2"], "no config.json there")):
         monkeypatch.setattr("sys.argv", ["device_train.py", *argv])
         with pytest.raises(SystemExit) as e:
             dt.main()
