@@ -63,7 +63,7 @@ llama-cpp: $(STAMP)
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF" $(BIN)/pip install -q -e '.[test,llama]'
 
 # Rebuild the built-in model from scratch: the recipe and step counts of the run that trained it on one H200
-# (2026-12-04, about 13 min there; docs/model-card.md). scripts/device_train.py runs `make model-5m`'s phases for a
+# (2026-12-04, about 12 min of training there; docs/model-card.md). scripts/device_train.py runs `make model-5m`'s phases for a
 # 19.9M-parameter shape (hidden 512, 5 layers) on 2.5x the text (stdlib, docs and torch's own source): a causal base,
 # block diffusion with a causal context, SFT; then block diffusion and SFT again from that model. It trains on CUDA
 # when there is one; on 2 CPU cores the same tokens take about 5 days (not run; docs/model-card.md, "Training").
