@@ -359,3 +359,13 @@ def test_eval_checks_its_outputs_and_named_inputs_up_front(family_dirs, tmp_path
     assert r.exit_code == 1 and "cannot be written" in r.stderr
     r = invoke(*base, "--sft-heldout", str(tmp_path / "nope.jsonl"))
     assert r.exit_code == 1 and r.stderr.strip() == f"error: --sft-heldout {tmp_path / 'nope.jsonl'} not found"
+
+
+def test_served_name_of_a_training_runs_model_folder_is_the_runs_name(tmp_path):
+    from unmask.server.cli import default_served_name
+
+    (tmp_path / "runs" / "sft" / "model").mkdir(parents=True)
+    (tmp_path / "my-model").mkdir()
+    assert default_served_name(tmp_path / "runs" / "sft" / "model") == "sft"
+    assert default_served_name(tmp_path / "runs" / "sft" / "model" / "..") == "sft"
+    assert default_served_name(tmp_path / "my-model") == "my-model"

@@ -45,6 +45,13 @@ def _server_class(uvicorn):
     return DrainingServer
 
 
+def default_served_name(model: Path) -> str:
+    """The API's model id when --served-model-name is not given: the directory's name, or for the `model/`
+    folder that `unmask train` and `unmask finetune` export into, the run directory's (runs/sft/model -> sft)."""
+    path = model.resolve()
+    return path.parent.name if path.name == "model" and path.parent.name else path.name
+
+
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(1)
@@ -78,7 +85,8 @@ def serve(
                                         help=DTYPE_HELP),
     device: str = typer.Option("auto", envvar="UNMASK_DEVICE", help=DEVICE_HELP),
     served_model_name: Optional[str] = typer.Option(None, envvar="UNMASK_SERVED_MODEL_NAME",
-                                                    help="Model id in the API (default: the directory name)."),
+                                                    help="Model id in the API (default: the directory name; for a "
+                                                         "training run's model/ folder, the run's name)."),
     drain_timeout: float = typer.Option(30.0, min=0, envvar="UNMASK_DRAIN_TIMEOUT",
                                         help="On shutdown, seconds to let running requests finish."),
     log_level: str = typer.Option("info", envvar="UNMASK_LOG_LEVEL",
@@ -130,7 +138,7 @@ def serve(
             _fail(f"the chat template {chat_template} does not parse: {e.message} (line {e.lineno})")
     logging.basicConfig(level=logging.DEBUG if log_level.lower() == "trace" else log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
-    args = ServerArgs(model=model, served_model_name=served_model_name or model.resolve().name,
+    args = ServerArgs(model=model, served_model_name=served_model_name or default_served_name(model),
                       api_keys=list(api_key), cors_origins=list(cors_origin),
                       max_num_seqs=max_num_seqs, max_queue=max_queue, max_body_bytes=max_body_bytes,
                       max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
