@@ -319,6 +319,18 @@ def test_a_cut_off_call_keeps_what_was_written_and_is_incomplete(text, arguments
     assert [(c.name, c.arguments, c.complete) for c in calls] == [("get_time", arguments, complete)]
 
 
+def test_a_forced_call_cut_off_before_its_name_is_not_content():
+    """tool_choice required/named: the grammar allows only calls, so markup cut off before the name (a
+    max_tokens too small) is no content either; unforced, the same text is content (it may be prose)."""
+    for text in ("<tool_call>", '<tool_call>{"na', 'Hi <tool_call>{"name'):
+        plain, _ = parse_tool_calls(text, UNMASK)
+        assert plain == text
+    for text in ("<to", "<tool_call>", '<tool_call>{"na'):
+        assert parse_tool_calls(text, UNMASK, forced=True) == (None, [])
+    _, calls = parse_tool_calls('<tool_call>{"name": "get_time", "argu', UNMASK, forced=True)
+    assert [(c.name, c.arguments, c.complete) for c in calls] == [("get_time", "", False)]
+
+
 # ---------------------------------------------------------------------------------------- server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -404,6 +416,16 @@ def test_tool_choice_required_streamed_parallel(client):
     assert content == "" and calls and finishes == ["tool_calls"]
     for call in calls.values():
         jsonschema.validate(json.loads(call["arguments"]), tool_schema(call["name"]))
+
+
+def test_tool_choice_required_cut_off_by_max_tokens_returns_no_markup(client):
+    r = create(client, tools=TOOLS, tool_choice="required", max_tokens=2)
+    msg, choice = r.choices[0].message, r.choices[0]
+    assert choice.finish_reason == "length" and not msg.content and msg.tool_calls is None
+    assert r.usage.completion_tokens == 2
+    content, calls, finishes = collect_stream(create(client, tools=TOOLS, tool_choice="required", max_tokens=2,
+                                                     stream=True))
+    assert content == "" and calls == {} and finishes == ["length"]
 
 
 def test_tool_choice_named(client):

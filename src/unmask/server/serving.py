@@ -500,6 +500,7 @@ class ChatFormat(_Format):
         super().__init__(serving, (req.top_logprobs or 0) if req.logprobs else None)
         self.tools = plan.parse if plan is not None else None
         self.parallel = plan.parallel if plan is not None else True
+        self.forced = plan.forced if plan is not None else False
         self._parsers: dict[int, ToolParser] = {}
         self._decoders: dict[int, IncrementalDecoder] = {}
 
@@ -533,7 +534,7 @@ class ChatFormat(_Format):
     def _tool_chunks(self, index: int, out: StepOutput) -> list[ChatCompletionChunk]:
         """Content deltas, then per call a first delta (index, id, type, name, arguments "") and argument
         fragments, then exactly one finish chunk (`tool_calls` when a call was made)."""
-        parser = self._parsers.setdefault(index, ToolParser(self.tools, self.parallel))
+        parser = self._parsers.setdefault(index, ToolParser(self.tools, self.parallel, forced=self.forced))
         decoder = self._decoders.setdefault(index, IncrementalDecoder(self.tok, skip_special_tokens=False))
         content, deltas = parser.feed(decoder.push(out.new_token_ids))
         if out.finished:
@@ -570,7 +571,7 @@ class ChatFormat(_Format):
             return ChatChoice(index=index, message=AssistantMessage(content=st.text), logprobs=logprobs,
                               finish_reason=st.finish_reason)
         text = self.tok.decode(st.token_ids, skip_special_tokens=False)
-        content, calls = parse_tool_calls(text, self.tools, self.parallel)
+        content, calls = parse_tool_calls(text, self.tools, self.parallel, forced=self.forced)
         message = AssistantMessage(content=content if content or calls else "", tool_calls=[
             ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls] or None)
         reason = "tool_calls" if calls and st.finish_reason == "stop" else st.finish_reason

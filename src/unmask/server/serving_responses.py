@@ -221,7 +221,8 @@ class ResponsesFormat(ChatFormat):
         self.call_of: dict[int, int] = {}  # output index -> parser call index
         self.pending_logprobs: list[TokenLogprob] = []
         self.max_calls = req.max_tool_calls  # calls past it are dropped (as unparallel second calls are)
-        self.parser = ToolParser(self.tools, self.parallel, self.max_calls) if self.tools is not None else None
+        self.parser = (ToolParser(self.tools, self.parallel, self.max_calls, self.forced) if self.tools is not None
+                       else None)
         self.decoder = IncrementalDecoder(self.tok, skip_special_tokens=False) if self.tools is not None else None
 
     # ------------------------------------------------------------------ response objects
@@ -254,7 +255,7 @@ class ResponsesFormat(ChatFormat):
         if self.tools is None:
             pieces: list = [st.text] if st.text else []
         else:  # the items in the order the output wrote them, as the stream sends them
-            parser = ToolParser(self.tools, self.parallel, self.max_calls)
+            parser = ToolParser(self.tools, self.parallel, self.max_calls, self.forced)
             pieces = parser.feed_pieces(self.tok.decode(st.token_ids, skip_special_tokens=False))
             pieces += parser.finish_pieces()
         output: list = []

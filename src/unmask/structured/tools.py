@@ -290,8 +290,9 @@ class ToolParser:
     JSON text, never re-serialised. A block without a readable name is returned as content.
     """
 
-    def __init__(self, fmt: ToolFormat, parallel: bool = True, max_calls: int | None = None):
+    def __init__(self, fmt: ToolFormat, parallel: bool = True, max_calls: int | None = None, forced: bool = False):
         self.fmt, self.parallel = fmt, parallel
+        self.forced = forced  # tool_choice required or named: the output can only be calls (the grammar's)
         self.max_calls = 1 if not parallel else max_calls   # calls past it are dropped, like a second one
         self.calls: list[ParsedCall] = []
         self._buf = ""
@@ -335,13 +336,15 @@ class ToolParser:
 
     def finish_pieces(self) -> list[str | ToolCallDelta]:
         """End of output: an unclosed call keeps what it has (it stays incomplete, and gets no default
-        arguments); other leftover text is content."""
+        arguments); other leftover text is content, except a forced call (or its open tag) cut off before its
+        name could be read (max_tokens too small), which is no content: the client gets no call and
+        finish_reason length."""
         pieces: list[str | ToolCallDelta] = []
         if self._block is not None:
             pieces += self._progress(self._buf, closed=False)
-            if self._block.call is None and not self._block.dropped:
+            if self._block.call is None and not self._block.dropped and not self.forced:
                 pieces.append(self._content(self.fmt.open_tag + self._buf))
-        else:
+        elif not (self.forced and self.fmt.open_tag.startswith(self._buf.strip())):  # forced: a cut-off open tag
             pieces.append(self._content(self._buf))
         self._buf, self._block = "", None
         return [p for p in pieces if p != ""]
@@ -419,10 +422,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str, fmt: ToolFormat, parallel: bool = True,
-                     max_calls: int | None = None) -> tuple[str | None, list[ParsedCall]]:
+def parse_tool_calls(text: str, fmt: ToolFormat, parallel: bool = True, max_calls: int | None = None,
+                     forced: bool = False) -> tuple[str | None, list[ParsedCall]]:
     """Whole output -> (content or None, calls), through the streaming parser."""
-    parser = ToolParser(fmt, parallel, max_calls)
+    parser = ToolParser(fmt, parallel, max_calls, forced)
     content, _ = parser.feed(text)
     tail, _ = parser.finish()
     return (content + tail) or None, parser.calls
@@ -439,6 +442,7 @@ class ChatPlan:
     parse: ToolFormat | None            # parse tool calls out of the output (None: plain content)
     parallel: bool = True
     param_specs: list[StructuredSpec] | None = None  # each function's parameters, checked up front
+    forced: bool = False                # tool_choice required or named: the output is constrained to calls
 
 
 def plan_chat(messages: list[dict[str, Any]], tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None,
@@ -460,7 +464,7 @@ def plan_chat(messages: list[dict[str, Any]], tools: list[dict] | None, tool_cho
         spec = union_spec(fmt, functions, parallel, special, content) if content is not None else None
         return ChatPlan(msgs, template_tools, spec, fmt, parallel, parameter_specs(functions) if spec else None)
     spec = call_spec(fmt, functions, name, parallel and mode == "required", special)
-    return ChatPlan(msgs, template_tools, spec, fmt, parallel, parameter_specs(functions))
+    return ChatPlan(msgs, template_tools, spec, fmt, parallel, parameter_specs(functions), forced=True)
 
 
 def union_spec(fmt: ToolFormat, functions: list[dict], parallel: bool, special: dict[str, int],
