@@ -26,8 +26,9 @@ class TrainConfigError(UnmaskError, ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Size of a fresh unmask model: unmask-tiny's shape, with untied embeddings by default (7.34M parameters;
-    `unmask train` ties them, as unmask-tiny does: 5.25M)."""
+    """Size of a fresh unmask model: the shape of the 5.25M unmask-tiny built in until 2026-12-04 (now
+    bench/models/unmask-tiny-5m), with untied embeddings by default (7.34M parameters; `unmask train` ties
+    them, as that model does: 5.25M). The built-in model since is hidden 512 x 5 layers (scripts/device_train.py)."""
 
     hidden: int = 256
     layers: int = 4
