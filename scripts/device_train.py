@@ -336,6 +336,7 @@ def continue_run(a, runs: Path, logs: Path, shape, rows, data, shares, cost, sum
     ]
     rate = a.rate  # tokens/s at cost[1]
     summary["continue_from"] = str(a.continue_from)
+    summary["shape"] = f"that of {a.continue_from}"  # the shape flags do not apply: the model has its own
     for i, (name, c, share, args) in enumerate(phases):
         if a.fixed is not None:
             steps = a.fixed[i]
