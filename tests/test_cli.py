@@ -35,8 +35,8 @@ def test_generate_takes_penalties(family_dirs, monkeypatch, tmp_path):
     from unmask.engine import llm as llm_module
 
     seen = []
-    original = llm_module.LLM.generate
-    monkeypatch.setattr(llm_module.LLM, "generate", lambda self, ids, p: seen.append(p) or original(self, ids, p))
+    original = llm_module.LLM.stream  # `unmask generate` streams its answer
+    monkeypatch.setattr(llm_module.LLM, "stream", lambda self, ids, p: seen.append(p) or original(self, ids, p))
     r = invoke("generate", "--model", str(family_dirs["sdar"]), "--max-tokens", "8", "--block-size", "4",
                "--frequency-penalty", "0.5", "--presence-penalty", "1.5", "hi")
     assert r.exit_code == 0 and r.stdout.startswith("hi")
@@ -72,8 +72,8 @@ def test_generate_takes_dry_flags(family_dirs, monkeypatch):
     from unmask.engine import llm as llm_module
 
     seen = []
-    original = llm_module.LLM.generate
-    monkeypatch.setattr(llm_module.LLM, "generate", lambda self, ids, p: seen.append(p) or original(self, ids, p))
+    original = llm_module.LLM.stream  # `unmask generate` streams its answer
+    monkeypatch.setattr(llm_module.LLM, "stream", lambda self, ids, p: seen.append(p) or original(self, ids, p))
     common = ("generate", "--model", str(family_dirs["sdar"]), "--max-tokens", "4", "--block-size", "4")
     assert invoke(*common, "--dry-multiplier", "0.8", "--dry-base", "2", "--dry-allowed-length", "3",
                   "--dry-sequence-breaker", "\\n", "--dry-sequence-breaker", ";", "hi").exit_code == 0
@@ -369,3 +369,20 @@ def test_served_name_of_a_training_runs_model_folder_is_the_runs_name(tmp_path):
     assert default_served_name(tmp_path / "runs" / "sft" / "model") == "sft"
     assert default_served_name(tmp_path / "runs" / "sft" / "model" / "..") == "sft"
     assert default_served_name(tmp_path / "my-model") == "my-model"
+
+
+def test_generate_streams_the_same_text_the_engine_generates(monkeypatch):
+    """The answer is written delta by delta as blocks commit; what arrives is the prompt plus the answer that
+    LLM.generate returns for the same request, with one newline at the end."""
+    from unmask.engine import llm as llm_module
+    from unmask.engine.params import GenerationParams
+
+    writes = []
+    original = llm_module.LLM.stream
+    monkeypatch.setattr(llm_module.LLM, "stream",
+                        lambda self, ids, p: (writes.append(out.text_delta) or out for out in original(self, ids, p)))
+    r = invoke("generate", "--max-tokens", "24", "def add(a, b):")  # the built-in model: real text
+    assert r.exit_code == 0
+    want = llm_module.LLM().generate("def add(a, b):", GenerationParams(max_tokens=24))[0]
+    assert want.text and r.stdout == "def add(a, b):" + want.text + "\n" and "".join(writes) == want.text
+    assert len([w for w in writes if w]) >= 2  # more than one piece: it streamed

@@ -140,16 +140,23 @@ def generate(
         ids = llm.chat_prompt([{"role": "user", "content": prompt}]) if chat else llm.encode(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        t0 = time.perf_counter()
-        out = llm.generate(ids, params)[0]
+        # stream the text as blocks commit (as `unmask chat` and llama.cpp's CLI do): the first words show
+        # after one block, not after the whole answer
+        if not chat:
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
+        t0, last = time.perf_counter(), None
+        for last in llm.stream(ids, params):
+            sys.stdout.write(last.text_delta)
+            sys.stdout.flush()
         elapsed = time.perf_counter() - t0
     except UnmaskError as e:
         fail(str(e))
-    typer.echo(out.text if chat else prompt + out.text)
-    if stats:
-        n = len(out.token_ids)
-        typer.echo(f"[{n} tokens, {out.forwards} forwards, {out.tokens_per_forward:.2f} tokens/forward, "
-                   f"{n / elapsed:.1f} tokens/s, finish={out.finish_reason}]", err=True)
+    typer.echo("")
+    if stats and last is not None:
+        n = last.num_generated
+        typer.echo(f"[{n} tokens, {last.forwards} forwards, {n / max(last.forwards, 1):.2f} tokens/forward, "
+                   f"{n / elapsed:.1f} tokens/s, finish={last.finish_reason}]", err=True)
 
 
 @app.command()
