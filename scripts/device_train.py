@@ -250,31 +250,18 @@ def main() -> None:
         share_token_cache(runs / phase, runs / "token-cache")
     cost = [float(x) for x in a.cost.split(",")]
     if a.continue_from is not None:
-        continue_run(a, runs, logs, shape, rows, data, shares, cost, summary)
+        continue_run(a, runs, logs, rows, data, shares, summary)
         return
     if fixed is not None:
-        run_phases(a, runs, logs, shape, rows, data, fixed, summary)
-        finish(a, runs, logs, summary)
-        return
-    # calibration: the base phase's tokens/s on this machine (its first steps pay for start-up and allocation)
-    cal_steps = 4 if a.quick else 30
-    _, tps = run("calibrate", ["train", "--objective", "causal", "--out", str(runs / "calibrate"), "--overwrite",
-                               *data, *shape, *rows, "--steps", str(cal_steps), "--warmup", "2", "--eval-every", "0",
-                               "--save-every", "0"], logs)
-    rate = tps[-1] if tps else 1000.0
-    summary["calibration_tokens_per_s"] = rate
-    n = [3, 3, 3] if a.quick else [steps_for(b, rate / c, a.batch_size, a.seq_len, 50) for b, c in zip(budget, cost)]
-    # a data-bound corpus: cap the pre-training phases at --max-epochs passes over its rows (more overfits a
-    # model of this size; the held-out losses in the logs show whether the cap was right)
-    found = re.findall(r"([\d,]+) rows x", (logs / "calibrate.log").read_text())
-    if found and not a.quick:
-        rows_in_corpus = int(found[0].replace(",", ""))
-        cap = max(50, int(a.max_epochs * rows_in_corpus / a.batch_size))
-        n = [min(n[0], cap), min(n[1], cap), n[2]]
-        summary["corpus_rows"], summary["epoch_cap_steps"] = rows_in_corpus, cap
+        n, rate = fixed, None
+    else:
+        n, rate = calibrate(a, runs, logs, shape, rows, data, budget, cost, summary)
     summary["steps"] = n
 
-    phases = three_phases(a, runs, shape, rows, data, n)
+    phases = [("base", base_args(a, runs, shape, rows, data)),
+              ("adapt", adapt_args(a, runs, runs / "base" / "model", rows, data)),
+              ("sft", sft_args(a, runs, rows))]
+    phases = [(name, [*args, *schedule(n[i])]) for i, (name, args) in enumerate(phases)]
     measured = {"base": rate}  # tokens/s each phase's log reported last (a phase's rate predicts the next one's)
     for i, (name, args) in enumerate(phases):
         if a.deadline is not None and not a.quick:
@@ -302,42 +289,52 @@ def main() -> None:
     finish(a, runs, logs, summary)
 
 
-def three_phases(a, runs: Path, shape, rows, data, n: list[int]) -> list[tuple[str, list[str]]]:
-    return [
-        ("base", ["train", "--objective", "causal", "--out", str(runs / "base"), "--overwrite", *data, *shape, *rows,
-                  "--lr", str(a.lr), *schedule(n[0])]),
-        ("adapt", ["train", "--init-from", str(runs / "base" / "model"), "--out", str(runs / "adapt"), "--overwrite",
-                   "--causal-context", *data, *rows, "--lr", str(a.lr * 2 / 3), *schedule(n[1])]),
-        ("sft", ["finetune", "--model", str(runs / "adapt" / "model"), "--data", "data/sft/train.jsonl",
-                 "--eval-data", "data/sft/heldout.jsonl", "--out", str(runs / "sft"), "--overwrite", *rows, "--pack",
-                 "--mix-text", a.data, "--mix-fraction", "0.25", "--lr", str(a.lr / 3), *schedule(n[2])]),
-    ]
+def calibrate(a, runs: Path, logs: Path, shape, rows, data, budget, cost, summary: dict) -> tuple[list[int], float]:
+    """A short run of the base measures tokens/s on this machine (its first steps pay for start-up and allocation);
+    each phase gets the steps that fit its budget, the pre-training phases at most --max-epochs passes."""
+    cal_steps = 4 if a.quick else 30
+    _, tps = run("calibrate", ["train", "--objective", "causal", "--out", str(runs / "calibrate"), "--overwrite",
+                               *data, *shape, *rows, "--steps", str(cal_steps), "--warmup", "2", "--eval-every", "0",
+                               "--save-every", "0"], logs)
+    rate = tps[-1] if tps else 1000.0
+    summary["calibration_tokens_per_s"] = rate
+    n = [3, 3, 3] if a.quick else [steps_for(b, rate / c, a.batch_size, a.seq_len, 50) for b, c in zip(budget, cost)]
+    # a data-bound corpus: cap the pre-training phases at --max-epochs passes over its rows (more overfits a
+    # model of this size; the held-out losses in the logs show whether the cap was right)
+    found = re.findall(r"([\d,]+) rows x", (logs / "calibrate.log").read_text())
+    if found and not a.quick:
+        rows_in_corpus = int(found[0].replace(",", ""))
+        cap = max(50, int(a.max_epochs * rows_in_corpus / a.batch_size))
+        n = [min(n[0], cap), min(n[1], cap), n[2]]
+        summary["corpus_rows"], summary["epoch_cap_steps"] = rows_in_corpus, cap
+    return n, rate
 
 
-def run_phases(a, runs: Path, logs: Path, shape, rows, data, n: list[int], summary: dict) -> None:
-    """--steps: the three phases with the given step counts."""
-    summary["steps"] = n
-    for i, (name, args) in enumerate(three_phases(a, runs, shape, rows, data, n)):
-        wall, tps = run(name, args, logs)
-        summary[name] = {"wall_s": wall, "tokens_per_s_last": tps[-1] if tps else None,
-                         "tokens": n[i] * a.batch_size * a.seq_len}
-        (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+def base_args(a, runs: Path, shape, rows, data) -> list[str]:
+    return ["train", "--objective", "causal", "--out", str(runs / "base"), "--overwrite", *data, *shape, *rows,
+            "--lr", str(a.lr)]
 
 
-def continue_run(a, runs: Path, logs: Path, shape, rows, data, shares, cost, summary: dict) -> None:
-    """Block diffusion then SFT again from --continue-from, each phase planned from the time left."""
-    phases = [
-        ("adapt", cost[1], shares[1], ["train", "--init-from", str(a.continue_from), "--out", str(runs / "adapt"),
-                                        "--overwrite", "--causal-context", *data, *rows, "--lr", str(a.lr * 2 / 3)]),
-        ("sft", cost[2], shares[2], ["finetune", "--model", str(runs / "adapt" / "model"), "--data",
-                                     "data/sft/train.jsonl", "--eval-data", "data/sft/heldout.jsonl", "--out",
-                                     str(runs / "sft"), "--overwrite", *rows, "--pack", "--mix-text", a.data,
-                                     "--mix-fraction", "0.25", "--lr", str(a.lr / 3)]),
-    ]
-    rate = a.rate  # tokens/s at cost[1]
+def adapt_args(a, runs: Path, init: Path, rows, data) -> list[str]:
+    return ["train", "--init-from", str(init), "--out", str(runs / "adapt"), "--overwrite", "--causal-context",
+            *data, *rows, "--lr", str(a.lr * 2 / 3)]
+
+
+def sft_args(a, runs: Path, rows) -> list[str]:
+    return ["finetune", "--model", str(runs / "adapt" / "model"), "--data", "data/sft/train.jsonl", "--eval-data",
+            "data/sft/heldout.jsonl", "--out", str(runs / "sft"), "--overwrite", *rows, "--pack", "--mix-text",
+            a.data, "--mix-fraction", "0.25", "--lr", str(a.lr / 3)]
+
+
+def continue_run(a, runs: Path, logs: Path, rows, data, shares, summary: dict) -> None:
+    """Block diffusion then SFT again from --continue-from, with --steps or each planned from the time left (both
+    phases run two streams a row, so one rate serves both)."""
+    phases = [("adapt", shares[1], adapt_args(a, runs, a.continue_from, rows, data)),
+              ("sft", shares[2], sft_args(a, runs, rows))]
+    rate = a.rate
     summary["continue_from"] = str(a.continue_from)
     summary["shape"] = f"that of {a.continue_from}"  # the shape flags do not apply: the model has its own
-    for i, (name, c, share, args) in enumerate(phases):
+    for i, (name, share, args) in enumerate(phases):
         if a.fixed is not None:
             steps = a.fixed[i]
         else:
