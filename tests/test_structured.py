@@ -319,6 +319,20 @@ def test_a_cut_off_call_keeps_what_was_written_and_is_incomplete(text, arguments
     assert [(c.name, c.arguments, c.complete) for c in calls] == [("get_time", arguments, complete)]
 
 
+def test_a_stray_close_tag_is_not_content():
+    """A call closed twice (the built-in model does this) leaves no `</tool_call>` in the content, streamed
+    in any pieces or parsed whole; other text around it stays."""
+    text = 'Sure.<tool_call>{"name": "get_time", "arguments": {}}</tool_call></tool_call> Done.</tool_call>'
+    for step in (1, 3, len(text)):
+        parser, content = ToolParser(UNMASK), ""
+        for i in range(0, len(text), step):
+            content += parser.feed(text[i:i + step])[0]
+        content += parser.finish()[0]
+        assert content == "Sure. Done." and [c.name for c in parser.calls] == ["get_time"]
+    assert parse_tool_calls("a </tool_call>b", UNMASK) == ("a b", [])
+    assert parse_tool_calls("ends with </tool", UNMASK) == ("ends with </tool", [])  # not a whole tag: kept
+
+
 def test_a_forced_call_cut_off_before_its_name_is_not_content():
     """tool_choice required/named: the grammar allows only calls, so markup cut off before the name (a
     max_tokens too small) is no content either; unforced, the same text is content (it may be prose)."""

@@ -307,7 +307,8 @@ class ToolParser:
         return _split(self.finish_pieces())
 
     def feed_pieces(self, text: str) -> list[str | ToolCallDelta]:
-        """Content text and call deltas in the order the output wrote them."""
+        """Content text and call deltas in the order the output wrote them. A close tag outside any call (a
+        model that closes its call twice) closes nothing and is dropped, not returned as content."""
         self._buf += text
         pieces: list[str | ToolCallDelta] = []
         open_tag, close_tag = self.fmt.open_tag, self.fmt.close_tag
@@ -315,11 +316,12 @@ class ToolParser:
             if self._block is None:
                 i = self._buf.find(open_tag)
                 if i < 0:
-                    cut = len(self._buf) - _partial_suffix(self._buf, open_tag)
-                    pieces.append(self._content(self._buf[:cut]))
+                    held = max(_partial_suffix(self._buf, open_tag), _partial_suffix(self._buf, close_tag))
+                    cut = len(self._buf) - held
+                    pieces.append(self._content(self._buf[:cut].replace(close_tag, "")))
                     self._buf = self._buf[cut:]
                     return [p for p in pieces if p != ""]
-                pieces.append(self._content(self._buf[:i]))
+                pieces.append(self._content(self._buf[:i].replace(close_tag, "")))
                 self._buf = self._buf[i + len(open_tag):]
                 self._block = _Block()
             j = self._buf.find(close_tag)
@@ -345,7 +347,7 @@ class ToolParser:
             if self._block.call is None and not self._block.dropped and not self.forced:
                 pieces.append(self._content(self.fmt.open_tag + self._buf))
         elif not (self.forced and self.fmt.open_tag.startswith(self._buf.strip())):  # forced: a cut-off open tag
-            pieces.append(self._content(self._buf))
+            pieces.append(self._content(self._buf.replace(self.fmt.close_tag, "")))
         self._buf, self._block = "", None
         return [p for p in pieces if p != ""]
 
