@@ -63,6 +63,18 @@ def run(name: str, args: list[str], logs: Path) -> tuple[float, list[float]]:
     return wall, tps
 
 
+def steady_rate(log_text: str, tokens_per_step: int) -> float | None:
+    """Tokens/s between the last two progress lines of a phase's log. The trainer prints the average since
+    its start, which counts the warm-up: on the H200 a 30-step calibration averaged 283K tokens/s while its
+    last 10 steps ran at 726K, the rate the base phase then kept (731K)."""
+    points = [(int(a), float(b.replace(",", ""))) for a, b in re.findall(r"step (\d+)/\d+ .*?([\d,]+) tok/s", log_text)]
+    if len(points) < 2 or points[-1][0] <= points[-2][0]:
+        return None
+    (s1, r1), (s2, r2) = points[-2:]
+    t1, t2 = s1 * tokens_per_step / r1, s2 * tokens_per_step / r2  # seconds since the start, from the averages
+    return (s2 - s1) * tokens_per_step / (t2 - t1) if t2 > t1 else None
+
+
 def share_token_cache(run_dir: Path, cache: Path) -> None:
     """Point run_dir/tokens at one cache, so the phases tokenize the corpus once between them (the cache is
     keyed by file and tokenizer, so sharing it is safe)."""
@@ -280,8 +292,9 @@ def main() -> None:
             log(f"{name}: {seconds:.0f} s left for it at ~{prev * prev_cost / cost[i]:,.0f} tokens/s -> {steps} steps")
             summary["steps"] = n
         wall, tps = run(name, args, logs)
-        if tps:
-            measured[name] = tps[-1]
+        rate_now = steady_rate((logs / f"{name}.log").read_text(), a.batch_size * a.seq_len)
+        if rate_now or tps:
+            measured[name] = rate_now or tps[-1]
         summary[name] = {"wall_s": wall, "tokens_per_s_last": tps[-1] if tps else None,
                          "tokens": n[i] * a.batch_size * a.seq_len}
         (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -296,8 +309,9 @@ def calibrate(a, runs: Path, logs: Path, shape, rows, data, budget, cost, summar
     _, tps = run("calibrate", ["train", "--objective", "causal", "--out", str(runs / "calibrate"), "--overwrite",
                                *data, *shape, *rows, "--steps", str(cal_steps), "--warmup", "2", "--eval-every", "0",
                                "--save-every", "0"], logs)
-    rate = tps[-1] if tps else 1000.0
-    summary["calibration_tokens_per_s"] = rate
+    steady = steady_rate((logs / "calibrate.log").read_text(), a.batch_size * a.seq_len)
+    rate = steady or (tps[-1] if tps else 1000.0)
+    summary["calibration_tokens_per_s"], summary["calibration_average_tokens_per_s"] = rate, tps[-1] if tps else None
     n = [3, 3, 3] if a.quick else [steps_for(b, rate / c, a.batch_size, a.seq_len, 50) for b, c in zip(budget, cost)]
     # a data-bound corpus: cap the pre-training phases at --max-epochs passes over its rows (more overfits a
     # model of this size; the held-out losses in the logs show whether the cap was right)
@@ -342,7 +356,7 @@ def continue_run(a, runs: Path, logs: Path, rows, data, shares, summary: dict) -
                                         sum(p[2] for p in phases[i:]), rate, a.batch_size, a.seq_len)
             log(f"{name}: {seconds:.0f} s left for it at ~{rate:,.0f} tokens/s -> {steps} steps")
         wall, tps = run(name, [*args, *schedule(steps)], logs)
-        rate = tps[-1] if tps else rate
+        rate = steady_rate((logs / f"{name}.log").read_text(), a.batch_size * a.seq_len) or (tps[-1] if tps else rate)
         summary[name] = {"wall_s": wall, "tokens_per_s_last": tps[-1] if tps else None,
                          "tokens": steps * a.batch_size * a.seq_len}
         (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

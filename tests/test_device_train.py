@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -48,7 +49,6 @@ def test_shards_round_trip_to_one_bf16_model(tmp_path, monkeypatch):
 
 
 def test_a_tensor_over_the_shard_limit_is_refused(tmp_path, monkeypatch):
-    import pytest
 
     dt = _script()
     monkeypatch.setattr(dt, "SHARD_BYTES", 1024 * 1024)
@@ -67,7 +67,6 @@ def test_deadline_plan_gives_each_phase_its_share_of_the_time_left():
 
 
 def test_steps_must_give_one_count_per_phase(monkeypatch, capsys):
-    import pytest
 
     dt = _script()
     for argv, msg in ((["--steps", "10,20"], "one count per phase: base,adapt,sft"),
@@ -79,3 +78,15 @@ def test_steps_must_give_one_count_per_phase(monkeypatch, capsys):
         with pytest.raises(SystemExit) as e:
             dt.main()
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_steady_rate_leaves_the_warm_up_out():
+    dt = _script()
+    log = ("step 10/30 loss 6.8023 lr 8.31e-04 127,422 tok/s eta 00:00:05\n"   # the H200 calibration's lines
+           "step 20/30 loss 6.7259 lr 3.55e-04 217,116 tok/s eta 00:00:01\n"
+           "step 30/30 loss 6.4608 lr 1.00e-04 283,336 tok/s eta 00:00:00\n")
+    rate = dt.steady_rate(log, 64 * 512)
+    t20, t30 = 20 * 32768 / 217_116, 30 * 32768 / 283_336
+    assert rate == pytest.approx(10 * 32768 / (t30 - t20)) and 720_000 < rate < 730_000  # the base phase ran at 731K
+    assert dt.steady_rate(log.splitlines()[0], 32768) is None  # one line: no interval
+    assert dt.steady_rate("", 32768) is None
