@@ -105,7 +105,7 @@ def schedule(steps: int) -> list[str]:
             "--save-every", str(max(1, steps // 4))]
 
 
-def export_bf16_shards(src: Path, dst: Path) -> list[str]:
+def export_bf16_shards(src: Path, dst: Path, prefix: str = "model") -> list[str]:
     """The model directory with its weights cast to bfloat16 and split into <= 15 MiB safetensors shards."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -131,7 +131,7 @@ def export_bf16_shards(src: Path, dst: Path) -> list[str]:
         size += nbytes
     names, weight_map = [], {}
     for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        fname = f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, dst / fname, metadata={"format": "pt"})
         names.append(fname)
         weight_map.update({k: fname for k in shard})
@@ -146,36 +146,41 @@ def export_bf16_shards(src: Path, dst: Path) -> list[str]:
     return names
 
 
-def package(model_dir: Path, logs: Path, out: Path) -> list[str]:
-    """out/: the shards as they are, and meta.tar.gz with the model directory's other files and the logs."""
+def package(model_dir: Path, logs: Path, out: Path, base_dir: Path | None = None) -> list[str]:
+    """out/: the shards as they are, and meta.tar.gz with the model directory's other files (under model/; the
+    causal base's under base/, with --keep-base) and the logs."""
     out.mkdir(parents=True, exist_ok=True)
     names = []
     with tarfile.open(out / "meta.tar.gz", "w:gz") as tar:
-        for f in sorted(model_dir.iterdir()):
-            if f.name.endswith(".safetensors"):
-                shutil.copy2(f, out / f.name)
-                names.append(f.name)
-            else:
-                tar.add(f, arcname=f"model/{f.name}")
+        for arc, d in (("model", model_dir), ("base", base_dir)):
+            for f in sorted(d.iterdir()) if d is not None else ():
+                if f.name.endswith(".safetensors"):
+                    shutil.copy2(f, out / f.name)
+                    names.append(f.name)
+                else:
+                    tar.add(f, arcname=f"{arc}/{f.name}")
         for f in sorted(logs.glob("*.log")):
             tar.add(f, arcname=f"logs/{f.name}")
     return names
 
 
-def join_shards(fetched: Path, dst: Path) -> None:
-    """A fetched --out (shards + meta.tar.gz) -> a model directory with one model.safetensors."""
+def join_shards(fetched: Path, dst: Path, which: str = "model") -> None:
+    """A fetched --out (shards + meta.tar.gz) -> a model directory with one model.safetensors (`which`:
+    "model", or "base" for the causal base that --keep-base brought back)."""
     from safetensors.torch import load_file, save_file
 
     with tarfile.open(fetched / "meta.tar.gz") as tar:
         tar.extractall(dst.parent / (dst.name + ".meta"), filter="data")
     meta = dst.parent / (dst.name + ".meta")
     dst.mkdir(parents=True, exist_ok=True)
-    index = meta / "model" / "model.safetensors.index.json"
+    if not (meta / which).is_dir():
+        raise SystemExit(f"{fetched}: no {which}/ in meta.tar.gz (the base comes back only with --keep-base)")
+    index = meta / which / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     state = {}
     for f in files:
         state.update(load_file(fetched / f))
-    for f in (meta / "model").iterdir():
+    for f in (meta / which).iterdir():
         if f.name != index.name:
             shutil.copy2(f, dst / f.name)
     tmp = dst / "model.safetensors.tmp"
@@ -217,13 +222,19 @@ def main() -> None:
                     help="fixed steps per phase, comma-separated (base,adapt,sft; with --continue-from adapt,sft): "
                          "repeat a recorded run (`make model`) with no calibration or time planning")
     ap.add_argument("--quick", action="store_true", help="tiny model, a few steps per phase (CPU smoke run)")
+    ap.add_argument("--keep-base", action="store_true",
+                    help="also bring back the causal base (bf16 shards base-*.safetensors), which a compute-matched "
+                         "AR twin starts from; --join ... --base-to DIR writes it")
     ap.add_argument("--join", type=Path, help="a fetched --out: write the model directory --to and exit")
     ap.add_argument("--to", type=Path, help="with --join: the model directory to write")
+    ap.add_argument("--base-to", type=Path, help="with --join: also write the causal base (--keep-base) here")
     a = ap.parse_args()
     if a.join:
         if a.to is None:
             ap.error("--join needs --to MODEL_DIR")
         join_shards(a.join, a.to)
+        if a.base_to is not None:
+            join_shards(a.join, a.base_to, which="base")
         return
     try:
         fixed = [int(x) for x in a.steps.split(",")] if a.steps else None
@@ -371,7 +382,11 @@ def finish(a, runs: Path, logs: Path, summary: dict) -> None:
         g["chat_defaults"] = {"frequency_penalty": 0.5}
         gen.write_text(json.dumps(g, indent=2) + "\n")
     export_bf16_shards(model_src, runs / "export")
-    summary["shards"] = package(runs / "export", logs, a.out)
+    base = None
+    if a.keep_base and a.continue_from is None:  # the AR twin's starting point (scripts/train_ar_twin.py --init-from)
+        base = runs / "export-base"
+        export_bf16_shards(runs / "base" / "model", base, prefix="base")
+    summary["shards"] = package(runs / "export", logs, a.out, base)
     summary["total_s"] = time.monotonic() - START
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     log(f"done: {json.dumps(summary)}")

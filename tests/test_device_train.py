@@ -90,3 +90,25 @@ def test_steady_rate_leaves_the_warm_up_out():
     assert rate == pytest.approx(10 * 32768 / (t30 - t20)) and 720_000 < rate < 730_000  # the base phase ran at 731K
     assert dt.steady_rate(log.splitlines()[0], 32768) is None  # one line: no interval
     assert dt.steady_rate("", 32768) is None
+
+
+def test_keep_base_brings_the_causal_base_back_beside_the_model(tmp_path):
+    """--keep-base: base-*.safetensors shards next to the model's, base/ in meta.tar.gz, --base-to writes it."""
+    dt = _script()
+    src = default_model_path()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    dt.export_bf16_shards(src, tmp_path / "export")
+    dt.export_bf16_shards(src, tmp_path / "export-base", prefix="base")
+    fetched = tmp_path / "fetched"
+    names = dt.package(tmp_path / "export", logs, fetched, tmp_path / "export-base")
+    assert sorted(n.split("-")[0] for n in names) == ["base"] * 3 + ["model"] * 3
+    assert len(list(fetched.iterdir())) == 7  # with summary.json, 8: what one device call brings back
+    dt.join_shards(fetched, tmp_path / "model")
+    dt.join_shards(fetched, tmp_path / "base", which="base")
+    a, b = load_file(tmp_path / "model" / "model.safetensors"), load_file(tmp_path / "base" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "base" / "config.json").is_file()
+    dt.package(tmp_path / "export", logs, tmp_path / "no-base")
+    with pytest.raises(SystemExit, match="no base/ in meta.tar.gz"):
+        dt.join_shards(tmp_path / "no-base", tmp_path / "base2", which="base")
