@@ -255,7 +255,8 @@ def run_phase(model, phase: Phase, rows: TokenRows, eval_rows: TokenRows | None,
         batches.load_state_dict(st["data"])
         step, losses, evals, train_s = st["step"], st["losses"], st["evals"], st["train_s"]
         print(f"{phase.name}: resumed at step {step}", flush=True)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32 and bf16_is_fast("cpu"))
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.fp32 and bf16_is_fast(device))
     first, first_s = step, train_s
 
     def evaluate() -> float:
@@ -263,7 +264,7 @@ def run_phase(model, phase: Phase, rows: TokenRows, eval_rows: TokenRows | None,
         tot, n = 0.0, 0
         with torch.no_grad(), autocast:
             for idx in eval_batches(len(eval_rows), phase.batch, args.eval_batches):
-                ids, lm = eval_rows.batch(idx)
+                ids, lm = (t.to(device) for t in eval_rows.batch(idx))
                 s, c = loss_sum(model, ids, lm)
                 tot, n = tot + float(s), n + c
         model.train()
@@ -283,6 +284,7 @@ def run_phase(model, phase: Phase, rows: TokenRows, eval_rows: TokenRows | None,
         t0 = time.perf_counter()
         ids, lm = rows.batch(next(batches))
         n_elig = max(1, int(lm[:, 1:].sum()))
+        ids, lm = ids.to(device, non_blocking=True), lm.to(device, non_blocking=True)
         with autocast:
             s, _ = loss_sum(model, ids, lm)
         loss = s / n_elig
@@ -353,6 +355,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--skip-sft", action="store_true", help="pre-training only (OUT/model = the pre-trained twin)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto", help="auto (CUDA when there is one, else the CPU) | cpu | cuda[:N]")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--fp32", action="store_true",
                     help="no bf16 autocast (default: bf16 autocast where the CPU computes bf16 natively)")
@@ -368,6 +371,14 @@ def main() -> None:
                     help="CI-sized: 40 documents, 4 rows x 128 tokens, reference recipe 6 + 4 steps")
     ap.add_argument("--dry-run", action="store_true", help="print the budget and exit")
     args = ap.parse_args()
+    from unmask.errors import UnmaskError
+    from unmask.models.loader import check_device, resolve_device
+
+    args.device = resolve_device(args.device)  # auto: UNMASK_DEVICE, else CUDA when there is one, else the CPU
+    try:
+        check_device(args.device)
+    except UnmaskError as e:
+        sys.exit(f"error: {e}")
     if args.quick:
         args.batch_size, args.seq_len = 4, 128
         args.ref_pretrain_steps, args.ref_pretrain_warmup, args.ref_sft_steps, args.ref_sft_warmup = "6", "2", 4, 1
@@ -469,6 +480,9 @@ def main() -> None:
     if args.init_from is not None:
         load_base(model, args.init_from)
         print(f"twin starts from the causal base {args.init_from}", flush=True)
+    device = torch.device(args.device)  # resolved and checked after parsing
+    model.to(device)  # (untested on a GPU so far: CI and this machine are CPU-only)
+    print(f"training on {device}", flush=True)
     if args.compile:  # nn.Module.compile keeps parameter names, so checkpoints and the export are unchanged
         for layer in model.model.layers:
             layer.compile()

@@ -112,3 +112,12 @@ def test_pretrain_stages_mirror_each_diffusion_run():
         twin_mod.pretrain_stages("592,600", "30", "1e-3,5e-4,1")
     with pytest.raises(SystemExit, match=r"--ref-pretrain-steps: expected comma-separated numbers, got '592,x'"):
         twin_mod.pretrain_stages("592,x", "30", "1e-3")
+
+
+def test_an_unknown_device_is_one_line_before_any_work(tmp_path):
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "train_ar_twin.py"),
+                        "--quick", "--out", str(tmp_path / "twin"), "--device", "tpu"], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip() == "error: unknown device 'tpu'; use auto, cpu or cuda[:N]"
+    assert not (tmp_path / "twin").exists()
