@@ -254,6 +254,12 @@ def main() -> None:
     if a.quick:
         a.hidden, a.layers, a.heads, a.kv_heads, a.head_dim, a.intermediate = 64, 2, 4, 2, 16, 128
         a.batch_size, a.seq_len = 4, 128
+    if not a.quick:
+        import torch
+
+        if not torch.cuda.is_available():  # `make model` on a laptop: say what it is in for before hours pass
+            log("warning: no CUDA device, so every phase runs on the CPU: the shipped recipe trained for ~12 min "
+                "on an H200 and is estimated at ~4 days on 2 CPU cores (docs/model-card.md)")
     for need in (f"{a.data}/train.jsonl", "data/sft/train.jsonl", "data/tokenizer/tokenizer.json"):
         if not (ROOT / need).is_file():
             raise SystemExit(f"{need} is missing: run `unmask corpus` (and carry data/ to the device machine)")
