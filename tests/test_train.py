@@ -57,13 +57,17 @@ def tokdir(tmp_path_factory) -> Path:
     return write_char_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("corpus")
-    docs = [{"source": "t", "path": f"d{i}", "text": TEXT * 3} for i in range(8)]
+def write_corpus(d: Path, text: str, n: int = 8) -> Path:
+    """A corpus directory of `n` copies of `text` as documents, the first also held out."""
+    docs = [{"source": "t", "path": f"d{i}", "text": text} for i in range(n)]
     (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in docs))
     (d / "heldout.jsonl").write_text(json.dumps(docs[0]) + "\n")
     return d
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"), TEXT * 3)
 
 
 def tiny_cfg(out: Path, **kw) -> TrainConfig:

@@ -1,4 +1,4 @@
-"""Command line: unmask generate | chat | bench | corpus | train | finetune | eval | serve."""
+"""Command line: unmask generate | chat | bench | corpus | train | finetune | distill | eval | serve."""
 from __future__ import annotations
 
 import contextlib
@@ -227,6 +227,15 @@ def _train_config(out: Path, steps: int, batch_size: int, seq_len: int, lr: floa
                        model=ModelShape(**model) if model else ModelShape())
 
 
+def _mix_fraction(mix_text: Path | None, fraction: float) -> float:
+    """--mix-fraction applies only with --mix-text; there it must leave room for both kinds of rows."""
+    if mix_text is None:
+        return 0.0
+    if not 0.0 < fraction < 1.0:
+        fail(f"--mix-fraction must be between 0 and 1 (exclusive), got {fraction}")
+    return fraction
+
+
 BF16_HELP = ("bf16 autocast (weights and optimizer stay float32). Default: on where the device computes bf16 natively "
              "(CUDA with bf16, CPUs with AVX512-BF16 or AMX); elsewhere it is many times slower than float32.")
 CONTEXT_HELP = ("Block diffusion from a causal base (--init-from) whose committed text is read token-causally, as "
@@ -319,15 +328,72 @@ def finetune(
         cfg.sft_pack = pack
         cfg.compile, cfg.bf16 = compile, bf16
         cfg.next_token_weight, cfg.suffix_fraction = next_token_weight, suffix_fraction
-        if mix_text is not None:
-            if not 0.0 < mix_fraction < 1.0:
-                fail(f"--mix-fraction must be between 0 and 1 (exclusive), got {mix_fraction}")
-            cfg.mix_fraction = mix_fraction
+        cfg.mix_fraction = _mix_fraction(mix_text, mix_fraction)
         with _plain_warnings():
             res = run_finetune(cfg, model, data, eval_path=eval_data, mix_text=mix_text)
     except UnmaskError as e:
         fail(str(e))
     typer.echo(f"done: {res.steps} steps, final model in {res.model_dir}")
+
+
+@app.command()
+def distill(
+    model: Path = typer.Option(..., "--model", "-m", help="Block-causal model to distil (unmask, SDAR, Fast-dLLM v2, "
+                               "LLaDA2)."),
+    text: Optional[Path] = typer.Option(None, help="Text corpus for prompts: a directory with train.jsonl, or a "
+                                        "JSONL file of {\"text\": ...} documents (cut at line ends)."),
+    chat: Optional[Path] = typer.Option(None, help="Chat / FIM JSONL (finetune's format) whose prompts are answered."),
+    teacher: Optional[Path] = typer.Option(None, help="Teacher model (same tokenizer); default: the model itself."),
+    out: Path = typer.Option(Path("runs/distill")),
+    prompts: int = typer.Option(4096, help="Prompts the teacher answers (cached in out/trajectories)."),
+    chat_fraction: float = typer.Option(0.25, help="Share of prompts from --chat when --text is given too."),
+    answer_tokens: int = typer.Option(64, help="Longest teacher answer, in tokens."),
+    teacher_policy: str = typer.Option("topk", help="The teacher's decoding policy (default topk with "
+                                       "--teacher-tokens-per-step 1: one token per forward)."),
+    teacher_tokens_per_step: int = typer.Option(1), teacher_threshold: float = typer.Option(0.9),
+    teacher_dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
+    confidence_weight: float = typer.Option(2.0, min=0.0, help="Certainty forcing: weight of the entropy of the "
+                                            "masked predictions the model already gets right (0: plain distillation)."),
+    steps: int = typer.Option(1000), batch_size: int = typer.Option(16), seq_len: int = typer.Option(256),
+    lr: float = typer.Option(2e-4), warmup: int = typer.Option(50), seed: int = typer.Option(0),
+    lora_rank: int = typer.Option(0, help=">0 trains LoRA adapters of this rank (peft) instead of all weights."),
+    block_sizes: Optional[str] = typer.Option(None), eval_every: int = typer.Option(100),
+    save_every: int = typer.Option(100),
+    mix_text: Optional[Path] = typer.Option(None, help="Corpus of plain text to replay among the trajectory rows."),
+    mix_fraction: float = typer.Option(0.25, help="Share of rows taken from --mix-text."),
+    resume: bool = typer.Option(False, help="Continue a killed run (checkpoint and cached trajectories)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start over in an --out that holds an earlier run."),
+    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
+    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help=BF16_HELP, show_default=False),
+    next_token_weight: float = typer.Option(1.0, min=0.0, help=NEXT_TOKEN_HELP + " Models without one ignore it."),
+):
+    """Distil a model for parallel decoding: train it on a teacher's answers (self-distillation by default) with
+    certainty forcing, so it commits more tokens per forward (docs/training.md, "Distillation")."""
+    from unmask.errors import UnmaskError
+    from unmask.train.distill import distill as run_distill
+    from unmask.train.trajectories import TrajectoryConfig
+
+    if text is None and chat is None:
+        fail("distill needs prompts: --text, --chat or both")
+    try:
+        traj = TrajectoryConfig(prompts=prompts, chat_fraction=chat_fraction, max_tokens=answer_tokens,
+                                policy=teacher_policy, tokens_per_step=teacher_tokens_per_step,
+                                threshold=teacher_threshold, seed=seed)
+        traj.params()  # the policy and its settings are checked before the run starts
+    except ValueError as e:
+        fail(str(e))
+    try:
+        cfg = _train_config(out, steps, batch_size, seq_len, lr, warmup, resume, eval_every, save_every, seed,
+                            lora_rank=lora_rank, block_sizes=block_sizes, overwrite=overwrite)
+        cfg.compile, cfg.bf16 = compile, bf16
+        cfg.confidence_weight, cfg.next_token_weight = confidence_weight, next_token_weight
+        cfg.mix_fraction = _mix_fraction(mix_text, mix_fraction)
+        with _plain_warnings():
+            res = run_distill(cfg, model, traj, text=text, chat=chat, teacher_dir=teacher, teacher_dtype=teacher_dtype,
+                              mix_text=mix_text)
+    except UnmaskError as e:
+        fail(str(e))
+    typer.echo(f"done: {res.steps} steps, final model in {res.model_dir}; compute in {out / 'distill.json'}")
 
 
 @app.command("eval")

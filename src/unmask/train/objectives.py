@@ -59,6 +59,9 @@ class Objective:
     # share of blocks whose masked set is the block's last ceil(t B) positions instead of an iid draw: the
     # clean-prefix, masked-suffix pattern that left-to-right-leaning decoding (threshold, credit) meets
     suffix_fraction: float = 0.0
+    # certainty forcing (dParallel, czg1225/dParallel): plus this weight times the entropy of the prediction at
+    # every masked position the model already gets right, so confidence rises on many positions at once
+    confidence_weight: float = 0.0
 
     def __post_init__(self):
         if self.causal_context and (self.block_sizes is None or not self.shift or self.causal):
@@ -71,6 +74,10 @@ class Objective:
             raise ValueError("next_token_weight scores the clean stream's next-token rows: it needs causal_context")
         if self.causal and (not self.shift or self.block_sizes is not None):
             raise ValueError("a causal objective reads row i for token i+1 (shift=True) and has no blocks")
+        if not self.confidence_weight >= 0.0:
+            raise ValueError(f"confidence_weight must be >= 0, got {self.confidence_weight}")
+        if self.confidence_weight and self.causal:
+            raise ValueError("confidence_weight sharpens masked predictions; a causal objective masks nothing")
         if self.block_sizes is not None and (not self.block_sizes or min(self.block_sizes) < 1):
             raise ValueError(f"block_sizes must be positive, got {self.block_sizes}")
 
@@ -151,6 +158,16 @@ def draw_noise(obj: Objective, loss_mask: Tensor, gen: torch.Generator) -> Noise
     return Noise(bs, masked & eligible, p)
 
 
+def certainty_sum(logits: Tensor, target: Tensor) -> Tensor:
+    """Sum of the predictive entropy over the rows whose argmax already is the target ([N, V], [N]). Rows the
+    model gets wrong are left to the cross-entropy: sharpening them would entrench the mistake (dParallel)."""
+    right = logits.detach().argmax(-1) == target
+    if not bool(right.any()):
+        return logits.sum() * 0.0
+    logp = F.log_softmax(logits[right], dim=-1)
+    return -(logp.exp() * logp).sum()
+
+
 def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, obj: Objective,
                        eligible: Tensor | None = None) -> Tensor:
     """Sum over masked positions of CE(x0) / p (causal: over scored positions, p = 1). Only those rows
@@ -178,6 +195,8 @@ def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, ob
     if b.numel():
         logits = model.logits(hidden[b, src])  # [N, V] float32
         total = total + (F.cross_entropy(logits, x0[b, j], reduction="none") / p[b, j]).sum()
+        if obj.confidence_weight:
+            total = total + obj.confidence_weight * certainty_sum(logits, x0[b, j])
     if obj.next_token_weight and eligible is not None:
         eb, ej = eligible.to(dev).nonzero(as_tuple=True)
         if eb.numel():

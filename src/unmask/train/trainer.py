@@ -47,7 +47,7 @@ class TrainDivergedError(UnmaskError):
 # settings a resumed run must share with the checkpoint for its batches and noise to line up; the model itself
 # is compared by its architecture (_check_resume), since `cfg.model` only describes a fresh model
 _RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "sft_pack", "mix_fraction",
-                "objective", "causal_context", "next_token_weight", "suffix_fraction")
+                "objective", "causal_context", "next_token_weight", "suffix_fraction", "confidence_weight")
 ON_ERROR = ("raise", "skip")
 # what an earlier run leaves in out_dir: a new run without resume or overwrite must not replace it
 _RUN_FILES = (CHECKPOINT, "model", "adapter")
@@ -94,6 +94,7 @@ class TrainConfig:
     causal_context: bool = False
     next_token_weight: float = 1.0
     suffix_fraction: float = 0.0       # block diffusion: share of blocks masked as a tail (objectives.py)
+    confidence_weight: float = 0.0     # certainty forcing: entropy of right masked predictions (objectives.py)
     model: ModelShape = field(default_factory=ModelShape)  # fresh pre-training model only
 
     def __post_init__(self):
@@ -126,6 +127,10 @@ class TrainConfig:
             raise TrainConfigError(f"suffix_fraction must be in [0, 1], got {self.suffix_fraction}")
         if self.next_token_weight < 0:
             raise TrainConfigError(f"next_token_weight must be >= 0, got {self.next_token_weight}")
+        if not (math.isfinite(self.confidence_weight) and self.confidence_weight >= 0):
+            raise TrainConfigError(f"confidence_weight must be a finite number >= 0, got {self.confidence_weight}")
+        if self.confidence_weight and self.objective == "causal":
+            raise TrainConfigError("confidence_weight sharpens masked predictions; objective 'causal' masks nothing")
         if self.causal_context and self.objective == "causal":
             raise TrainConfigError("causal_context is a block-diffusion setting; objective 'causal' is all causal")
         if not 0.0 <= self.mix_fraction < 1.0:
@@ -243,7 +248,9 @@ def _describe(obj: Objective) -> str:
                                       if obj.next_token_weight else "")
     if obj.suffix_fraction:
         kind += f", {obj.suffix_fraction:.0%} of blocks masked as a tail"
-    if obj.next_token_weight or obj.suffix_fraction:
+    if obj.confidence_weight:
+        kind += f", certainty forcing x{obj.confidence_weight:g}"
+    if obj.next_token_weight or obj.suffix_fraction or obj.confidence_weight:
         kind += " (eval: diffusion loss, independent masks)"
     return kind
 
@@ -433,7 +440,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         ctx.barrier()
 
     # the diffusion loss alone, under independent masks: comparable across recipes
-    eval_obj = replace(obj, next_token_weight=0.0, suffix_fraction=0.0)
+    eval_obj = replace(obj, next_token_weight=0.0, suffix_fraction=0.0, confidence_weight=0.0)
 
     def evaluate() -> float:
         model.eval()
@@ -698,7 +705,7 @@ def _objective(tm: TrainableModel, sizes: tuple[int, ...], cfg: TrainConfig) -> 
         raise TrainConfigError(f"suffix_fraction shapes the masks of blocks; {tm.family.name} is not block-causal")
     return Objective(mask_id=tm.mask_id, block_sizes=block, shift=shift, causal_context=causal_context,
                      next_token_weight=cfg.next_token_weight if causal_context else 0.0,
-                     suffix_fraction=cfg.suffix_fraction)
+                     suffix_fraction=cfg.suffix_fraction, confidence_weight=cfg.confidence_weight)
 
 
 def _check_same_tokenizer(tok: Tokenizer, tokenizer_dir: Path, model_dir: Path) -> None:
