@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--twin", type=Path, default=None)
     ap.add_argument("--twin-gguf", type=Path, default=None)
     ap.add_argument("--no-twin", action="store_true")
+    ap.add_argument("--distilled", type=Path, default=None,
+                    help="a distilled model (unmask distill) decoded beside --model, every policy, interleaved")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores available)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="weights of unmask and of the AR twin alike (default float32: the committed figures')")
@@ -173,6 +175,14 @@ def main() -> None:
         tasks, task_info = policies.load_tasks(llm, args.corpus, args.sft_heldout, c["n_next_line"], c["n_infill"])
         bidir = spec.family.attention == "bidirectional"
         variants = policies.unmask_variants(spec.block_size, bidir)
+        distilled = None
+        if args.distilled is not None:
+            other = LLM(args.distilled, dtype=args.dtype)
+            probe = "def f(x):\n    return x  # <|fim_prefix|>"
+            if other.encode(probe) != llm.encode(probe) or other.spec.block_size != spec.block_size:
+                sys.exit(f"distilled model {args.distilled} does not share the model's tokenizer and block size")
+            variants += policies.model_variants(other, spec.block_size, "distilled")
+            distilled = rel(args.distilled)
         tw = {"path": None}
         if args.twin is not None:
             hf = twin.HFTwin(args.twin, dtype=args.dtype)
@@ -206,7 +216,7 @@ def main() -> None:
             tw["llama_cpp_reason"] = "no twin model"
         log(f"policies: {len(tasks)} tasks x {len(variants)} variants x {c['rounds']} rounds")
         sec = policies.run_section(llm, variants, tasks, c["rounds"], log)
-        sec.update(model_info, tasks=task_info, bidirectional=bidir, twin=tw, config=c,
+        sec.update(model_info, tasks=task_info, bidirectional=bidir, twin=tw, config=c, distilled=distilled,
                    command=command(args, ["policies"]), wall_s=time.perf_counter() - t0,
                    load_average_end=common.load_average())
         data["sections"]["policies"] = sec

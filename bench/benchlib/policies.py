@@ -29,7 +29,8 @@ class Variant:
     engine: dict | None = None       # GenerationParams knobs for unmask
     decoder: object | None = None    # a twin decoder (twin.HFTwin, ...)
     cache: str = "exact"
-    group: str = "unmask"
+    group: str = "unmask"            # "unmask", "distilled" (another unmask model, `llm`) or "twin"
+    llm: object | None = None        # the LLM this variant decodes with (None: the section's model)
 
 
 def unmask_variants(block_size: int, bidirectional: bool) -> list[Variant]:
@@ -51,6 +52,18 @@ def unmask_variants(block_size: int, bidirectional: bool) -> list[Variant]:
         out += [Variant(f"{n}@{cache}", f"{lbl}, cache {cache}", {**knobs, "cache": cache}, cache=cache)
                 for n, lbl, knobs in base]
     return out
+
+
+def model_variants(llm, block_size: int, group: str) -> list[Variant]:
+    """Every policy of `unmask_variants` on another model of the same tokenizer (a distilled one), named
+    `group:policy`, so that both models run interleaved in one section. Its engine, like the section's, has no
+    prefix cache."""
+    from unmask.engine.engine import Engine
+
+    llm.engine = Engine(llm.model, llm.spec, llm.tokenizer, max_num_seqs=1, max_batch_tokens=4096,
+                        prefix_cache_bytes=0)
+    return [Variant(f"{group}:{v.name}", f"{group}: {v.label}", v.engine, group=group, llm=llm)
+            for v in unmask_variants(block_size, False)]
 
 
 def load_tasks(llm, corpus: Path, sft_heldout: Path, n_next_line: int, n_infill: int) -> tuple[list, dict]:
@@ -98,7 +111,7 @@ def run_section(llm, variants: list[Variant], tasks: list, rounds: int, log) -> 
             return r.text, r.tokens, r.forwards, r.seconds
         params = GenerationParams(max_tokens=MAX_TOKENS, stop=list(t.stop), min_tokens=t.min_tokens, **v.engine)
         t0 = time.perf_counter()
-        out = llm.generate([prompts[i]], [params])[0]
+        out = (v.llm or llm).generate([prompts[i]], [params])[0]
         return out.text, len(out.token_ids), out.forwards, time.perf_counter() - t0
 
     # warm-up (untimed): one request per variant
@@ -173,4 +186,4 @@ def _rotate(names: list[str], k: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-__all__ = ["Variant", "unmask_variants", "load_tasks", "run_section", "interleave"]
+__all__ = ["Variant", "unmask_variants", "model_variants", "load_tasks", "run_section", "interleave"]

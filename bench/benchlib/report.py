@@ -82,9 +82,9 @@ def plot_pareto(sec: dict, path: Path) -> None:
         xerr = [[x - tps["min"]], [tps["max"] - x]]
         yerr = [[y - v["ci95"][0]], [v["ci95"][1] - y]]
         twin = v["group"] == "twin"
+        color = {"twin": "tab:red", "distilled": "tab:green"}.get(v["group"], "tab:blue")
         ax.errorbar(x, 100 * y, xerr=xerr, yerr=[[100 * e for e in yerr[0]], [100 * e for e in yerr[1]]],
-                    fmt="s" if twin else "o", color="tab:red" if twin else "tab:blue", ecolor="0.75",
-                    capsize=2, ms=6)
+                    fmt="s" if twin else "o", color=color, ecolor="0.75", capsize=2, ms=6)
         ax.annotate(name, (x, 100 * y), textcoords="offset points", xytext=(5, 4 + 9 * (len(pts) % 3)), fontsize=7)
         pts.append((x, y, name))
     front = []
@@ -97,7 +97,8 @@ def plot_pareto(sec: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("tokens/s (batch 1; median, bars min–max over rounds)")
     ax.set_ylabel("held-out exact match, % (bars: 95% Wilson)")
-    ax.set_title("Accuracy vs speed per decoding policy (blue: unmask, red: AR twin)", fontsize=10)
+    ax.set_title("Accuracy vs speed per decoding policy (blue: unmask, green: distilled, red: AR twin)",
+                 fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -332,6 +333,9 @@ def _policies(sec: dict, img: str) -> str:
            f"first line, greedy, max {sec['max_tokens']} tokens); {sec['rounds']} interleaved rounds; batch 1, "
            f"{sec['threads']} torch thread(s). Speed columns: median [min–max] over rounds. "
            f"“× baseline” is the per-round ratio of tokens/s to one token per forward.\n"]
+    if sec.get("distilled"):
+        out.append(f"Variants named `distilled:…` decode `{sec['distilled']}` (`unmask distill` from the model above) "
+                   "with the same policies, interleaved with the rest in every round.\n")
     head = ["variant", "cache", "next-line", "infill", "overall [95% CI]", "tokens/forward", "tokens/s",
             "× baseline", "latency ms/request"]
     rows = []
