@@ -119,6 +119,9 @@ def test_distill_caches_trajectories_counts_compute_and_exports_a_loadable_model
     trajs = [json.loads(line) for s in shards for line in s.read_text().splitlines()[:-1]]
     assert len(trajs) == 12 and sum(t["kind"] == "chat" for t in trajs) == 3
     assert all(1 <= len(t["answer"]) <= 8 + 1 and t["prompt"] for t in trajs)
+    # one token per forward: each answer token was committed by a forward of its own, in the recorded order
+    assert all(len(t["order"]) == len(t["answer"]) and len(set(t["order"])) == len(t["order"])
+               and min(t["order"]) >= 1 and max(t["order"]) <= t["forwards"] for t in trajs)
     report = json.loads((tmp_path / "run" / "distill.json").read_text())
     assert report["teacher"]["requests"] == 12
     assert report["teacher"]["answer_tokens"] == sum(len(t["answer"]) - (t["finish"] == "stop") for t in trajs)

@@ -168,29 +168,40 @@ def certainty_sum(logits: Tensor, target: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum()
 
 
-def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, obj: Objective,
-                       eligible: Tensor | None = None) -> Tensor:
-    """Sum over masked positions of CE(x0) / p (causal: over scored positions, p = 1). Only those rows
-    go through the LM head. With `obj.next_token_weight` > 0, plus that weight times the next-token CE of
-    every `eligible` token ([B, L] bool, shifted: j >= 1) read from the clean row before it."""
+def masked_rows(model: DiffusionTransformer, x0: Tensor, masked: Tensor, obj: Objective,
+                block_size: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One pass over the noised batch: (hidden states, then b, j, src: for each masked position (b, j) the hidden
+    row that predicts it). Block diffusion reads [x_t ; x_0] under `block_diffusion_mask`, so each block's masked
+    positions see exactly what block-by-block inference with an exact cache sees."""
     B, L = x0.shape
     dev = x0.device
-    masked, p = noise.masked.to(dev), noise.p.to(dev)
     xt = torch.where(masked, torch.full_like(x0, obj.mask_id), x0)
     pos = torch.arange(L, device=dev).expand(B, L)
     if obj.causal:
         hidden = model.forward_dense(x0, pos, CAUSAL)  # [B, L, D]; `masked` marks the scored tokens
-    elif noise.block_size is None:
+    elif block_size is None:
         hidden = model.forward_dense(xt, pos, None)  # [B, L, D], bidirectional
     else:
-        attn = _bd_mask(L, noise.block_size, obj.causal_context).to(dev)[None, None]
+        attn = _bd_mask(L, block_size, obj.causal_context).to(dev)[None, None]
         hidden = model.forward_dense(torch.cat([xt, x0], 1), torch.cat([pos, pos], 1), attn)  # [B, 2L, D]
     b, j = masked.nonzero(as_tuple=True)
     src = j
     if obj.shift:  # token j is read from row j-1; a block's first token from the clean row j-1,
         src = j - 1  # as in Fast-dLLM v2 inference where it comes from the previous block's commit pass
-        if noise.block_size is not None and not obj.causal:
-            src = torch.where(j % noise.block_size == 0, L + j - 1, src)
+        if block_size is not None and not obj.causal:
+            src = torch.where(j % block_size == 0, L + j - 1, src)
+    return hidden, b, j, src
+
+
+def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, obj: Objective,
+                       eligible: Tensor | None = None) -> Tensor:
+    """Sum over masked positions of CE(x0) / p (causal: over scored positions, p = 1). Only those rows
+    go through the LM head. With `obj.next_token_weight` > 0, plus that weight times the next-token CE of
+    every `eligible` token ([B, L] bool, shifted: j >= 1) read from the clean row before it."""
+    L = x0.shape[1]
+    dev = x0.device
+    masked, p = noise.masked.to(dev), noise.p.to(dev)
+    hidden, b, j, src = masked_rows(model, x0, masked, obj, noise.block_size)
     total = model.logits(hidden[:1, 0]).sum() * 0.0  # keeps every parameter in the graph (DDP) with no rows
     if b.numel():
         logits = model.logits(hidden[b, src])  # [N, V] float32

@@ -30,7 +30,7 @@ from unmask.train.corpus import read_jsonl_objects
 from unmask.train.data import DataError
 
 META = "meta.json"
-FORMAT = 1
+FORMAT = 2  # 2: trajectories record the teacher's commit order
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class Trajectory:
     kind: str                 # "text" or "chat"
     finish: str               # "stop" or "length"
     forwards: int             # forwards the request took part in (its share of the teacher's compute)
+    order: list[int] = field(default_factory=list)  # per answer token: the forward that committed it
 
 
 @dataclass
@@ -183,16 +184,27 @@ def draw_prompts(cfg: TrajectoryConfig, tok, text: Path | None, chat: Path | Non
 
 def generate(engine: Engine, prompts: list[Prompt], params: GenerationParams) -> tuple[list[Trajectory], TeacherCost]:
     """Answer every prompt through the engine, batched as the scheduler allows. The stop token that ended an
-    answer is kept (the student learns where answers end); the engine's output ids leave it out."""
+    answer is kept (the student learns where answers end); the engine's output ids leave it out. Each answer
+    token's `order` is the request's forward count when it was committed: the teacher's unmasking order, which
+    the commit filter's calibration (`calibrate.py`) replays."""
     t0, fed0 = time.perf_counter(), engine.stats.tokens_fed
     seqs = [engine.add_request(list(p.ids), params) for p in prompts]
-    engine.run_to_completion()
+    orders = {s.request_id: torch.full((params.max_tokens,), -1, dtype=torch.long) for s in seqs}
+    live = list(seqs)
+    while engine.has_unfinished():
+        engine.step()
+        for s in live:
+            order = orders[s.request_id][: s.block_end - s.P]
+            fresh = (s.seq[s.P:s.block_end] != s.traits.mask_id) & (order < 0)
+            order[fresh] = s.stats.forwards
+        live = [s for s in live if s.finish_reason is None]
     out = []
     for p, s in zip(prompts, seqs):
         answer = s.output_ids
         if s.finish_reason == "stop" and s.stop_at is not None:
             answer = answer + [int(s.seq[s.stop_at])]
-        out.append(Trajectory(list(p.ids), answer, p.kind, s.finish_reason or "length", s.stats.forwards))
+        order = orders[s.request_id][: len(answer)].tolist()
+        out.append(Trajectory(list(p.ids), answer, p.kind, s.finish_reason or "length", s.stats.forwards, order))
     cost = TeacherCost(requests=len(out), answer_tokens=sum(len(t.answer) for t in out),
                        forwards=sum(t.forwards for t in out), tokens_fed=engine.stats.tokens_fed - fed0,
                        seconds=time.perf_counter() - t0)
