@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from unmask.decoding import BlockState, decide
+from naive_decode import naive_generate
 from unmask.engine.engine import Engine
 from unmask.engine.params import GenerationParams
 from unmask.errors import ContextLengthError, InvalidRequestError
@@ -36,51 +36,6 @@ def models(family_dirs, tmp_path_factory):
     dirs = {**family_dirs, "unmask_shifted": make_unmask_shifted(tmp_path_factory.mktemp("unmask") / "m"),
             "unmask_causal_context": make_unmask_shifted(tmp_path_factory.mktemp("unmask") / "c", causal_context=True)}
     return {f: load_model(dirs[f]) for f in ALL}
-
-
-def naive_generate(model, spec, prompt, params: GenerationParams):
-    """Reference decode: every step recomputes the whole sequence densely, no cache, no fusion."""
-    mask = spec.mask_id
-    B = params.block_size or spec.block_size
-    P, end = len(prompt), len(prompt) + params.max_tokens
-    seq = torch.full((end,), mask)
-    seq[:P] = torch.tensor(prompt)
-    bidir = spec.family.attention == "bidirectional"
-    start = P if bidir else (P // B) * B
-    gen = torch.Generator().manual_seed(params.seed or 0)
-    stops = set(spec.stop_ids)
-    while True:
-        stop_blk = min(start + B, end)
-        state = BlockState(initial_masked=int((seq[start:stop_blk] == mask).sum()))
-        while (seq[start:stop_blk] == mask).any():
-            L = end if bidir else stop_blk
-            pos = torch.arange(L)
-            if bidir:
-                m = None
-            elif spec.causal_context:  # committed tokens causal, the active block one bidirectional group
-                ids = torch.where(pos < start, pos, start)
-                m = (ids[None, :] <= ids[:, None])[None, None]
-            else:
-                m = ((pos[None, :] // B) <= (pos[:, None] // B))[None, None]
-            with torch.inference_mode():
-                logits = model.logits(model.forward_dense(seq[None, :L], pos[None], m))[0]
-            targets = (seq[start:stop_blk] == mask).nonzero(as_tuple=True)[0] + start
-            rows = targets - int(spec.shift)
-            lg = logits[rows].clone()
-            lg[:, mask] = float("-inf")
-            first = spec.ar_first_token and state.step == 0 and int(targets[0]) == start
-            d = decide(params.policy_config(), lg, targets - start, state, params.sampling(), gen)
-            commit = d.commit.clone()
-            if first:
-                commit[0] = True
-            seq[targets[commit]] = d.tokens[commit]
-        out = seq[P:stop_blk].tolist()
-        for i, t in enumerate(out):
-            if t in stops:
-                return out[:i]
-        if stop_blk >= end:
-            return out
-        start = stop_blk
 
 
 def run(model, spec, prompts, params):

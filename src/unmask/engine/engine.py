@@ -79,6 +79,11 @@ class Engine:
             raise ContextLengthError(
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}){suffix} is {total} tokens, "
                 f"over this model's context of {self.traits.max_context}", "max_tokens")
+        if params.small_block_size is not None:  # sub-blocks split a block-causal family's blocks
+            if self.traits.attention != "block_causal" or self.spec.family.sequence_class is not None:
+                raise InvalidRequestError(f"small_block_size needs a block-causal family, not "
+                                          f"{self.spec.family.name}", "small_block_size")
+            params.check_small_block(params.block_size or self.traits.block_size)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
         if params.dry_multiplier and self.spec.family.sequence_class is not None:

@@ -33,6 +33,7 @@ class GenerationParams:
     credit_weight: float = 0.7
     entropy_bound: float | None = None  # None: the default (0.35 for entropy_bounded; DiffusionGemma: 0.1)
     block_size: int | None = None       # None: the model's default
+    small_block_size: int | None = None  # Fast-dLLM v2 sub-blocks: decode the block's leftmost masked slice only
     cache: CacheMode = "auto"           # bidirectional families: none (exact) | prefix | dual
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -88,6 +89,12 @@ class GenerationParams:
             bad(f"top_k must be >= 0, got {self.top_k}", "top_k")
         if self.block_size is not None and not 1 <= self.block_size <= 1024:
             bad(f"block_size must be in [1, 1024], got {self.block_size}", "block_size")
+        if self.small_block_size is not None:
+            s = self.small_block_size
+            if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+                bad(f"small_block_size must be a positive integer, got {s!r}", "small_block_size")
+            if self.block_size is not None:  # else the engine checks it against the model's block size
+                self.check_small_block(self.block_size)
         if self.cache not in ("auto", "none", "prefix", "dual"):
             bad(f"cache must be one of auto, none, prefix, dual; got {self.cache!r}", "cache")
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API also takes it (not its characters)
@@ -151,6 +158,13 @@ class GenerationParams:
         problem = validate_dry(self.dry())
         if problem:
             bad(problem, problem.split(" ", 1)[0])
+
+    def check_small_block(self, block_size: int) -> None:
+        """small_block_size must split the block this request decodes with evenly."""
+        s = self.small_block_size
+        if s is not None and block_size % s:
+            raise InvalidRequestError(f"small_block_size ({s}) must divide the block size ({block_size})",
+                                      "small_block_size")
 
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(name=self.policy, threshold=self.threshold, steps=self.steps, factor=self.factor,

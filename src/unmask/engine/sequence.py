@@ -20,6 +20,7 @@ from unmask.decoding import BlockState, decide
 from unmask.decoding.dry import dry_penalty
 from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
 from unmask.decoding.sampling import top_logprobs
+from unmask.decoding.targets import decode_window, masked_in
 from unmask.engine.params import GenerationParams
 from unmask.models.attention import KVCache, Segment
 
@@ -113,6 +114,7 @@ class Sequence:
         exact = p.cache == "auto" or self.S > 0       # infills always decode exactly (the whole canvas each step)
         self.cache_mode = ("none" if exact else p.cache) if self.bidirectional else "exact"
         self.stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(t.stop_ids))
+        self.sub = p.small_block_size                 # Fast-dLLM v2 sub-blocks; None: the block is one
         self.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else torch.seed() % 2**62)
         self.policy = p.policy_config()
         self.sampling = p.sampling()
@@ -136,15 +138,26 @@ class Sequence:
         self.stop_at: int | None = None
         self.logprobs = torch.zeros(p.max_tokens) if p.logprobs else None
         self.top = new_top_store(p)
-        self.block = BlockState(initial_masked=self._masked_in_block())
+        self._open_window()
 
     # ------------------------------------------------------------------ planning
+    def _window(self) -> tuple[int, int]:
+        return decode_window(self.seq, self.block_start, self.block_end, self.traits.mask_id, self.sub)
+
+    def _open_window(self) -> None:
+        """A fresh policy state for the block, or for its next sub-block: schedules count per window."""
+        self.window_start = self._window()[0]
+        self.block = BlockState(initial_masked=self._masked_in_block())
+
     def _masked_in_block(self) -> int:
-        return int((self.seq[self.block_start:self.block_end] == self.traits.mask_id).sum())
+        """Masks of the window the policy's schedule covers (the block, or its active sub-block)."""
+        lo, hi = self._window()
+        return int((self.seq[lo:hi] == self.traits.mask_id).sum())
 
     def masked_positions(self) -> Tensor:
-        blk = self.seq[self.block_start:self.block_end]
-        return (blk == self.traits.mask_id).nonzero(as_tuple=True)[0] + self.block_start
+        """This step's targets: the masks of the window (the block, or its active sub-block)."""
+        lo, hi = self._window()
+        return masked_in(self.seq, lo, hi, self.traits.mask_id)
 
     @property
     def prefill_limit(self) -> int:
@@ -283,7 +296,9 @@ class Sequence:
             self.finish("length")
         elif self.final_end >= self.block_end:  # block complete: move on; its K/V are written next step
             self.block_start, self.block_end = self.block_end, min(self.block_end + self.B, self.end)
-            self.block = BlockState(initial_masked=self._masked_in_block())
+            self._open_window()
+        elif self.sub is not None and self._window()[0] != self.window_start:
+            self._open_window()  # sub-block complete: the next one starts its own schedule
         return new
 
     def finish(self, reason: str) -> None:

@@ -1,0 +1,30 @@
+"""Which masked positions of the active block a step hands to the policy.
+
+Restrictions on top of "every masked position of the block", pure functions of the canvas:
+
+- Sub-blocks (Fast-dLLM v2, arXiv 2509.26328): with `sub` set, only the leftmost `sub`-sized slice of the block
+  that still holds a mask is decoded; the rest of the block is still fed to the model, just not targeted.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def decode_window(seq: Tensor, block_start: int, block_end: int, mask_id: int, sub: int | None) -> tuple[int, int]:
+    """[lo, hi) the policy may target: the block, or with `sub` its leftmost sub-block that still has a mask.
+
+    Sub-blocks are aligned to `block_start` (the block size is a multiple of `sub`); a block with no mask left
+    gives its last sub-block, whose targets are then empty.
+    """
+    if sub is None:
+        return block_start, block_end
+    holes = (seq[block_start:block_end] == mask_id).nonzero()
+    first = int(holes[0]) if holes.numel() else block_end - block_start - 1
+    lo = block_start + first // sub * sub
+    return lo, min(lo + sub, block_end)
+
+
+def masked_in(seq: Tensor, lo: int, hi: int, mask_id: int) -> Tensor:
+    """Absolute positions in [lo, hi) that are still masked, ascending."""
+    return (seq[lo:hi] == mask_id).nonzero(as_tuple=True)[0] + lo
