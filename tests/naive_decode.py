@@ -1,8 +1,8 @@
 """Reference decode for the engine tests: every step recomputes the whole sequence densely, no cache, no fusion.
 
 Written from the rules in docs/decoding.md, not from the engine's code: blocks (absolutely aligned for the
-block-causal families) and sub-blocks decoded left to right (`small_block_size`); the output ends at the first
-stop token.
+block-causal families), sub-blocks decoded left to right (`small_block_size`), and the early stop (nothing after
+a committed stop token is decoded; the output ends at the first stop token).
 """
 import torch
 
@@ -22,13 +22,18 @@ def naive_generate(model, spec, prompt, params: GenerationParams):
     gen = torch.Generator().manual_seed(params.seed or 0)
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(spec.stop_ids))
 
+    def first_stop(hi: int) -> int:
+        out = seq[P:hi].tolist()
+        return next((P + i for i, t in enumerate(out) if t in stops and t != mask), hi)
+
     while True:
         stop_blk = min(start + B, end)
         for lo in range(start, stop_blk, S):
             hi = min(lo + S, stop_blk)
             state = BlockState(initial_masked=int((seq[lo:hi] == mask).sum()))
             while True:
-                targets = (seq[lo:hi] == mask).nonzero(as_tuple=True)[0] + lo
+                cap = min(hi, first_stop(stop_blk))
+                targets = (seq[lo:cap] == mask).nonzero(as_tuple=True)[0] + lo if cap > lo else seq[:0]
                 if targets.numel() == 0:
                     break
                 L = end if bidir else stop_blk

@@ -151,16 +151,19 @@ def test_bidirectional_caches_run_and_first_step_is_exact(family, cache, models)
 
 
 def test_stop_token_finishes_early(models):
+    """A stop token ends the output. Here it is committed at output index 5 while index 4 is still masked, so
+    index 6 and on are no longer decoded: index 4 is then read with a mask after the stop token, not the token the
+    free run put there, and comes out as the stop token itself (the reference loop follows the same rule)."""
     model, spec = models["sdar"]
     params = GenerationParams(max_tokens=12, policy="threshold", threshold=0.5, block_size=4)
     free, _ = run(model, spec, [PROMPTS[0]], params)
     tokens = free[0].output_ids
     stop_tok = tokens[5]
-    first = tokens.index(stop_tok)
+    assert tokens.index(stop_tok) == 5
     params2 = GenerationParams(max_tokens=12, policy="threshold", threshold=0.5, block_size=4, stop_token_ids=[stop_tok])
     s, _ = run(model, spec, [PROMPTS[0]], params2)
     assert s[0].finish_reason == "stop"
-    assert s[0].output_ids == tokens[:first]
+    assert s[0].output_ids == tokens[:4] == naive_generate(model, spec, PROMPTS[0], params2)
 
 
 def test_seed_reproducible_and_temperature_varies(models):

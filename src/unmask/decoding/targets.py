@@ -1,9 +1,11 @@
 """Which masked positions of the active block a step hands to the policy.
 
-Restrictions on top of "every masked position of the block", pure functions of the canvas:
+Two restrictions on top of "every masked position of the block", both pure functions of the canvas:
 
 - Sub-blocks (Fast-dLLM v2, arXiv 2509.26328): with `sub` set, only the leftmost `sub`-sized slice of the block
   that still holds a mask is decoded; the rest of the block is still fed to the model, just not targeted.
+- Early stop: positions after a stop token already committed in the block are not decoded any more; only the
+  holes before it are, since the output ends at the first stop token whatever follows it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,14 @@ def decode_window(seq: Tensor, block_start: int, block_end: int, mask_id: int, s
     first = int(holes[0]) if holes.numel() else block_end - block_start - 1
     lo = block_start + first // sub * sub
     return lo, min(lo + sub, block_end)
+
+
+def first_stop(seq: Tensor, start: int, end: int, stops: Tensor) -> int:
+    """The first position in [start, end) that holds one of `stops` (a long tensor), or `end` if none does."""
+    if stops.numel() == 0 or start >= end:
+        return end
+    hits = torch.isin(seq[start:end], stops).nonzero()
+    return start + int(hits[0]) if hits.numel() else end
 
 
 def masked_in(seq: Tensor, lo: int, hi: int, mask_id: int) -> Tensor:

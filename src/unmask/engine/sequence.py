@@ -20,7 +20,7 @@ from unmask.decoding import BlockState, decide
 from unmask.decoding.dry import dry_penalty
 from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
 from unmask.decoding.sampling import top_logprobs
-from unmask.decoding.targets import decode_window, masked_in
+from unmask.decoding.targets import decode_window, first_stop, masked_in
 from unmask.engine.params import GenerationParams
 from unmask.models.attention import KVCache, Segment
 
@@ -114,6 +114,7 @@ class Sequence:
         exact = p.cache == "auto" or self.S > 0       # infills always decode exactly (the whole canvas each step)
         self.cache_mode = ("none" if exact else p.cache) if self.bidirectional else "exact"
         self.stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(t.stop_ids))
+        self.stop_tensor = torch.tensor(sorted(self.stops - {t.mask_id}), dtype=torch.long)  # a mask is no commit
         self.sub = p.small_block_size                 # Fast-dLLM v2 sub-blocks; None: the block is one
         self.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else torch.seed() % 2**62)
         self.policy = p.policy_config()
@@ -155,8 +156,10 @@ class Sequence:
         return int((self.seq[lo:hi] == self.traits.mask_id).sum())
 
     def masked_positions(self) -> Tensor:
-        """This step's targets: the masks of the window (the block, or its active sub-block)."""
+        """This step's targets: the window's masks, minus those after a stop token committed in the block
+        (the output ends at that token, so only the holes before it still matter)."""
         lo, hi = self._window()
+        hi = min(hi, first_stop(self.seq, self.final_end, self.block_end, self.stop_tensor))
         return masked_in(self.seq, lo, hi, self.traits.mask_id)
 
     @property
