@@ -1,7 +1,8 @@
-"""Command line: unmask generate | chat | bench | corpus | train | finetune | distill | eval | serve."""
+"""Command line: unmask generate | chat | bench | corpus | train | finetune | distill | calibrate | eval | serve."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -336,13 +337,17 @@ def finetune(
     typer.echo(f"done: {res.steps} steps, final model in {res.model_dir}")
 
 
+PROMPT_TEXT_HELP = ("Text corpus for prompts: a directory with train.jsonl, or a JSONL file of {\"text\": ...} "
+                    "documents (cut at line ends).")
+PROMPT_CHAT_HELP = "Chat / FIM JSONL (finetune's format) whose prompts are answered."
+
+
 @app.command()
 def distill(
     model: Path = typer.Option(..., "--model", "-m", help="Block-causal model to distil (unmask, SDAR, Fast-dLLM v2, "
                                "LLaDA2)."),
-    text: Optional[Path] = typer.Option(None, help="Text corpus for prompts: a directory with train.jsonl, or a "
-                                        "JSONL file of {\"text\": ...} documents (cut at line ends)."),
-    chat: Optional[Path] = typer.Option(None, help="Chat / FIM JSONL (finetune's format) whose prompts are answered."),
+    text: Optional[Path] = typer.Option(None, help=PROMPT_TEXT_HELP),
+    chat: Optional[Path] = typer.Option(None, help=PROMPT_CHAT_HELP),
     teacher: Optional[Path] = typer.Option(None, help="Teacher model (same tokenizer); default: the model itself."),
     out: Path = typer.Option(Path("runs/distill")),
     prompts: int = typer.Option(4096, help="Prompts the teacher answers (cached in out/trajectories)."),
@@ -394,6 +399,43 @@ def distill(
     except UnmaskError as e:
         fail(str(e))
     typer.echo(f"done: {res.steps} steps, final model in {res.model_dir}; compute in {out / 'distill.json'}")
+
+
+@app.command()
+def calibrate(
+    model: Path = typer.Option(..., "--model", "-m", help="Block-causal model whose commit filter to fit (its "
+                               "generation_config.json gets `commit_filter`)."),
+    text: Optional[Path] = typer.Option(None, help=PROMPT_TEXT_HELP),
+    chat: Optional[Path] = typer.Option(None, help=PROMPT_CHAT_HELP),
+    prompts: int = typer.Option(128, help="Prompts the model answers one token per forward."),
+    answer_tokens: int = typer.Option(64), block_size: Optional[int] = typer.Option(None),
+    seed: int = typer.Option(0), device: str = typer.Option("auto", help=DEVICE_HELP),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the fit's statistics as JSON."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Fit and report, but leave the model's files as they are."),
+):
+    """Fit the learned commit rule (policy `learned`) to a model on its own one-token-per-forward decoding."""
+    from unmask.errors import UnmaskError
+    from unmask.train.calibrate import calibrate_model, write_filter
+
+    if text is None and chat is None:
+        fail("calibrate needs prompts: --text, --chat or both")
+    _check_output_file(json_out, "--json")
+    try:
+        flt, stats = calibrate_model(model, text, chat, prompts, answer_tokens, block=block_size, seed=seed,
+                                     device=device)
+    except (UnmaskError, ValueError) as e:
+        fail(str(e))
+    typer.echo(f"fit on {stats['rows']:,} masked positions: {stats['base_rate']:.1%} already final, log loss "
+               f"{stats['log_loss']:.3f}, accuracy {stats['accuracy']:.1%}")
+    c = stats["confidence_0.9"]
+    typer.echo(f"confidence >= 0.9 commits {c['committed_share']:.1%} of them, {c['precision'] or 0:.1%} final")
+    for row in stats["thresholds"]:
+        typer.echo(f"learned, threshold {row['threshold']:.2f}: commits {row['committed_share']:.1%}, "
+                   f"{row['precision'] or 0:.1%} final")
+    if json_out is not None:
+        json_out.write_text(json.dumps({**stats, "filter": flt.to_json()}, indent=2) + "\n")
+    if not dry_run:
+        typer.echo(f"wrote commit_filter to {write_filter(model, flt, stats)}")
 
 
 @app.command("eval")

@@ -8,12 +8,13 @@ generator seed gives the same decision.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+from .commit_filter import CommitFilter, commit_rows, features
 from .sampling import Proposal, SamplingParams, propose
 from .schedules import dream_count, dream_reveal_prob, even_split_at
 
@@ -32,10 +33,14 @@ class PolicyConfig:
     credit_gamma: float = 0.2  # exponent on the top-1 probability added to the credit, > 0
     credit_weight: float = 0.7  # alpha in fused = logits + alpha * log(1 + C), >= 0
     tokens_per_step: int | None = None  # k of "topk"; None = 1 (one token per forward, the AR-equivalent baseline)
+    # "learned": the model's fitted filter (generation_config.json, set by the engine); `threshold` is then the
+    # predicted probability that a proposal is final
+    commit_filter: CommitFilter | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise ValueError(f"name: unknown decoding policy {self.name!r}; valid: {', '.join(sorted(POLICIES))}")
+        if self.name not in POLICIES and self.name != LEARNED:
+            raise ValueError(f"name: unknown decoding policy {self.name!r}; valid: "
+                             f"{', '.join(sorted([*POLICIES, LEARNED]))}")
         _check(0 < self.threshold <= 1, "threshold", "in (0, 1]", self.threshold)
         _check(self.factor > 0, "factor", "> 0", self.factor)
         _check(self.steps is None or self.steps >= 1, "steps", ">= 1 or None", self.steps)
@@ -84,7 +89,8 @@ class Decision:
     probs: Tensor  # float32: p(token) under the distribution the policy judged (for logprobs)
 
 
-NEEDS_ENTROPY = frozenset({"entropy", "entropy_bounded"})
+LEARNED = "learned"  # the commit filter's rule: it reads the rows' positions, which the other rules do not
+NEEDS_ENTROPY = frozenset({"entropy", "entropy_bounded", LEARNED})
 Rule = Callable[[PolicyConfig, Proposal, BlockState, torch.Generator | None], Tensor]
 
 
@@ -114,7 +120,10 @@ def decide(cfg: PolicyConfig, logits: Tensor, positions: Tensor, state: BlockSta
         state.credit = update_credit(state.credit, logits, positions, cfg.credit_decay, cfg.credit_gamma)
         logits = fuse_credit(logits, positions, state.credit, cfg.credit_weight)
     proposal = propose(logits, sampling, generator, need_entropy=cfg.name in NEEDS_ENTROPY)
-    commit = POLICIES[cfg.name](cfg, proposal, state, generator)
+    if cfg.name == LEARNED:
+        commit = learned(cfg, proposal, positions, state)
+    else:
+        commit = POLICIES[cfg.name](cfg, proposal, state, generator)
     state.step += 1
     return Decision(commit=commit, tokens=proposal.tokens, probs=proposal.probs)
 
@@ -355,6 +364,19 @@ def topk(cfg: PolicyConfig, prop: Proposal, state: BlockState, generator: torch.
     2. Commit the k rows with the highest p(x0).
     """
     return top_rows(prop.probs, clamp_count(cfg.tokens_per_step or 1, prop.probs.shape[0]))
+
+
+def learned(cfg: PolicyConfig, prop: Proposal, positions: Tensor, state: BlockState) -> Tensor:
+    """The model's learned commit filter (unmask.decoding.commit_filter; Learn2PD's idea, arXiv 2509.25188).
+
+    1. Features per row: logit of p(x0), p1 - p2, entropy, log(1 + distance from the leftmost masked row), and
+       the share of the block's initial masks still masked.
+    2. Commit every row the filter predicts final with probability >= cfg.threshold, plus the most likely row.
+    """
+    if cfg.commit_filter is None:
+        raise ValueError("policy 'learned' needs the model's commit_filter (fit one with `unmask calibrate`)")
+    feats = features(prop.probs, prop.margin, prop.entropy, positions.to(prop.probs.device), state.initial_masked)
+    return commit_rows(cfg.commit_filter, feats, cfg.threshold)
 
 
 POLICIES: dict[str, Rule] = {

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from unmask.decoding.dry import breaker_mask
+from unmask.decoding.policies import LEARNED
 from unmask.engine.detokenizer import TextStream
 from unmask.engine.outputs import StepOutput
 from unmask.engine.params import GenerationParams
@@ -84,6 +85,15 @@ class Engine:
                 raise InvalidRequestError(f"small_block_size needs a block-causal family, not "
                                           f"{self.spec.family.name}", "small_block_size")
             params.check_small_block(params.block_size or self.traits.block_size)
+        if params.policy == LEARNED:
+            try:
+                flt = self.traits.commit_filter
+            except ValueError as e:  # a hand-edited generation_config.json
+                raise InvalidRequestError(f"policy 'learned': this model's {e}", "policy") from None
+            if flt is None or self.spec.family.sequence_class is not None:
+                raise InvalidRequestError("policy 'learned' needs a commit filter fitted to the model (`unmask "
+                                          f"calibrate -m DIR`); {self.spec.family.name} model "
+                                          f"{self.spec.path.name} has none", "policy")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
         if params.dry_multiplier and self.spec.family.sequence_class is not None:

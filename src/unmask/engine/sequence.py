@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from unmask.decoding import BlockState, decide
+from unmask.decoding.commit_filter import CONFIG_KEY, CommitFilter
 from unmask.decoding.dry import dry_penalty
+from unmask.decoding.policies import LEARNED
 from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
 from unmask.decoding.sampling import top_logprobs
 from unmask.decoding.targets import decode_window, first_stop, masked_in
@@ -48,6 +50,12 @@ class ModelTraits:
     # the checkpoint's config.json / generation_config.json, for families with their own sequence class
     config: dict = field(default_factory=dict, compare=False)
     generation_config: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def commit_filter(self) -> CommitFilter | None:
+        """The learned commit rule fitted to this model (`unmask calibrate`), if its generation_config has one."""
+        raw = self.generation_config.get(CONFIG_KEY)
+        return None if raw is None else CommitFilter.from_json(raw)
 
 
 class TopStore:
@@ -118,6 +126,8 @@ class Sequence:
         self.sub = p.small_block_size                 # Fast-dLLM v2 sub-blocks; None: the block is one
         self.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else torch.seed() % 2**62)
         self.policy = p.policy_config()
+        if self.policy.name == LEARNED:  # the filter belongs to the model, the threshold to the request
+            self.policy = replace(self.policy, commit_filter=t.commit_filter)
         self.sampling = p.sampling()
         adjust = p.logit_adjust()
         self.adjuster = Adjuster(adjust, self.prompt_ids) if adjust.active else None
