@@ -33,7 +33,8 @@ class Variant:
     llm: object | None = None        # the LLM this variant decodes with (None: the section's model)
 
 
-def unmask_variants(block_size: int, bidirectional: bool) -> list[Variant]:
+def unmask_variants(block_size: int, bidirectional: bool, learned: bool = False) -> list[Variant]:
+    """Every policy; with `learned` (the model has a commit filter, `unmask calibrate`) the learned rule too."""
     base = [
         ("one_token_per_forward", "one token per forward (AR-equivalent)", dict(policy="topk", tokens_per_step=1)),
         ("low_confidence_2", "low-confidence, 2 tokens/step", dict(policy="low_confidence", steps=max(1, block_size // 2))),
@@ -45,6 +46,9 @@ def unmask_variants(block_size: int, bidirectional: bool) -> list[Variant]:
         ("entropy_bounded", "entropy-bounded (0.35 nats)", dict(policy="entropy_bounded")),
         ("credit", "credit decoding (threshold 0.9)", dict(policy="credit", threshold=0.9)),
     ]
+    if learned:
+        base += [(f"learned_{t}", f"learned commit filter, p(final) >= {t}", dict(policy="learned", threshold=t))
+                 for t in (0.9, 0.8)]
     if not bidirectional:  # block-causal: the exact cache is always on, there is no cache switch
         return [Variant(n, lbl, knobs) for n, lbl, knobs in base]
     out = []
@@ -62,8 +66,9 @@ def model_variants(llm, block_size: int, group: str) -> list[Variant]:
 
     llm.engine = Engine(llm.model, llm.spec, llm.tokenizer, max_num_seqs=1, max_batch_tokens=4096,
                         prefix_cache_bytes=0)
+    learned = llm.engine.traits.commit_filter is not None
     return [Variant(f"{group}:{v.name}", f"{group}: {v.label}", v.engine, group=group, llm=llm)
-            for v in unmask_variants(block_size, False)]
+            for v in unmask_variants(block_size, False, learned)]
 
 
 def load_tasks(llm, corpus: Path, sft_heldout: Path, n_next_line: int, n_infill: int) -> tuple[list, dict]:

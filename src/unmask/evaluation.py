@@ -257,6 +257,8 @@ POLICIES = {
     "one_token_per_forward": dict(policy="topk", tokens_per_step=1),
     "threshold_0.9": dict(policy="threshold", threshold=0.9),
     "threshold_0.7": dict(policy="threshold", threshold=0.7),
+    "learned_0.9": dict(policy="learned", threshold=0.9),   # models with a commit filter (`unmask calibrate`)
+    "learned_0.8": dict(policy="learned", threshold=0.8),
 }
 
 
