@@ -1,6 +1,10 @@
 """Drives a Sequence through plan / after_forward / apply without a model: each output position has a fixed token
-and score, whatever the context, so every decision of a policy is known in advance and counts are exact."""
+and a score (fixed, or a function of what is committed), so every decision of a policy is known in advance and
+counts are exact."""
+from typing import Callable
+
 import torch
+from torch import Tensor
 
 from unmask.engine.params import GenerationParams
 from unmask.engine.sequence import ModelTraits, Sequence
@@ -11,22 +15,28 @@ SURE = 10.0    # the wanted token's logit: p = 0.9986 against the runner-up and 
 UNSURE = 1.0   # p = 0.081: under any threshold used here; larger logits rank first
 
 
-def traits(block_size: int = 8) -> ModelTraits:
+def traits(block_size: int = 8, causal_context: bool = False) -> ModelTraits:
     return ModelTraits(attention="block_causal", shift=False, mask_id=MASK, block_size=block_size,
-                       stop_ids=(STOP,), ar_first_token=False, max_context=256)
+                       stop_ids=(STOP,), ar_first_token=False, max_context=256, causal_context=causal_context)
 
 
-def drive(params: GenerationParams, tokens: list[int], scores: list[float], prompt_len: int = 8,
-          block_size: int = 8) -> tuple[Sequence, list[list[int]]]:
+Scores = list[float] | Callable[[Tensor], list[float]]  # or from the output canvas so far ([max_tokens], masks in)
+
+
+def drive(params: GenerationParams, tokens: list[int], scores: Scores, prompt_len: int = 8, block_size: int = 8,
+          causal_context: bool = False, plans: list | None = None) -> tuple[Sequence, list[list[int]]]:
     """Decode until finished; output index i proposes tokens[i] with logit scores[i].
 
-    Returns the sequence and, per forward, the output indices it committed."""
-    seq = Sequence([2 + i % 20 for i in range(prompt_len)], params, traits(block_size))
-    want, score = torch.tensor(tokens), torch.tensor(scores)
+    Returns the sequence and, per forward, the output indices it committed; `plans` collects the step plans."""
+    seq = Sequence([2 + i % 20 for i in range(prompt_len)], params, traits(block_size, causal_context))
+    want = torch.tensor(tokens)
     committed = []
     while seq.finish_reason is None:
         plan = seq.plan(4096)
         seq.after_forward(plan)
+        if plans is not None:
+            plans.append(plan)
+        score = torch.tensor(scores(seq.seq[seq.P:]) if callable(scores) else scores)
         index = plan.targets - seq.P
         logits = torch.zeros(index.numel(), VOCAB)
         logits[:, RUNNER_UP] = 0.5

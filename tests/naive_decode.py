@@ -1,8 +1,9 @@
 """Reference decode for the engine tests: every step recomputes the whole sequence densely, no cache, no fusion.
 
 Written from the rules in docs/decoding.md, not from the engine's code: blocks (absolutely aligned for the
-block-causal families), sub-blocks decoded left to right (`small_block_size`), and the early stop (nothing after
-a committed stop token is decoded; the output ends at the first stop token).
+block-causal families), sub-blocks decoded left to right (`small_block_size`), the next block decoded with the
+active one once enough of that is committed (`multi_block_threshold`), and the early stop (nothing after a
+committed stop token is decoded; the output ends at the first stop token).
 """
 import torch
 
@@ -14,6 +15,7 @@ def naive_generate(model, spec, prompt, params: GenerationParams):
     mask = spec.mask_id
     B = params.block_size or spec.block_size
     S = params.small_block_size or B
+    tau = params.multi_block_threshold
     P, end = len(prompt), len(prompt) + params.max_tokens
     seq = torch.full((end,), mask)
     seq[:P] = torch.tensor(prompt)
@@ -32,15 +34,20 @@ def naive_generate(model, spec, prompt, params: GenerationParams):
             hi = min(lo + S, stop_blk)
             state = BlockState(initial_masked=int((seq[lo:hi] == mask).sum()))
             while True:
-                cap = min(hi, first_stop(stop_blk))
-                targets = (seq[lo:cap] == mask).nonzero(as_tuple=True)[0] + lo if cap > lo else seq[:0]
-                if targets.numel() == 0:
+                tail = stop_blk  # with an open next block (multi-block): its end
+                done = int((seq[start:stop_blk] != mask).sum())
+                if tau is not None and stop_blk < end and done / (stop_blk - start) >= tau:
+                    tail = min(stop_blk + B, end)
+                cap = first_stop(tail)
+                if not (seq[lo:min(hi, cap)] == mask).any():  # the window is complete up to a stop token
                     break
-                L = end if bidir else stop_blk
+                thi = min(tail if tail > stop_blk else hi, cap)
+                targets = (seq[lo:thi] == mask).nonzero(as_tuple=True)[0] + lo
+                L = end if bidir else tail
                 pos = torch.arange(L)
                 if bidir:
                     m = None
-                elif spec.causal_context:  # committed tokens causal, the active block one bidirectional group
+                elif spec.causal_context:  # committed tokens causal, the open block(s) one bidirectional group
                     ids = torch.where(pos < start, pos, start)
                     m = (ids[None, :] <= ids[:, None])[None, None]
                 else:

@@ -80,11 +80,8 @@ class Engine:
             raise ContextLengthError(
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}){suffix} is {total} tokens, "
                 f"over this model's context of {self.traits.max_context}", "max_tokens")
-        if params.small_block_size is not None:  # sub-blocks split a block-causal family's blocks
-            if self.traits.attention != "block_causal" or self.spec.family.sequence_class is not None:
-                raise InvalidRequestError(f"small_block_size needs a block-causal family, not "
-                                          f"{self.spec.family.name}", "small_block_size")
-            params.check_small_block(params.block_size or self.traits.block_size)
+        block_causal = self.traits.attention == "block_causal" and self.spec.family.sequence_class is None
+        params.check_model(self.traits.block_size, block_causal, self.traits.causal_context, self.spec.family.name)
         if params.policy == LEARNED:
             try:
                 flt = self.traits.commit_filter

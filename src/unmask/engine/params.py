@@ -11,6 +11,9 @@ from unmask.errors import InvalidRequestError
 from unmask.structured.spec import StructuredSpec
 
 POLICY_KNOBS = frozenset(f.name for f in fields(PolicyConfig)) - {"name"}  # what its error messages open with
+# policies whose rule reads only the rows' confidences, not a per-block schedule: the ones that can take rows
+# of two blocks at once (multi_block_threshold)
+MULTI_BLOCK_POLICIES = ("threshold", "credit", "factor", "entropy_bounded", "topk")
 
 CacheMode = Literal["auto", "none", "prefix", "dual"]
 
@@ -34,6 +37,7 @@ class GenerationParams:
     entropy_bound: float | None = None  # None: the default (0.35 for entropy_bounded; DiffusionGemma: 0.1)
     block_size: int | None = None       # None: the model's default
     small_block_size: int | None = None  # Fast-dLLM v2 sub-blocks: decode the block's leftmost masked slice only
+    multi_block_threshold: float | None = None  # D2F / d3LLM: decode the next block too once this share is committed
     cache: CacheMode = "auto"           # bidirectional families: none (exact) | prefix | dual
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -95,6 +99,8 @@ class GenerationParams:
                 bad(f"small_block_size must be a positive integer, got {s!r}", "small_block_size")
             if self.block_size is not None:  # else the engine checks it against the model's block size
                 self.check_small_block(self.block_size)
+        if self.multi_block_threshold is not None:
+            self.check_multi_block()
         if self.cache not in ("auto", "none", "prefix", "dual"):
             bad(f"cache must be one of auto, none, prefix, dual; got {self.cache!r}", "cache")
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API also takes it (not its characters)
@@ -158,6 +164,32 @@ class GenerationParams:
         problem = validate_dry(self.dry())
         if problem:
             bad(problem, problem.split(" ", 1)[0])
+
+    def check_multi_block(self) -> None:
+        t, name = self.multi_block_threshold, "multi_block_threshold"
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t <= 1:
+            raise InvalidRequestError(f"{name} must be in (0, 1], got {t!r}", name)
+        if self.small_block_size is not None:  # one narrows the candidates to a slice, the other widens them
+            raise InvalidRequestError(f"{name} cannot be combined with small_block_size", name)
+        if self.policy not in MULTI_BLOCK_POLICIES:
+            raise InvalidRequestError(f"{name} needs a policy without a per-block schedule "
+                                      f"({', '.join(MULTI_BLOCK_POLICIES)}), not {self.policy!r}", name)
+        if self.structured is not None:  # a grammar reads the committed text left to right, one block at a time
+            raise InvalidRequestError(f"{name} cannot be combined with a structured-output constraint", name)
+
+    def check_model(self, block_size: int, block_causal: bool, causal_context: bool, family: str) -> None:
+        """The block options against the model: `block_size` its default block, `block_causal` whether the
+        family decodes block by block with the shared sequence class, `causal_context` whether its committed
+        text attends token-causally (so two open blocks can form one group read over an exact cache)."""
+        if self.small_block_size is not None:
+            if not block_causal:
+                raise InvalidRequestError(f"small_block_size needs a block-causal family, not {family}",
+                                          "small_block_size")
+            self.check_small_block(self.block_size or block_size)
+        if self.multi_block_threshold is not None and not (block_causal and causal_context):
+            raise InvalidRequestError("multi_block_threshold needs a block-causal model with a causal context "
+                                      f"(`causal_context`, as the built-in model); this {family} model has none",
+                                      "multi_block_threshold")
 
     def check_small_block(self, block_size: int) -> None:
         """small_block_size must split the block this request decodes with evenly."""

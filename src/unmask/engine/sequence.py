@@ -124,6 +124,7 @@ class Sequence:
         self.stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(t.stop_ids))
         self.stop_tensor = torch.tensor(sorted(self.stops - {t.mask_id}), dtype=torch.long)  # a mask is no commit
         self.sub = p.small_block_size                 # Fast-dLLM v2 sub-blocks; None: the block is one
+        self.multi = p.multi_block_threshold          # D2F / d3LLM: the next block opens at this committed share
         self.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else torch.seed() % 2**62)
         self.policy = p.policy_config()
         if self.policy.name == LEARNED:  # the filter belongs to the model, the threshold to the request
@@ -165,11 +166,22 @@ class Sequence:
         lo, hi = self._window()
         return int((self.seq[lo:hi] == self.traits.mask_id).sum())
 
+    def view_end(self) -> int:
+        """End of what a step decodes: the active block, and with `multi` the next block too once the active
+        one's committed share reaches it (committing only adds tokens, so once open it stays open)."""
+        if self.multi is None or self.block_end >= self.end:
+            return self.block_end
+        n = self.block_end - self.block_start
+        done = n - int((self.seq[self.block_start:self.block_end] == self.traits.mask_id).sum())
+        return min(self.block_end + self.B, self.end) if done / n >= self.multi else self.block_end
+
     def masked_positions(self) -> Tensor:
-        """This step's targets: the window's masks, minus those after a stop token committed in the block
-        (the output ends at that token, so only the holes before it still matter)."""
+        """This step's targets: the window's masks (with an open next block, its masks too), minus those after
+        a stop token committed there (the output ends at that token, so only the holes before it still matter)."""
         lo, hi = self._window()
-        hi = min(hi, first_stop(self.seq, self.final_end, self.block_end, self.stop_tensor))
+        if self.multi is not None:  # never with sub-blocks: the window is the whole block
+            hi = self.view_end()
+        hi = min(hi, first_stop(self.seq, self.final_end, hi, self.stop_tensor))
         return masked_in(self.seq, lo, hi, self.traits.mask_id)
 
     @property
@@ -196,7 +208,9 @@ class Sequence:
             # no row can predict the block's first token: fail loudly instead of stepping forever
             raise RuntimeError("a shifted model needs the block before the answer in the first pass; "
                                f"the cache already holds {self.cached} tokens")
-        return self._make_plan(self.cached, self.block_end, write=pending, targets=targets)
+        # an open next block rides in the same forward; with a causal context _make_plan groups it with the
+        # active block, and nothing past block_start is written, so the cache stays exact
+        return self._make_plan(self.cached, self.view_end(), write=pending, targets=targets)
 
     def _plan_bidirectional(self) -> StepPlan:
         s = int(self.traits.shift)
@@ -293,24 +307,32 @@ class Sequence:
         return new
 
     def _advance(self) -> list[int]:
+        """Extend the final prefix over what is committed; finish at a stop token or the end; move past
+        complete blocks (a block decoded while the one before was open may be complete already)."""
         mask = self.traits.mask_id
-        old = self.final_end
-        tail = self.seq[old:self.block_end]
-        holes = (tail == mask).nonzero()
-        self.final_end = old + (int(holes[0]) if holes.numel() else tail.numel())
-        new = self.seq[old:self.final_end].tolist()
-        for i, t in enumerate(new):
-            if t in self.stops:
-                self.stop_at = old + i
-                self.final_end = self.stop_at
-                self.finish("stop")
-                return new[:i]
-        if self.final_end >= self.end:
-            self.finish("length")
-        elif self.final_end >= self.block_end:  # block complete: move on; its K/V are written next step
+        new: list[int] = []
+        while True:
+            old = self.final_end
+            tail = self.seq[old:self.block_end]
+            holes = (tail == mask).nonzero()
+            self.final_end = old + (int(holes[0]) if holes.numel() else tail.numel())
+            got = self.seq[old:self.final_end].tolist()
+            for i, t in enumerate(got):
+                if t in self.stops:
+                    self.stop_at = old + i
+                    self.final_end = self.stop_at
+                    self.finish("stop")
+                    return new + got[:i]
+            new += got
+            if self.final_end >= self.end:
+                self.finish("length")
+                return new
+            if self.final_end < self.block_end:
+                break
+            # block complete: move on; its K/V are written next step
             self.block_start, self.block_end = self.block_end, min(self.block_end + self.B, self.end)
             self._open_window()
-        elif self.sub is not None and self._window()[0] != self.window_start:
+        if self.sub is not None and self._window()[0] != self.window_start:
             self._open_window()  # sub-block complete: the next one starts its own schedule
         return new
 
@@ -324,8 +346,8 @@ class Sequence:
         return self.seq[self.P:self.final_end].tolist()
 
     def snapshot(self) -> list[int]:
-        """The committed prefix plus the active block as it stands (masks included)."""
-        return self.seq[self.P:self.block_end].tolist()
+        """The committed prefix plus the active block (and an open next block) as it stands, masks included."""
+        return self.seq[self.P:self.view_end()].tolist()
 
     @property
     def num_generated(self) -> int:

@@ -130,6 +130,7 @@ class GenerationRequest(RequestModel):
     credit_weight: float | None = None
     block_size: int | None = None
     small_block_size: int | None = None
+    multi_block_threshold: float | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
     entropy_bound: float | None = None
@@ -149,7 +150,8 @@ class GenerationRequest(RequestModel):
         effort = self.reasoning_effort
         kw = dict(REASONING_EFFORT[EFFORT_ALIASES.get(effort, effort)]) if effort else {}
         for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "factor", "tokens_per_step",
-                     *POLICY_FIELDS, "block_size", "small_block_size", "min_tokens", *UNIFORM_FIELDS):
+                     *POLICY_FIELDS, "block_size", "small_block_size", "multi_block_threshold",
+                     "min_tokens", *UNIFORM_FIELDS):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -510,7 +512,7 @@ class CompletionChunk(ResponseModel):
 # chat-request fields a /v1/responses request may also set (unmask's and vLLM's extensions): passed through as they are
 RESPONSES_PASSTHROUGH = ("seed", "stop", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
                          "top_k", *DRY_FIELDS, "policy", "threshold", "steps", "factor", "tokens_per_step", *POLICY_FIELDS,
-                         "block_size", "small_block_size", "ignore_eos", "min_tokens",
+                         "block_size", "small_block_size", "multi_block_threshold", "ignore_eos", "min_tokens",
                          *UNIFORM_FIELDS, "regex", "choice", "grammar", "diffusing")
 
 
