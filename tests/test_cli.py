@@ -85,6 +85,21 @@ def test_generate_takes_dry_flags(family_dirs, monkeypatch):
     assert seen[2].dry_multiplier == 0.0 and seen[2].dry_sequence_breakers == ["\n", ":", "\"", "*"]
 
 
+def test_generate_takes_sub_block_and_multi_block_flags(family_dirs, monkeypatch):
+    from unmask.engine import llm as llm_module
+
+    seen = []
+    original = llm_module.LLM.stream  # `unmask generate` streams its answer
+    monkeypatch.setattr(llm_module.LLM, "stream", lambda self, ids, p: seen.append(p) or original(self, ids, p))
+    common = ("generate", "--model", str(family_dirs["sdar"]), "--max-tokens", "8", "--block-size", "4")
+    assert invoke(*common, "--small-block-size", "2", "hi").exit_code == 0
+    assert (seen[0].small_block_size, seen[0].multi_block_threshold) == (2, None)
+    r = invoke(*common, "--small-block-size", "3", "hi")
+    assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1].startswith("error: small_block_size")
+    r = invoke(*common, "--multi-block-threshold", "0.5", "hi")  # SDAR has no causal context
+    assert r.exit_code == 1 and "multi_block_threshold" in r.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("args, message", [
     (("--model", "/no/such/dir"), "error: model directory '/no/such/dir' not found"),
     (("--policy", "bogus"), "error: name: unknown decoding policy 'bogus'"),

@@ -90,6 +90,11 @@ def generate(
     factor: float = typer.Option(1.0, help="f of the factor policy (> 0; larger commits more per step)."),
     entropy_bound: Optional[float] = typer.Option(
         None, help="entropy_bounded policy's bound in nats, >= 0 (default 0.35); DiffusionGemma's acceptance bound."),
+    small_block_size: Optional[int] = typer.Option(
+        None, help="Fast-dLLM v2 sub-blocks: decode only the leftmost slice of this many tokens that has masks "
+                   "(divides the block size; block-causal families)."),
+    multi_block_threshold: Optional[float] = typer.Option(
+        None, help="Start the next block once this share of the active one is committed (causal-context models)."),
     alg_temp: Optional[float] = typer.Option(
         None, help="Dream's policies: > 0 samples the rows to commit from softmax(confidence / alg_temp) (default 0)."),
     credit_decay: Optional[float] = typer.Option(None, help="credit policy: EMA decay in [0, 1] (default 0.8)."),
@@ -128,6 +133,7 @@ def generate(
         knobs = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                      policy=policy, threshold=threshold, block_size=block_size, steps=steps,
                      tokens_per_step=tokens_per_step, factor=factor, entropy_bound=entropy_bound, alg_temp=alg_temp,
+                     small_block_size=small_block_size, multi_block_threshold=multi_block_threshold,
                      credit_decay=credit_decay,
                      credit_gamma=credit_gamma, credit_weight=credit_weight, cache=cache, stop=list(stop),
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
