@@ -55,6 +55,10 @@ def trajectory_rows(trajs: list[Trajectory], seq_len: int, pad_id: int) -> Token
     return TokenRows(torch.tensor(ids_rows, dtype=torch.int32), torch.tensor(mask_rows, dtype=torch.bool))
 
 
+def _say(msg: str) -> None:
+    print(msg, flush=True)  # progress of a long background run must reach its log file as it happens
+
+
 def _file_digest(path: Path | None) -> str | None:
     """Identity of a prompt source: a hash of its bytes (tens of MB: well under a second), so a rebuilt but
     identical corpus keeps the cache and a changed one is refused."""
@@ -88,7 +92,7 @@ def distill(cfg: TrainConfig, model_dir: str | Path, traj: TrajectoryConfig, *, 
     text = Path(text) if text is not None else None
     chat = Path(chat) if chat is not None else None
     ctx = _prepare(cfg)
-    log = print if ctx.main else (lambda _: None)
+    log = _say if ctx.main else (lambda _: None)
     try:
         tm = load_trainable(model_dir)
         tok = Tokenizer(model_dir)
