@@ -224,3 +224,32 @@ def test_cli_distill_runs(tmp_path, base, corpus):
     assert r.exit_code == 0, r.output
     assert "final model in" in r.output and (tmp_path / "run" / "model" / "model.safetensors").is_file()
     assert math.isfinite(json.loads((tmp_path / "run" / "distill.json").read_text())["total_flops"])
+
+
+def _ddp_distill_worker(rank: int, world: int, port: int, out: str, base: str, corpus: str) -> None:
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    res = distill(_cfg(Path(out), total_steps=2), base, TRAJ, text=corpus)
+    Path(out, f"losses{rank}.json").write_text(json.dumps(res.losses))
+
+
+def test_ddp_two_processes_share_the_shards_and_match_one(tmp_path, base, corpus):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    single = distill(_cfg(tmp_path / "one", total_steps=2), base, TRAJ, text=corpus)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp"
+    mp.spawn(_ddp_distill_worker, args=(2, port, str(out), str(base), str(corpus)), nprocs=2, join=True)
+    for r in range(2):
+        assert json.loads((out / f"losses{r}.json").read_text()) == pytest.approx(single.losses, abs=1e-6)
+    # the shards two ranks generated (rank i mod 2) hold what one process generated
+    for name in ("shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"):
+        one = [json.loads(x) for x in (tmp_path / "one" / "trajectories" / name).read_text().splitlines()[:-1]]
+        two = [json.loads(x) for x in (out / "trajectories" / name).read_text().splitlines()[:-1]]
+        assert [(t["prompt"], t["answer"]) for t in one] == [(t["prompt"], t["answer"]) for t in two]
