@@ -377,6 +377,7 @@ def distill(
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help=BF16_HELP, show_default=False),
     next_token_weight: float = typer.Option(1.0, min=0.0, help=NEXT_TOKEN_HELP + " Models without one ignore it."),
+    suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
 ):
     """Distil a model for parallel decoding: train it on a teacher's answers (self-distillation by default) with
     certainty forcing, so it commits more tokens per forward (docs/training.md, "Distillation")."""
@@ -398,6 +399,7 @@ def distill(
                             lora_rank=lora_rank, block_sizes=block_sizes, overwrite=overwrite)
         cfg.compile, cfg.bf16 = compile, bf16
         cfg.confidence_weight, cfg.next_token_weight = confidence_weight, next_token_weight
+        cfg.suffix_fraction = suffix_fraction
         cfg.mix_fraction = _mix_fraction(mix_text, mix_fraction)
         with _plain_warnings():
             res = run_distill(cfg, model, traj, text=text, chat=chat, teacher_dir=teacher, teacher_dtype=teacher_dtype,
