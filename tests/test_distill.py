@@ -130,6 +130,8 @@ def test_distill_caches_trajectories_counts_compute_and_exports_a_loadable_model
     n = report["parameters"]
     assert report["student"]["flops"] == 6 * n * report["student"]["trained_positions"]
     assert report["total_flops"] == report["teacher"]["flops"] + report["student"]["flops"]
+    assert report["teacher"]["parameters"] == n  # self-distillation: the teacher is the model
+    assert report["teacher"]["flops"] == 2 * n * report["teacher"]["tokens_fed"]
     # the distilled checkpoint loads where the base did, in its format, with the weights the run trained
     loaded, spec = load_model(res.model_dir, dtype="float32")
     assert spec.family.name == "unmask"

@@ -104,7 +104,9 @@ def distill(cfg: TrainConfig, model_dir: str | Path, traj: TrajectoryConfig, *, 
             raise DataError(f"teacher {teacher} numbers tokens differently from {model_dir}: a student learns "
                             "from the teacher's token ids, so both need one tokenizer")
         # the teacher's weights identify the cache; a self-distilled run's are the student's before training
-        teacher_weights = weights_digest(tm.model if teacher_dir is None else load_trainable(teacher).model)
+        teacher_model = tm.model if teacher_dir is None else load_trainable(teacher).model
+        teacher_weights, teacher_params = weights_digest(teacher_model), count_params(teacher_model)
+        del teacher_model
         max_prompt = cfg.seq_len - traj.max_tokens - 1
         if max_prompt < 1:
             raise TrainConfigError(f"seq_len {cfg.seq_len} leaves no room for a prompt before {traj.max_tokens} "
@@ -140,7 +142,8 @@ def distill(cfg: TrainConfig, model_dir: str | Path, traj: TrajectoryConfig, *, 
         n_params = count_params(tm.model)
         res = run(cfg, _maybe_lora(tm, cfg), obj, rows, eval_rows, None, ctx, on_step)
         if ctx.main:
-            write_report(Path(cfg.out_dir), cfg, teacher, teacher_cost, n_params, res, two_stream=obj.block_sizes is not None)
+            write_report(Path(cfg.out_dir), cfg, teacher, teacher_cost, teacher_params, n_params, res,
+                         two_stream=obj.block_sizes is not None)
     except BaseException:
         _finish(ctx, failed=True)
         raise
@@ -148,15 +151,15 @@ def distill(cfg: TrainConfig, model_dir: str | Path, traj: TrajectoryConfig, *, 
     return res
 
 
-def write_report(out: Path, cfg: TrainConfig, teacher: Path, cost: TeacherCost, n_params: int, res: TrainResult,
-                 two_stream: bool) -> dict:
+def write_report(out: Path, cfg: TrainConfig, teacher: Path, cost: TeacherCost, teacher_params: int, n_params: int,
+                 res: TrainResult, two_stream: bool) -> dict:
     """distill.json: what the teacher's answers and the student's training cost, in tokens and estimated FLOPs
     (2 N per position of a forward, 6 N per trained position: the usual dense-transformer estimate)."""
     positions = res.steps * cfg.batch_size * cfg.seq_len * (2 if two_stream else 1)  # [x_t ; x_0] rows
     report = {
-        "teacher": {"model": str(teacher), **asdict(cost),
+        "teacher": {"model": str(teacher), "parameters": teacher_params, **asdict(cost),
                     "tokens_per_forward": cost.answer_tokens / max(cost.forwards, 1),
-                    "flops": 2 * n_params * cost.tokens_fed},
+                    "flops": 2 * teacher_params * cost.tokens_fed},
         "student": {"steps": res.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
                     "trained_positions": positions, "flops": 6 * n_params * positions,
                     "confidence_weight": cfg.confidence_weight, "lr": cfg.lr, "lora_rank": cfg.lora_rank},
