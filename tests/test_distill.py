@@ -197,8 +197,10 @@ def test_public_block_causal_family_distils_full_or_lora(tmp_path, tokdir, chat_
                   chat=chat_file)
     loaded, spec = load_model(res.model_dir, dtype="float32")
     assert spec.family.name == "sdar"
-    ids = torch.randint(16, 60, (2, 16))
-    assert torch.allclose(logits_all(res.model, ids), logits_all(loaded, ids), atol=1e-5)
+    ids = torch.randint(16, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    # LoRA: the export merges W + B A alpha / r, whose float32 rounding differs from the unmerged sum by ~1e-5
+    # after a run at this lr; a wrong merge would differ by the whole delta
+    assert torch.allclose(logits_all(res.model, ids), logits_all(loaded, ids), atol=1e-4 if lora else 1e-5)
     key = "model.layers.0.self_attn.q_proj.weight"
     from safetensors import safe_open
     with safe_open(str(res.model_dir / "model.safetensors"), "pt") as fh:
