@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_train import CHAT, FIM, SDAR_CFG, _cli, _one_line_error, _tiny_family_checkpoint, logits_all, tiny_cfg, \
-    tiny_model, tokdir, write_corpus  # noqa: F401 (tokdir: a fixture)
+from test_train import CHAT, FIM, SDAR_CFG, _cli, _one_line_error, _tiny_family_checkpoint, join_ddp, logits_all, \
+    spawn_ddp, tiny_cfg, tiny_model, tokdir, write_corpus  # noqa: F401 (tokdir: a fixture)
 from unmask.models.loader import load_model
 from unmask.train.data import DataError
 from unmask.train.distill import distill, trajectory_rows
@@ -231,27 +231,16 @@ def test_cli_distill_runs(tmp_path, base, corpus):
 
 
 def _ddp_distill_worker(rank: int, world: int, port: int, out: str, base: str, corpus: str) -> None:
-    import os
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    join_ddp(rank, world, port)
     res = distill(_cfg(Path(out), total_steps=2), base, TRAJ, text=corpus)
     Path(out, f"losses{rank}.json").write_text(json.dumps(res.losses))
 
 
 def test_ddp_two_processes_share_the_shards_and_match_one(tmp_path, base, corpus):
-    import socket
-
-    import torch.multiprocessing as mp
-
     single = distill(_cfg(tmp_path / "one", total_steps=2), base, TRAJ, text=corpus)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "ddp"
-    mp.spawn(_ddp_distill_worker, args=(2, port, str(out), str(base), str(corpus)), nprocs=2, join=True)
-    for r in range(2):
-        assert json.loads((out / f"losses{r}.json").read_text()) == pytest.approx(single.losses, abs=1e-6)
+    for losses in spawn_ddp(_ddp_distill_worker, out, str(base), str(corpus)):
+        assert losses == pytest.approx(single.losses, abs=1e-6)
     # the shards two ranks generated (rank i mod 2) hold what one process generated
     for name in ("shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"):
         one = [json.loads(x) for x in (tmp_path / "one" / "trajectories" / name).read_text().splitlines()[:-1]]

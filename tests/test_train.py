@@ -454,25 +454,34 @@ def test_grad_accum_matches_one_batch(tmp_path, tokdir, corpus):
     assert acc.losses == pytest.approx(one.losses, abs=1e-6)
 
 
-def _ddp_worker(rank: int, world: int, port: int, out: str, tokdir: str, corpus: str) -> None:
+def join_ddp(rank: int, world: int, port: int) -> None:
+    """In a spawned worker: the environment torchrun would give rank `rank` of `world` on loopback."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+
+
+def spawn_ddp(worker, out: Path, *args) -> list[list[float]]:
+    """Run `worker(rank, 2, port, out, *args)` in two processes; each writes out/losses{rank}.json."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(2, port, str(out), *args), nprocs=2, join=True)
+    return [json.loads((out / f"losses{r}.json").read_text()) for r in range(2)]
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str, tokdir: str, corpus: str) -> None:
+    join_ddp(rank, world, port)
     res = train(tiny_cfg(Path(out), total_steps=2), corpus, tokdir)
     Path(out, f"losses{rank}.json").write_text(json.dumps(res.losses))
 
 
 def test_ddp_two_processes_match_one(tmp_path, tokdir, corpus):
-    import torch.multiprocessing as mp
-
     single = train(tiny_cfg(tmp_path / "one", total_steps=2), corpus, tokdir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "ddp"
-    mp.spawn(_ddp_worker, args=(2, port, str(out), str(tokdir), str(corpus)), nprocs=2, join=True)
-    for r in range(2):
-        losses = json.loads((out / f"losses{r}.json").read_text())
+    for losses in spawn_ddp(_ddp_worker, out, str(tokdir), str(corpus)):
         assert losses == pytest.approx(single.losses, abs=1e-6)  # step 2 runs on updated weights
     assert (out / "model" / "model.safetensors").is_file()
 
