@@ -646,7 +646,7 @@ def test_sft_packing_fills_rows_and_keeps_each_answer_terminated():
 
 def test_mix_rows_adds_text_rows_at_the_asked_share():
     from unmask.train.data import TokenRows
-    from unmask.train.trainer import mix_rows
+    from unmask.train.data import mix_rows
 
     sft = TokenRows(torch.zeros(6, 8, dtype=torch.int32), torch.tensor([[False] * 4 + [True] * 4] * 6))
     text = TokenRows(torch.arange(40, dtype=torch.int32).view(5, 8) + 100)

@@ -190,3 +190,14 @@ def load_pretraining(data: Path, tokenizer, seq_len: int, sep_id: int, cache_dir
         s = stream(held)
         eval_rows = pack_stream(s, seq_len) if len(s) >= seq_len else None
     return rows, eval_rows
+
+
+def mix_rows(sft: TokenRows, text: TokenRows, fraction: float, seed: int) -> TokenRows:
+    """SFT rows plus enough plain-text rows (drawn without replacement, seeded) that they make up
+    `fraction` of the result; text rows are loss-eligible everywhere. Capped by the text available."""
+    want = round(len(sft) * fraction / (1.0 - fraction))
+    take = torch.randperm(len(text), generator=torch.Generator().manual_seed(seed))[: min(want, len(text))]
+    ids = torch.cat([sft.ids, text.ids[take].to(sft.ids.dtype)])
+    sft_mask = sft.loss_mask if sft.loss_mask is not None else torch.ones_like(sft.ids, dtype=torch.bool)
+    mask = torch.cat([sft_mask, torch.ones(len(take), text.seq_len, dtype=torch.bool)])
+    return TokenRows(ids, mask)

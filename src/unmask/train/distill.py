@@ -24,11 +24,11 @@ from typing import Callable
 import torch
 
 from unmask.tokenizer import Tokenizer
-from unmask.train.data import DataError, TokenRows, load_pretraining
+from unmask.train.data import DataError, TokenRows, load_pretraining, mix_rows
 from unmask.train.model_init import count_params, load_trainable
 from unmask.train.sft import SFTEncoder
 from unmask.train.trainer import (TrainConfig, TrainConfigError, TrainResult, _check_vocab, _finish, _maybe_lora,
-                                  _objective, _prepare, _special_ids, mix_rows, run)
+                                  _objective, _prepare, _special_ids, run)
 from unmask.train.trajectories import (FORMAT, TeacherCost, Trajectory, TrajectoryCache, TrajectoryConfig,
                                        draw_prompts, generate_missing, read_all, tokenizer_digest, weights_digest)
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import shutil
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -30,11 +28,12 @@ from unmask.models.transformer import DiffusionTransformer
 from unmask.tokenizer import Tokenizer
 from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, clear_leftovers, ensure_writable, export_model,
                                      load_checkpoint, rng_state, save_adapter, save_checkpoint, set_rng_state)
-from unmask.train.data import BatchIterator, DataError, TokenRows, eval_batches, load_pretraining
+from unmask.train.data import BatchIterator, DataError, TokenRows, eval_batches, load_pretraining, mix_rows
 from unmask.train.model_init import (ModelShape, TrainableModel, TrainConfigError, apply_lora, count_params,
                                      fresh_model, frozen_fingerprint, load_trainable, shape_config, trainable_state)
 from unmask.train.objectives import Noise, Objective, diffusion_loss_sum, draw_noise, loss_eligible
 from unmask.train.precision import use_bf16
+from unmask.train.processes import _Dist, _init_dist, _Reporter
 from unmask.train.sft import SFTEncoder, load_sft
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16, 32)
@@ -148,81 +147,6 @@ class TrainResult:
     eval_losses: list[tuple[int, float]]
     tokens_per_s: float                # data tokens (not the doubled input) per second of training
     model: nn.Module | None = None     # the trained model (canonical layout, LoRA layers if any)
-
-
-# ------------------------------------------------------------------ processes and progress
-
-@dataclass
-class _Dist:
-    rank: int
-    world: int
-    device: torch.device
-    owns_group: bool
-    created: Path | None = None        # the folder this run created for out_dir (removed if it fails early)
-    started: bool = False              # the first training step has begun
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def sum(self, values: list[float]) -> list[float]:
-        if self.world == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-
-def _init_dist(device: str) -> _Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    owns = False
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-        owns = True
-    rank = dist.get_rank() if world > 1 else 0
-    dev = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if device == "cuda" else device)
-    return _Dist(rank, world, dev, owns)
-
-
-class _Reporter:
-    """A live rich progress bar on a terminal, plain log lines otherwise; silent off rank 0."""
-
-    def __init__(self, cfg: TrainConfig, enabled: bool, start: int):
-        self.every, self.total, self.start = cfg.log_every, cfg.total_steps, start
-        mode = cfg.progress if enabled else "none"
-        if mode == "auto":
-            mode = "rich" if sys.stdout.isatty() else "plain"
-        self.mode, self.bar = mode, None
-        if mode == "rich":
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-                                TextColumn("eta"), TimeRemainingColumn())
-            self.task = self.bar.add_task("train", total=self.total, completed=start, loss=float("nan"), tps=0.0)
-            self.bar.start()
-
-    def log(self, msg: str) -> None:
-        if self.mode == "rich":
-            self.bar.console.print(msg)
-        elif self.mode == "plain":
-            print(msg, flush=True)
-
-    def step(self, step: int, loss: float, lr: float, tps: float, eta_s: float) -> None:
-        if self.mode == "rich":
-            self.bar.update(self.task, completed=step, loss=loss, tps=tps)
-        elif self.mode == "plain" and (step % self.every == 0 or step == self.total):
-            eta = time.strftime("%H:%M:%S", time.gmtime(max(0.0, eta_s)))
-            print(f"step {step}/{self.total} loss {loss:.4f} lr {lr:.2e} {tps:,.0f} tok/s eta {eta}", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 # ------------------------------------------------------------------ the loop
@@ -667,17 +591,6 @@ def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *,
         raise
     _finish(ctx)
     return res
-
-
-def mix_rows(sft: TokenRows, text: TokenRows, fraction: float, seed: int) -> TokenRows:
-    """SFT rows plus enough plain-text rows (drawn without replacement, seeded) that they make up
-    `fraction` of the result; text rows are loss-eligible everywhere. Capped by the text available."""
-    want = round(len(sft) * fraction / (1.0 - fraction))
-    take = torch.randperm(len(text), generator=torch.Generator().manual_seed(seed))[: min(want, len(text))]
-    ids = torch.cat([sft.ids, text.ids[take].to(sft.ids.dtype)])
-    sft_mask = sft.loss_mask if sft.loss_mask is not None else torch.ones_like(sft.ids, dtype=torch.bool)
-    mask = torch.cat([sft_mask, torch.ones(len(take), text.seq_len, dtype=torch.bool)])
-    return TokenRows(ids, mask)
 
 
 def _special_ids(tok) -> dict[str, int | None]:
