@@ -65,7 +65,7 @@ from unmask.tokenizer import Tokenizer  # noqa: E402
 from unmask.train.data import BatchIterator, TokenRows, eval_batches, load_pretraining, pack_documents  # noqa: E402
 from unmask.train.precision import bf16_is_fast  # noqa: E402
 from unmask.train.sft import SFTEncoder, load_sft  # noqa: E402
-from unmask.train.trainer import mix_rows  # noqa: E402
+from unmask.train.data import mix_rows  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
