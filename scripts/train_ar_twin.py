@@ -62,10 +62,10 @@ if str(ROOT / "src") not in sys.path:
 
 from unmask.models.loader import load_spec  # noqa: E402
 from unmask.tokenizer import Tokenizer  # noqa: E402
-from unmask.train.data import BatchIterator, TokenRows, eval_batches, load_pretraining, pack_documents  # noqa: E402
+from unmask.train.data import (BatchIterator, TokenRows, eval_batches, load_pretraining, mix_rows,  # noqa: E402
+                               pack_documents)
 from unmask.train.precision import bf16_is_fast  # noqa: E402
 from unmask.train.sft import SFTEncoder, load_sft  # noqa: E402
-from unmask.train.data import mix_rows  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
