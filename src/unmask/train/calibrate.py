@@ -140,27 +140,27 @@ def calibrate_model(model_dir: str | Path, text: Path | None, chat: Path | None,
                     device: str = "auto", log=print) -> tuple[CommitFilter, dict]:
     """Generate the model's own one-token-per-forward answers to `prompts` prompts, replay them, fit the filter."""
     from unmask.engine.llm import LLM
-    from unmask.train.model_init import load_trainable
     from unmask.train.sft import SFTEncoder
     from unmask.train.trajectories import TrajectoryConfig, draw_prompts, generate
 
-    tm = load_trainable(model_dir)
-    if tm.family.attention == "bidirectional":
-        raise ValueError(f"calibrate replays block-causal decoding; {tm.family.name} is bidirectional")
+    # one float32 copy serves both the decoding and its replay (which needs no gradients)
     llm = LLM(model_dir, dtype="float32", device=device)
-    block = block or llm.spec.block_size
+    spec = llm.spec
+    if spec.family.attention != "block_causal" or spec.family.sequence_class is not None:
+        raise ValueError(f"calibrate replays block-causal decoding; {spec.family.name} is not block-causal")
+    if spec.eos_id is None:
+        raise ValueError(f"{spec.path}: no eos_token_id in config.json or generation_config.json")
+    block = block or spec.block_size
     traj_cfg = TrajectoryConfig(prompts=prompts, max_tokens=answer_tokens, block_size=block, seed=seed)
-    max_prompt = min(max_prompt, llm.spec.max_context - answer_tokens)
+    max_prompt = min(max_prompt, spec.max_context - answer_tokens)
     if max_prompt < 1:
         raise ValueError(f"answer_tokens {answer_tokens} leaves no room for a prompt in the model's context "
-                         f"({llm.spec.max_context})")
-    drawn = draw_prompts(traj_cfg, llm.tokenizer, text, chat, SFTEncoder(llm.tokenizer, tm.eos_id, tm.stop_ids),
+                         f"({spec.max_context})")
+    drawn = draw_prompts(traj_cfg, llm.tokenizer, text, chat, SFTEncoder(llm.tokenizer, spec.eos_id, spec.stop_ids),
                          max_prompt)
     trajs, cost = generate(llm.engine, drawn, traj_cfg.params())
     log(f"calibrate: {len(trajs)} answers, {cost.answer_tokens:,} tokens in {cost.seconds:.0f} s; replaying them")
-    obj = Objective(mask_id=tm.mask_id, block_sizes=(block,), shift=tm.family.shifted(tm.config),
-                    causal_context=tm.family.causal_context(tm.config))
-    model = tm.model.to(next(llm.model.parameters()).device)
-    flt, stats = calibrate(model, obj, trajs, block, tm.eos_id)
+    obj = Objective(mask_id=spec.mask_id, block_sizes=(block,), shift=spec.shift, causal_context=spec.causal_context)
+    flt, stats = calibrate(llm.model, obj, trajs, block, spec.eos_id)
     stats.update(prompts=len(trajs), block_size=block, answer_tokens=cost.answer_tokens)
     return flt, stats
