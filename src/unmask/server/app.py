@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from unmask.errors import UnmaskError
+from unmask.server import logsafe, openapi
 from unmask.server.metrics import Metrics
 from unmask.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EditRequest,
                                     FIMCompletionRequest, ResponsesRequest, TokenizeRequest)
@@ -221,10 +222,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return await api_error(request, validation_error(exc))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return await api_error(request, APIError(exc.status_code, str(exc.detail)))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:   # Starlette names the route's methods in Allow (an unordered set)
+            headers["Allow"] = ", ".join(sorted(m.strip() for m in headers.get("Allow", "").split(",") if m.strip()))
+            return await api_error(request, APIError(
+                405, f"method {request.method} is not allowed here; allowed: {headers['Allow']}",
+                code="method_not_allowed", headers=headers))
+        return await api_error(request, APIError(exc.status_code, str(exc.detail), headers=headers))
 
     async def unexpected(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        logger.exception("unhandled error in %s %s", request.method, logsafe.clean(request.url.path, 200))
         return await api_error(request, APIError(500, "internal server error"))
 
     app.add_exception_handler(APIError, api_error)
@@ -251,6 +258,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     app.state.metrics = Metrics()
     app.state.on_fatal = on_fatal
     app.include_router(router)
+    openapi.install(app)
     install_error_handlers(app)
     # the last added middleware runs first: CORS (answers preflights), then the key, then the size
     app.add_middleware(BodyLimitMiddleware, limit=args.max_body_bytes, metrics=app.state.metrics)

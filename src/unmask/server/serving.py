@@ -19,14 +19,14 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from itertools import groupby
 
-import jinja2
 from pydantic import BaseModel
 
 from unmask.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from unmask.engine.llm import LLM
 from unmask.engine.outputs import StepOutput
 from unmask.engine.params import GenerationParams, sampling_defaults
-from unmask.errors import InvalidRequestError, ModelLoadError, UnmaskError
+from unmask.errors import InvalidRequestError, UnmaskError
+from unmask.server import chat_history, logsafe
 from unmask.server.metrics import Metrics
 from unmask.server.protocol import (
     APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -87,6 +87,12 @@ class ChoiceState:
             self.finish_reason = out.finish_reason
 
 
+
+
+def log_ignored_fields(req: BaseModel) -> None:
+    """Log the unknown fields a request carries (their names escaped and capped: clients choose them)."""
+    if req.model_extra:
+        logger.info("ignoring unknown request fields: %s", logsafe.names(sorted(req.model_extra)))
 
 
 def sse(obj: BaseModel | str) -> str:
@@ -153,12 +159,10 @@ class OpenAIServing:
         """The plan (tools, constraint, parser) and the prompt token ids a chat request is answered from."""
         if not req.messages:
             raise APIError(400, f"{param} must not be empty", param=param)
+        chat_history.check_tool_calls(req.messages, param)
         plan = self._chat_plan(req)
-        try:
-            text = self.tok.apply_chat_template(plan.messages, tools=plan.template_tools,
-                                                add_generation_prompt=add_generation_prompt)
-        except (ModelLoadError, jinja2.TemplateError) as e:
-            raise APIError(400, f"cannot apply the chat template: {e}", param=param) from None
+        text = chat_history.render(self.tok, plan.messages, plan.template_tools, add_generation_prompt, param,
+                                   source=req.messages if param == "messages" else None)  # else not the client's
         return plan, self.tok.encode(text)
 
     # ------------------------------------------------------------------ tokenizer
@@ -241,8 +245,7 @@ class OpenAIServing:
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported")
-        if req.ignored_fields():
-            logger.info("ignoring unknown request fields: %s", ", ".join(req.ignored_fields()))
+        log_ignored_fields(req)
 
     def _jobs(self, prompts: list[list[int]], req, prompt_param: str,
               structured: StructuredSpec | None = None) -> list[Job]:

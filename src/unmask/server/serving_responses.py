@@ -15,7 +15,6 @@ response.failed. Nothing is stored: previous_response_id, conversation and backg
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
 import uuid
@@ -29,14 +28,12 @@ from unmask.engine.params import GenerationParams
 from unmask.server.protocol import (APIError, ChatCompletionRequest, DiffusingFrame, ResponseFunctionCallItem,
                                     ResponseMessageItem, ResponseObject, ResponseOutputText, ResponsesRequest,
                                     ResponseUsage, TokenLogprob, Usage)
-from unmask.server.serving import ChatFormat, ChoiceState, Disconnected, OpenAIServing
+from unmask.server.serving import ChatFormat, ChoiceState, Disconnected, OpenAIServing, log_ignored_fields
 from unmask.structured.tools import ToolParser, parse_tool_calls
 from unmask.tokenizer import IncrementalDecoder
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-
-logger = logging.getLogger("unmask.server")
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -188,8 +185,7 @@ class ResponsesServing:
             raise APIError(400, bad[1], param=bad[0], code="unsupported")
         chat = to_chat_request(req)
         self.s._validate(chat)
-        if req.ignored_fields():
-            logger.info("ignoring unknown request fields: %s", ", ".join(req.ignored_fields()))
+        log_ignored_fields(req)
         try:
             plan, prompts, jobs = self.s.chat_jobs(chat, param="input")
         except APIError as e:

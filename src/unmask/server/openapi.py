@@ -1,0 +1,150 @@
+"""The OpenAPI document at /openapi.json, made to say what the server really sends.
+
+FastAPI's own document declares 200 (with an empty schema) and 422 for every route. This server answers
+validation errors with 400 and every error in OpenAI's envelope, streams as `text/event-stream`, serves
+`/metrics` as Prometheus text, and builds its JSON answers itself. `OPERATIONS` lists, per route and
+method, the operation id (unique, as client generators need), the 200 body and the error statuses it can
+answer; `install` replaces FastAPI's generator with one that applies the table. Statuses every route can
+answer (401 with API keys set, except on the open paths; 413 over the body limit) are added to all.
+
+Not declared: 405 (an undeclared method is no operation; the answer carries `Allow`) and 499 (logged and
+counted for a non-streamed request whose client went away: no client is left to read it). 500 is never
+meant to be sent; the fuzz target (tests/test_fuzz.py) checks that none is.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from unmask.server.protocol import (ERROR_TYPES, ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
+                                    EditCompletionResponse, ErrorResponse, ModelCard, ModelList, ResponseObject,
+                                    TokenizeResponse)
+from unmask.server.security import OPEN_PATHS
+
+REF = "#/components/schemas/{model}"
+HEALTH = {"type": "object", "required": ["status"],
+          "properties": {"status": {"type": "string", "enum": ["ok", "loading", "error"]}}}
+
+
+@dataclass(frozen=True)
+class Operation:
+    operation_id: str
+    body: type[BaseModel] | None     # the 200 JSON body
+    errors: tuple[int, ...] = ()     # besides 401 and 413
+    stream: bool = False             # with `stream: true` the 200 is text/event-stream
+    text: bool = False               # the 200 is Prometheus text
+    summary: str = ""
+
+
+GENERATE = (400, 404, 429, 503)      # generation routes: bad input, unknown model, queue full, loading / dead
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("/v1/chat/completions", "post"): Operation("createChatCompletion", ChatCompletionResponse, GENERATE, True,
+                                                summary="Chat completion, streamed or not"),
+    ("/v1/completions", "post"): Operation("createCompletion", CompletionResponse, GENERATE, True,
+                                           summary="Text completion; with suffix, fill in the middle"),
+    ("/v1/fim/completions", "post"): Operation("createFimCompletion", CompletionResponse, GENERATE, True,
+                                               summary="Fill in the middle"),
+    ("/v1/apply/completions", "post"): Operation("createApplyCompletion", ChatCompletionResponse, GENERATE, True,
+                                                 summary="Merge an update snippet into code"),
+    ("/v1/edit/completions", "post"): Operation("createEditCompletion", EditCompletionResponse, GENERATE, True,
+                                                summary="Next edit around the cursor"),
+    ("/v1/responses", "post"): Operation("createResponse", ResponseObject, GENERATE, True,
+                                         summary="Responses API (stateless)"),
+    ("/v1/responses/{response_id}", "get"): Operation("getResponse", None, (404,),
+                                                      summary="Always 404: nothing is stored"),
+    ("/v1/responses/{response_id}", "post"): Operation("postResponse", None, (404,),
+                                                       summary="Always 404 (.../cancel): nothing is stored"),
+    ("/v1/responses/{response_id}", "delete"): Operation("deleteResponse", None, (404,),
+                                                         summary="Always 404: nothing is stored"),
+    ("/v1/models", "get"): Operation("listModels", ModelList, (503,), summary="The served model"),
+    ("/v1/models/{model_id}", "get"): Operation("retrieveModel", ModelCard, (404, 503), summary="One model"),
+    ("/tokenize", "post"): Operation("tokenize", TokenizeResponse, (400, 404, 503),
+                                     summary="The token ids an endpoint feeds the model"),
+    ("/detokenize", "post"): Operation("detokenize", DetokenizeResponse, (400, 404, 503), summary="Ids to text"),
+    ("/health", "get"): Operation("getHealth", None, (503,), summary="200 ready, 503 loading or engine dead"),
+    ("/health", "head"): Operation("headHealth", None, (503,), summary="Status code only"),
+    ("/metrics", "get"): Operation("getMetrics", None, text=True, summary="Prometheus metrics"),
+}
+
+ERROR_DESCRIPTIONS = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Not found",
+                      413: "Request body over --max-body-bytes", 429: "Server busy: retry after Retry-After seconds",
+                      503: "Model loading, engine dead or shutting down"}
+ERROR_HEADERS = {
+    401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
+    429: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds to wait before retrying"}},
+}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _ok(op: Operation, refs: dict[type[BaseModel], dict], path: str) -> dict[str, Any]:
+    if op.text:
+        return {"description": "Prometheus text exposition format",
+                "content": {"text/plain": {"schema": {"type": "string"}}}}
+    if path == "/health":
+        return {"description": "Ready", "content": _json(HEALTH)}
+    content = _json(refs[op.body] if op.body else {})
+    if op.stream:
+        content["text/event-stream"] = {"schema": {"type": "string", "description": "Server-sent events: `data:` "
+                                                   "lines (typed `event:` lines on /v1/responses)"}}
+    return {"description": "Success (`text/event-stream` when the request sets `stream: true`)" if op.stream
+            else "Success", "content": content}
+
+
+def _error(status: int, path: str, envelope: dict) -> dict[str, Any]:
+    if path == "/health" and status == 503:   # the probe's own shape, not the error envelope
+        return {"description": "Loading, or the engine is dead", "content": _json(HEALTH)}
+    out = {"description": f"{ERROR_DESCRIPTIONS[status]} (error type `{ERROR_TYPES[status]}`)",
+           "content": _json(envelope)}
+    if status in ERROR_HEADERS:
+        out["headers"] = ERROR_HEADERS[status]
+    return out
+
+
+def build(app: FastAPI) -> dict[str, Any]:
+    """The document: FastAPI's paths and request schemas, with the responses and ids of `OPERATIONS`."""
+    with warnings.catch_warnings():   # FastAPI's own ids repeat on multi-method routes; replaced below
+        warnings.filterwarnings("ignore", "Duplicate Operation ID")
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes, description=app.description)
+    models = sorted({op.body for op in OPERATIONS.values() if op.body} | {ErrorResponse}, key=lambda m: m.__name__)
+    refs, defs = models_json_schema([(m, "serialization") for m in models], ref_template=REF)
+    refs = {m: refs[(m, "serialization")] for m in models}
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):   # 422 is never sent (validation errors are 400)
+        schemas.pop(name, None)
+    for name, schema in defs.get("$defs", {}).items():
+        if name in schemas and schemas[name] != schema:
+            raise RuntimeError(f"OpenAPI schema name {name!r} is both a request and a response type")
+        schemas[name] = schema
+    seen: set[str] = set()
+    for path, methods in doc["paths"].items():
+        for method, operation in methods.items():
+            op = OPERATIONS.get((path, method)) or Operation(f"{operation['operationId']}_{method}", None, (400, 503))
+            if op.operation_id in seen:
+                raise RuntimeError(f"duplicate OpenAPI operation id {op.operation_id!r}")
+            seen.add(op.operation_id)
+            operation["operationId"] = op.operation_id
+            if op.summary:
+                operation["summary"] = op.summary
+            statuses = sorted({*op.errors, 413} | ({401} if path not in OPEN_PATHS else set()))
+            ok = {"200": _ok(op, refs, path)} if op.body or op.text or path == "/health" else {}  # else never 200
+            operation["responses"] = {**ok, **{str(s): _error(s, path, refs[ErrorResponse]) for s in statuses}}
+    return doc
+
+
+def install(app: FastAPI) -> None:
+    """Serve `build(app)` (built once, on the first request for it) as /openapi.json."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
