@@ -62,9 +62,21 @@ def generate(
         None, help="entropy_bounded policy's bound in nats, >= 0 (default 0.35); DiffusionGemma's acceptance bound."),
     small_block_size: Optional[int] = typer.Option(
         None, help="Fast-dLLM v2 sub-blocks: decode only the leftmost slice of this many tokens that has masks "
-                   "(divides the block size; block-causal families)."),
+                   "(divides the block size; block-causal families; default: the model's, Fast-dLLM v2 8; "
+                   "the block size turns it off)."),
     multi_block_threshold: Optional[float] = typer.Option(
         None, help="Start the next block once this share of the active one is committed (causal-context models)."),
+    greedy_filters: Optional[bool] = typer.Option(
+        None, "--greedy-filters/--no-greedy-filters",
+        help="At temperature 0, read confidences from the top-k / top-p filtered softmax (default: the model's; "
+             "Dream: on)."),
+    empty_steps: Optional[bool] = typer.Option(
+        None, "--empty-steps/--no-empty-steps",
+        help="Dream's schedules may commit nothing on a step, as the reference does (default: the model's; Dream: on)."),
+    full_last_block: Optional[bool] = typer.Option(
+        None, "--full-last-block/--no-full-last-block",
+        help="Decode the last block at full size and cut the output at --max-tokens afterwards (SDAR's and "
+             "LLaDA2's references; block-causal families; default off)."),
     alg_temp: Optional[float] = typer.Option(
         None, help="Dream's policies: > 0 samples the rows to commit from softmax(confidence / alg_temp) (default 0)."),
     credit_decay: Optional[float] = typer.Option(None, help="credit policy: EMA decay in [0, 1] (default 0.8)."),
@@ -104,6 +116,7 @@ def generate(
                      policy=policy, threshold=threshold, block_size=block_size, steps=steps,
                      tokens_per_step=tokens_per_step, factor=factor, entropy_bound=entropy_bound, alg_temp=alg_temp,
                      small_block_size=small_block_size, multi_block_threshold=multi_block_threshold,
+                     greedy_filters=greedy_filters, empty_steps=empty_steps, full_last_block=full_last_block,
                      credit_decay=credit_decay,
                      credit_gamma=credit_gamma, credit_weight=credit_weight, cache=cache, stop=list(stop),
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,

@@ -2,8 +2,9 @@
 
 The engine calls `decide` once per step for each request with the logits of the still-masked rows of its
 active block (rows in position order). Every policy is a small function of confidences or counts, registered
-in `POLICIES`. Guarantees for all policies: M == 0 -> empty decision; M > 0 -> at least one commit; the same
-generator seed gives the same decision.
+in `POLICIES`. Guarantees for all policies: M == 0 -> empty decision; M > 0 -> at least one commit (except
+Dream's schedules with `empty_steps`, whose count may be 0 before the last step); the same generator seed gives
+the same decision.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class PolicyConfig:
     credit_gamma: float = 0.2  # exponent on the top-1 probability added to the credit, > 0
     credit_weight: float = 0.7  # alpha in fused = logits + alpha * log(1 + C), >= 0
     tokens_per_step: int | None = None  # k of "topk"; None = 1 (one token per forward, the AR-equivalent baseline)
+    # Dream's schedules (maskgit_plus, topk_margin, entropy, origin): True follows the reference's count even when
+    # it is 0 (the step commits nothing); False commits at least one row every step
+    empty_steps: bool = False
     # "learned": the model's fitted filter (generation_config.json, set by the engine); `threshold` is then the
     # predicted probability that a proposal is final
     commit_filter: CommitFilter | None = field(default=None, compare=False)
@@ -84,7 +88,7 @@ class BlockState:
 class Decision:
     """What one step commits (all [M], rows as in the logits)."""
 
-    commit: Tensor  # bool; at least one True when M > 0
+    commit: Tensor  # bool; at least one True when M > 0 (unless cfg.empty_steps)
     tokens: Tensor  # long: proposed tokens; the engine writes tokens[commit]
     probs: Tensor  # float32: p(token) under the distribution the policy judged (for logprobs)
 
@@ -285,9 +289,14 @@ def factor(cfg: PolicyConfig, prop: Proposal, state: BlockState, generator: torc
 
 
 def _dream_select(cfg: PolicyConfig, conf: Tensor, state: BlockState, generator: torch.Generator | None) -> Tensor:
-    """Dream's count schedule (clamped to [1, M]) applied to `conf`: top-n, or n sampled rows when alg_temp > 0."""
+    """Dream's count schedule applied to `conf`: top-n, or n sampled rows when alg_temp > 0.
+
+    The count is clamped to [1, M], or with `empty_steps` to [0, M] as the reference leaves it (n = 0: nothing)."""
     m = conf.shape[0]
-    n = clamp_count(dream_count(m, state.step, block_steps(cfg, state)), m)
+    n = dream_count(m, state.step, block_steps(cfg, state))
+    n = min(n, m) if cfg.empty_steps else clamp_count(n, m)
+    if n == 0:
+        return torch.zeros_like(conf, dtype=torch.bool)
     if cfg.alg_temp > 0 and n < m:
         return sample_rows(conf, n, cfg.alg_temp, generator)
     return top_rows(conf, n)
@@ -297,7 +306,7 @@ def maskgit_plus(cfg: PolicyConfig, prop: Proposal, state: BlockState, generator
     """Dream alg="maskgit_plus" (DreamLM/Dream generation_utils).
 
     1. steps = cfg.steps (None: one per initially masked token); t, s from linspace(1, 1e-3, steps + 1).
-    2. n = int(M * (1 - s/t)), all on the last step; clamped to [1, M] (Dream allows 0: a wasted step).
+    2. n = int(M * (1 - s/t)), all on the last step; clamped to [1, M] (Dream allows 0, and so does `empty_steps`).
     3. confidence = p(x0); commit the top-n, or sample n rows from softmax(conf / alg_temp) when alg_temp > 0.
     """
     return _dream_select(cfg, prop.probs, state, generator)
@@ -326,13 +335,14 @@ def origin(cfg: PolicyConfig, prop: Proposal, state: BlockState, generator: torc
 
     1. p = dream_reveal_prob(step, steps).
     2. Draw u ~ U[0, 1) per row; commit rows with u < p.
-    3. Deviation from Dream: if no row was drawn, commit the row with the smallest u (a uniformly random row),
-       so that every step progresses; Dream would spend a forward revealing nothing.
+    3. Unless `empty_steps` (Dream's own rule, a forward revealing nothing): if no row was drawn, commit the row
+       with the smallest u (a uniformly random row), so that every step progresses.
     """
     m = prop.probs.shape[0]
     u = uniform(m, generator, prop.probs.device)
     commit = u < dream_reveal_prob(state.step, block_steps(cfg, state))
-    commit[u.argmin()] = True
+    if not cfg.empty_steps:
+        commit[u.argmin()] = True
     return commit
 
 

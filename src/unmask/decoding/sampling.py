@@ -15,9 +15,12 @@ from torch import Tensor
 class SamplingParams:
     """Per-request sampling settings."""
 
-    temperature: float = 0.0  # 0 = greedy (argmax); top_k / top_p are then ignored
+    temperature: float = 0.0  # 0 = greedy (argmax); top_k / top_p are then ignored unless greedy_filters
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # keep the smallest prefix of the sorted distribution with mass >= top_p; 1 = off
+    # greedy only: confidences (p, entropy, margin) come from the top_p- then top_k-filtered softmax, as Dream's
+    # sample_tokens computes them at temperature 0; the argmax itself is the same either way
+    greedy_filters: bool = False
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -50,8 +53,8 @@ def propose(logits: Tensor, params: SamplingParams, generator: torch.Generator |
     Steps:
       1. Cast to float32 (no copy when already float32).
       2. Greedy (temperature 0): x0 = argmax(logits); statistics of softmax(logits). top-k/top-p cannot change
-         the argmax and are ignored, so confidences are those of the full softmax (as LLaDA, Fast-dLLM and LLaDA2 do;
-         Dream would renormalise over the top-p set first).
+         the argmax and are ignored, so confidences are those of the full softmax (as LLaDA, Fast-dLLM and LLaDA2 do);
+         with `greedy_filters` they come from the top_p- then top_k-filtered softmax instead (as Dream does).
       3. Otherwise divide by the temperature, then top-k (only the k largest logits survive, kept as a [M, k]
          slice), then top-p over the survivors (sorted descending; smallest prefix with mass >= top_p).
          Order top-k -> top-p as in SDAR and vLLM (Dream applies top-p first; results differ only at edges).
@@ -66,6 +69,9 @@ def propose(logits: Tensor, params: SamplingParams, generator: torch.Generator |
     x = logits.float()
     if x.shape[0] == 0:
         return _empty(x)
+
+    if params.greedy and params.greedy_filters and (params.top_k > 0 or params.top_p < 1):
+        return _greedy_filtered(x, params)
 
     if params.greedy and not need_entropy:
         top2, top2_ids = x.topk(min(2, x.shape[1]), dim=-1)
@@ -104,6 +110,28 @@ def propose(logits: Tensor, params: SamplingParams, generator: torch.Generator |
     top2 = probs[:, :2] if sorted_desc else probs.topk(min(2, probs.shape[1]), dim=-1).values
     margin = top2[:, 0] - top2[:, 1] if top2.shape[1] > 1 else top2[:, 0]
     return Proposal(tokens=tokens, probs=p_tok, entropy=entropy, margin=margin, logprobs=logp_tok)
+
+
+def _greedy_filtered(x: Tensor, params: SamplingParams) -> Proposal:
+    """Greedy proposal whose statistics come from the filtered distribution (Dream's `sample_tokens` at T = 0).
+
+    1. top_p (when < 1) over the sorted distribution: a token is dropped when the mass strictly before it
+       already exceeds top_p (the top-1 always stays).
+    2. top_k (when > 0) over what is left: tokens below the k-th largest surviving logit are dropped.
+    3. x0 = argmax (unchanged by 1-2); p(x0), entropy and p1 - p2 of the softmax over the survivors.
+    """
+    work = x.sort(dim=-1, descending=True).values
+    if params.top_p < 1:
+        probs = torch.softmax(work, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > params.top_p
+        drop[:, 0] = False
+        work = work.masked_fill(drop, float("-inf"))
+    if 0 < params.top_k < work.shape[1]:
+        work = work.masked_fill(work < work[:, params.top_k - 1:params.top_k], float("-inf"))
+    probs, lse = _softmax_with_lse(work)
+    margin = probs[:, 0] - probs[:, 1] if probs.shape[1] > 1 else probs[:, 0]
+    return Proposal(tokens=x.argmax(dim=-1), probs=probs[:, 0], entropy=torch.special.entr(probs).sum(dim=-1),
+                    margin=margin, logprobs=work[:, 0] - lse)
 
 
 def _softmax_with_lse(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -44,7 +44,7 @@ class Engine:
             attention=spec.family.attention, shift=spec.shift, mask_id=spec.mask_id,
             block_size=spec.block_size, stop_ids=spec.stop_ids, ar_first_token=spec.ar_first_token,
             max_context=spec.max_context, config=spec.config, generation_config=spec.generation_config,
-            causal_context=spec.causal_context,
+            causal_context=spec.causal_context, family=spec.family.name,
         )
         self.streams: dict[str, TextStream] = {}
         # prompt K/V are reusable only where they do not depend on the answer canvas
@@ -82,6 +82,7 @@ class Engine:
                 f"over this model's context of {self.traits.max_context}", "max_tokens")
         block_causal = self.traits.attention == "block_causal" and self.spec.family.sequence_class is None
         params.check_model(self.traits.block_size, block_causal, self.traits.causal_context, self.spec.family.name)
+        self.traits.check_canvas(len(prompt_ids), params)  # full_last_block: the whole last block must fit
         if params.policy == LEARNED:
             try:
                 flt = self.traits.commit_filter

@@ -1,7 +1,7 @@
 """Per-request generation parameters, validated once at the boundary."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from unmask.decoding import PolicyConfig, SamplingParams
@@ -37,6 +37,11 @@ class GenerationParams:
     entropy_bound: float | None = None  # None: the default (0.35 for entropy_bounded; DiffusionGemma: 0.1)
     block_size: int | None = None       # None: the model's default
     small_block_size: int | None = None  # Fast-dLLM v2 sub-blocks: decode the block's leftmost masked slice only
+    #                                      (None: the model's default, model_defaults(); the block size: off)
+    # reference-fidelity switches (docs/decoding.md); None: the model's default (model_defaults())
+    greedy_filters: bool | None = None   # at temperature 0, read confidences from the top_k / top_p-filtered softmax
+    empty_steps: bool | None = None      # a schedule step may commit nothing (Dream's linear schedule)
+    full_last_block: bool | None = None  # decode the last block at full size, cut the output at max_tokens after
     multi_block_threshold: float | None = None  # D2F / d3LLM: decode the next block too once this share is committed
     cache: CacheMode = "auto"           # bidirectional families: none (exact) | prefix | dual
     stop: list[str] = field(default_factory=list)
@@ -101,6 +106,10 @@ class GenerationParams:
                 self.check_small_block(self.block_size)
         if self.multi_block_threshold is not None:
             self.check_multi_block()
+        for name in REFERENCE_SWITCHES:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                bad(f"{name} must be true, false or null (the model's default), got {value!r}", name)
         if self.cache not in ("auto", "none", "prefix", "dual"):
             bad(f"cache must be one of auto, none, prefix, dual; got {self.cache!r}", "cache")
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API also takes it (not its characters)
@@ -181,6 +190,8 @@ class GenerationParams:
         """The block options against the model: `block_size` its default block, `block_causal` whether the
         family decodes block by block with the shared sequence class, `causal_context` whether its committed
         text attends token-causally (so two open blocks can form one group read over an exact cache)."""
+        if self.full_last_block and not block_causal:
+            raise InvalidRequestError(f"full_last_block needs a block-causal family, not {family}", "full_last_block")
         if self.small_block_size is not None:
             if not block_causal:
                 raise InvalidRequestError(f"small_block_size needs a block-causal family, not {family}",
@@ -203,7 +214,7 @@ class GenerationParams:
                             entropy_bound=0.35 if self.entropy_bound is None else self.entropy_bound,
                             tokens_per_step=self.tokens_per_step, alg_temp=self.alg_temp,
                             credit_decay=self.credit_decay, credit_gamma=self.credit_gamma,
-                            credit_weight=self.credit_weight)
+                            credit_weight=self.credit_weight, empty_steps=bool(self.empty_steps))
 
     def logit_adjust(self) -> LogitAdjust:
         bias = tuple(sorted((int(t), float(v)) for t, v in (self.logit_bias or {}).items() if v))
@@ -215,7 +226,61 @@ class GenerationParams:
                          self.dry_penalty_last_n, tuple(self.dry_sequence_breakers))
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              greedy_filters=bool(self.greedy_filters))
+
+    def resolved(self, defaults: dict, block_size: int) -> GenerationParams:
+        """A copy with the model's defaults (`model_defaults`) in the fields this request left at None.
+
+        `block_size` is the model's. The default `small_block_size` applies only where it divides the block
+        this request decodes with and no `multi_block_threshold` is set (a default never makes a request
+        invalid). With `greedy_filters` on, a greedy request that sets neither top_k nor top_p (0 / 1.0) takes
+        the model's (Dream's diffusion_generate reads them from its generation config)."""
+        kw = {}
+        for name in REFERENCE_SWITCHES:
+            if getattr(self, name) is None:
+                kw[name] = bool(defaults.get(name, False))
+        sub = defaults.get("small_block_size")
+        if self.small_block_size is None and sub and self.multi_block_threshold is None:
+            if (self.block_size or block_size) % sub == 0:
+                kw["small_block_size"] = sub
+        filters = kw.get("greedy_filters", self.greedy_filters)
+        if filters and self.temperature == 0 and self.top_k == 0 and self.top_p == 1.0:
+            kw.update({k: defaults[k] for k in ("top_k", "top_p") if k in defaults})
+        return replace(self, **kw) if kw else self
+
+
+REFERENCE_SWITCHES = ("greedy_filters", "empty_steps", "full_last_block")
+
+# Each family's reference sampler, where the engine's own defaults differ from it (docs/decoding.md, "Reference
+# fidelity"); a checkpoint's generation_config.json may set the same keys (and Dream's top_k / top_p) itself.
+#   Fast-dLLM v2: `generate(..., block_size=32, small_block_size=8)` (families.md 4.4), its scripts too.
+#   Dream: `diffusion_generate` filters by top_p / top_k before reading confidences, also at temperature 0, and
+#   its linear schedule int(M * (1 - s/t)) may give a step no token (families.md 2.5).
+FAMILY_DEFAULTS: dict[str, dict] = {
+    "fast_dllm_v2": {"small_block_size": 8},
+    "dream": {"greedy_filters": True, "empty_steps": True},
+}
+
+
+def model_defaults(family: str, generation_config: dict) -> dict:
+    """The request defaults a model's reference sampler implies: FAMILY_DEFAULTS[family], overridden by the
+    same keys in its generation_config.json (values of the wrong type there are ignored)."""
+    out = dict(FAMILY_DEFAULTS.get(family, {}))
+    gc = generation_config if isinstance(generation_config, dict) else {}
+    for name in REFERENCE_SWITCHES:
+        if isinstance(gc.get(name), bool):
+            out[name] = gc[name]
+    sub = gc.get("small_block_size")
+    if sub is None or (isinstance(sub, int) and not isinstance(sub, bool) and sub >= 1):
+        out["small_block_size"] = sub if "small_block_size" in gc else out.get("small_block_size")
+    if out.get("greedy_filters"):
+        k, p = gc.get("top_k"), gc.get("top_p")
+        if isinstance(k, int) and not isinstance(k, bool) and k >= 0:
+            out["top_k"] = k
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1:
+            out["top_p"] = float(p)
+    return out
 
 
 PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty",

@@ -23,7 +23,8 @@ from unmask.decoding.policies import LEARNED
 from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
 from unmask.decoding.sampling import top_logprobs
 from unmask.decoding.targets import decode_window, first_stop, masked_in
-from unmask.engine.params import GenerationParams
+from unmask.engine.params import GenerationParams, model_defaults
+from unmask.errors import ContextLengthError
 from unmask.models.attention import KVCache, Segment
 
 _ids = itertools.count()
@@ -50,6 +51,31 @@ class ModelTraits:
     # the checkpoint's config.json / generation_config.json, for families with their own sequence class
     config: dict = field(default_factory=dict, compare=False)
     generation_config: dict = field(default_factory=dict, compare=False)
+    family: str = ""  # the registry's family name: its reference sampler's defaults (params.FAMILY_DEFAULTS)
+
+    @property
+    def defaults(self) -> dict:
+        """Request defaults of this model's reference sampler (params.model_defaults); the last-block and
+        sub-block switches only where blocks are decoded block-causally."""
+        out = model_defaults(self.family, self.generation_config)
+        if self.attention != "block_causal":
+            out.pop("full_last_block", None)
+            out.pop("small_block_size", None)
+        return out
+
+    def check_canvas(self, prompt_len: int, params: GenerationParams) -> None:
+        """With full_last_block the canvas runs to the end of the block holding the last output position:
+        that end must fit the model's context (ContextLengthError otherwise)."""
+        p = params.resolved(self.defaults, self.block_size)
+        if p.full_last_block and self.attention == "block_causal":
+            B = p.block_size or self.block_size
+            end = -(-(prompt_len + p.max_tokens) // B) * B
+            if end > self.max_context:
+                raise ContextLengthError(
+                    f"full_last_block: prompt ({prompt_len} tokens) plus max_tokens ({p.max_tokens}) rounded up to "
+                    f"whole blocks of {B} is {end} tokens, over this model's context of {self.max_context}",
+                    "max_tokens")
+
 
     @property
     def commit_filter(self) -> CommitFilter | None:
@@ -111,10 +137,11 @@ class Sequence:
     supports_constraints: ClassVar[bool] = True  # other sequence classes (uniform noise) lack the hook
 
     def __post_init__(self):
+        self.params = self.params.resolved(self.traits.defaults, self.traits.block_size)  # the model's defaults
         t, p = self.traits, self.params
         self.P = len(self.prompt_ids)
         self.B = p.block_size or t.block_size
-        self.end = self.P + p.max_tokens              # canvas never grows past this
+        self.end = self.P + p.max_tokens              # the output never grows past this
         self.S = len(p.suffix_ids)                    # infilling: suffix tokens after the span, at [end, end+S)
         self.bidirectional = t.attention == "bidirectional"
         if self.S and not self.bidirectional:
@@ -140,17 +167,24 @@ class Sequence:
             self.seq = torch.full((self.end + self.S,), t.mask_id, dtype=torch.long)
             if self.S:
                 self.seq[self.end:] = torch.tensor(p.suffix_ids, dtype=torch.long)
-        else:
+        # the canvas ends with the output, unless the last block is decoded whole (SDAR's and LLaDA2's references)
+        self.full_last = bool(p.full_last_block) and not self.bidirectional
+        if not self.bidirectional:
             self.block_start = (self.P // self.B) * self.B  # absolute alignment (SDAR, LLaDA2, Fast-dLLM v2)
-            self.seq = torch.full((self.end,), t.mask_id, dtype=torch.long)
+            self.seq = torch.full((self.canvas_end,), t.mask_id, dtype=torch.long)
         self.seq[: self.P] = torch.tensor(self.prompt_ids, dtype=torch.long)
-        self.block_end = min(self.block_start + self.B, self.end)
+        self.block_end = min(self.block_start + self.B, self.canvas_end)
         self.cached = 0
         self.final_end = self.P      # generated text is final up to here
         self.stop_at: int | None = None
         self.logprobs = torch.zeros(p.max_tokens) if p.logprobs else None
         self.top = new_top_store(p)
         self._open_window()
+
+    @property
+    def canvas_end(self) -> int:
+        """End of the decoded canvas: the output's end, or with full_last_block the end of its last block."""
+        return -(-self.end // self.B) * self.B if self.full_last else self.end
 
     # ------------------------------------------------------------------ planning
     def _window(self) -> tuple[int, int]:
@@ -169,11 +203,11 @@ class Sequence:
     def view_end(self) -> int:
         """End of what a step decodes: the active block, and with `multi` the next block too once the active
         one's committed share reaches it (committing only adds tokens, so once open it stays open)."""
-        if self.multi is None or self.block_end >= self.end:
+        if self.multi is None or self.block_end >= self.canvas_end:
             return self.block_end
         n = self.block_end - self.block_start
         done = n - int((self.seq[self.block_start:self.block_end] == self.traits.mask_id).sum())
-        return min(self.block_end + self.B, self.end) if done / n >= self.multi else self.block_end
+        return min(self.block_end + self.B, self.canvas_end) if done / n >= self.multi else self.block_end
 
     def masked_positions(self) -> Tensor:
         """This step's targets: the window's masks (with an open next block, its masks too), minus those after
@@ -181,7 +215,10 @@ class Sequence:
         lo, hi = self._window()
         if self.multi is not None:  # never with sub-blocks: the window is the whole block
             hi = self.view_end()
-        hi = min(hi, first_stop(self.seq, self.final_end, hi, self.stop_tensor))
+        out_hi = min(hi, self.end)  # a stop token past max_tokens (full_last_block) is not part of the output
+        stop = first_stop(self.seq, self.final_end, out_hi, self.stop_tensor)
+        if stop < out_hi:
+            hi = stop
         return masked_in(self.seq, lo, hi, self.traits.mask_id)
 
     @property
@@ -280,7 +317,8 @@ class Sequence:
             self.logprobs[pos - self.P] = d.probs[commit].clamp_min(1e-30).log()
         if self.top is not None:
             self.top.record(pos - self.P, logits[commit], self.sampling.temperature)
-        self.stats.denoise_steps += 1
+        if bool(commit.any()):  # a Dream schedule with empty_steps may commit nothing
+            self.stats.denoise_steps += 1
         return self._advance()
 
     def _apply_constrained(self, plan: StepPlan, logits: Tensor, offsets: Tensor) -> list[int]:
@@ -313,7 +351,7 @@ class Sequence:
         new: list[int] = []
         while True:
             old = self.final_end
-            tail = self.seq[old:self.block_end]
+            tail = self.seq[old:min(self.block_end, self.end)]  # positions past max_tokens are never output
             holes = (tail == mask).nonzero()
             self.final_end = old + (int(holes[0]) if holes.numel() else tail.numel())
             got = self.seq[old:self.final_end].tolist()
@@ -330,7 +368,7 @@ class Sequence:
             if self.final_end < self.block_end:
                 break
             # block complete: move on; its K/V are written next step
-            self.block_start, self.block_end = self.block_end, min(self.block_end + self.B, self.end)
+            self.block_start, self.block_end = self.block_end, min(self.block_end + self.B, self.canvas_end)
             self._open_window()
         if self.sub is not None and self._window()[0] != self.window_start:
             self._open_window()  # sub-block complete: the next one starts its own schedule
@@ -347,7 +385,7 @@ class Sequence:
 
     def snapshot(self) -> list[int]:
         """The committed prefix plus the active block (and an open next block) as it stands, masks included."""
-        return self.seq[self.P:self.view_end()].tolist()
+        return self.seq[self.P:min(self.view_end(), self.end)].tolist()
 
     @property
     def num_generated(self) -> int:

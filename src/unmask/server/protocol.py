@@ -104,6 +104,7 @@ DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_l
 UNIFORM_FIELDS = ("entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold", "uniform_draws")
 # policy knobs past threshold / steps / factor / tokens_per_step (docs/decoding.md)
 POLICY_FIELDS = ("alg_temp", "credit_decay", "credit_gamma", "credit_weight")
+REFERENCE_SWITCHES = ("greedy_filters", "empty_steps", "full_last_block")  # null: the model's default
 
 
 class GenerationRequest(RequestModel):
@@ -131,6 +132,9 @@ class GenerationRequest(RequestModel):
     block_size: int | None = None
     small_block_size: int | None = None
     multi_block_threshold: float | None = None
+    greedy_filters: bool | None = None
+    empty_steps: bool | None = None
+    full_last_block: bool | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
     entropy_bound: float | None = None
@@ -150,7 +154,7 @@ class GenerationRequest(RequestModel):
         effort = self.reasoning_effort
         kw = dict(REASONING_EFFORT[EFFORT_ALIASES.get(effort, effort)]) if effort else {}
         for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "factor", "tokens_per_step",
-                     *POLICY_FIELDS, "block_size", "small_block_size", "multi_block_threshold",
+                     *POLICY_FIELDS, "block_size", "small_block_size", "multi_block_threshold", *REFERENCE_SWITCHES,
                      "min_tokens", *UNIFORM_FIELDS):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
@@ -512,7 +516,8 @@ class CompletionChunk(ResponseModel):
 # chat-request fields a /v1/responses request may also set (unmask's and vLLM's extensions): passed through as they are
 RESPONSES_PASSTHROUGH = ("seed", "stop", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
                          "top_k", *DRY_FIELDS, "policy", "threshold", "steps", "factor", "tokens_per_step", *POLICY_FIELDS,
-                         "block_size", "small_block_size", "multi_block_threshold", "ignore_eos", "min_tokens",
+                         "block_size", "small_block_size", "multi_block_threshold", *REFERENCE_SWITCHES, "ignore_eos",
+                         "min_tokens",
                          *UNIFORM_FIELDS, "regex", "choice", "grammar", "diffusing")
 
 
