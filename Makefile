@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 NEED_DOCS = @ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { echo "make $@: the corpus" \
 	"includes the Python docs, which are not installed (Debian/Ubuntu: apt-get install python3.11-doc)"; exit 1; }
 
-.PHONY: setup test serve bench bench-quick llama-cpp model model-5m twin clean
+.PHONY: setup test test-fuzz serve bench bench-quick llama-cpp model model-5m twin clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+# The server fuzzed against its own /openapi.json with 20x the cases `make test` runs (tests/test_fuzz.py;
+# a few thousand requests, several minutes on 2 cores)
+FUZZ_EXAMPLES ?= 300
+test-fuzz: $(STAMP)
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/test_fuzz.py --timeout 3600
 
 serve: $(STAMP)
 	$(BIN)/unmask serve
