@@ -1,7 +1,8 @@
 """Schema-driven fuzzing of the server against its own /openapi.json (schemathesis).
 
 Every operation of the document gets generated requests, valid and invalid, and every answer must be
-declared: no 5xx, and no status code or content type the document does not list for that operation. A
+declared: no 5xx, no status code or content type the document does not list for that operation, and
+JSON bodies (answers and error envelopes) that match the schemas it declares. A
 second fuzzer varies only the chat history of an otherwise valid request (roles, contents, tool calls with
 parts missing or mistyped), which the schema-driven one rarely gets past validation; every method a path
 does not declare must answer 405 with `Allow`.
@@ -25,13 +26,16 @@ from hypothesis import HealthCheck, Phase, given, settings  # schemathesis bring
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
+                                               response_schema_conformance, status_code_conformance)
 
 from test_server_hardening import live_server  # noqa: F401 - the module-scoped server fixture
 from unmask.server.openapi import OPERATIONS
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "15"))
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance]
+# no 5xx; every status, content type and declared header as the document says; JSON bodies match its schemas
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance]
 # fields whose size sets the amount of decoding; the fuzzer's values are replaced by small ones
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens")
 
