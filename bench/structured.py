@@ -18,6 +18,12 @@ Both modes then emit the same text, so tokens per forward compare exactly. Indep
 are the worst case for the leftmost-run rule (real block-diffusion models are most confident next
 to the committed prefix).
 
+--corpus: instead, JSON-schema coverage over tests/data/json_schemas.json (real-world-style schemas using
+oneOf, uniqueItems, not, unknown formats, dependencies, propertyNames, if/then/else, circular $ref with
+siblings, and plain ones): per schema, whether it is accepted (no 400, at compile time or after the
+after-draft retries), whether the answer is valid (jsonschema, no repeated key), cut by max_tokens, or
+rejected, plus attempts used; --seeds N answers per schema.
+
 Prints a table, then one JSON line.
 """
 from __future__ import annotations
@@ -157,6 +163,61 @@ def run(llm: LLM, items, constrained: bool, args, oracle: OracleRunner | None) -
             "ms_per_forward": round(1e3 * wall / max(forwards, 1), 3), "wall_s": round(wall, 2)}
 
 
+CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "json_schemas.json"
+
+
+def coverage(llm: LLM, args) -> None:
+    """Acceptance and validity of strict-mode-style requests over the committed schema corpus."""
+    import copy
+
+    from unmask.errors import InvalidRequestError
+    from unmask.structured.schema import check_error, parse_json, strict_objects
+
+    items = json.loads(CORPUS.read_text())
+    ids = llm.chat_prompt([{"role": "user", "content": "Answer with JSON that follows the schema."}])
+    rows, counts = [], {"valid": 0, "invalid": 0, "cut": 0, "rejected": 0}
+    t0 = time.perf_counter()
+    for item in items:
+        spec = StructuredSpec.json_schema(item["schema"], strict=item["strict"])
+        for seed in range(args.seeds):
+            t = time.perf_counter()
+            row = {"name": item["name"], "keywords": item["keywords"], "seed": seed}
+            try:
+                seq = llm.engine.add_request(ids, GenerationParams(max_tokens=args.max_tokens, structured=spec, seed=seed,
+                                                                   temperature=args.temperature))
+                llm.engine.run_to_completion()
+                if seq.error is not None:
+                    raise seq.error
+            except InvalidRequestError as e:
+                row.update(outcome="rejected", error=str(e)[:160])
+            else:
+                text = llm.tokenizer.decode(seq.output_ids, skip_special_tokens=False)
+                value, err = parse_json(text)
+                schema = item["schema"]
+                if err is None:
+                    if item["strict"]:  # strict mode: only the declared properties
+                        schema = copy.deepcopy(schema)
+                        strict_objects(schema)
+                    err = check_error(schema, value)  # unknown formats are annotations: not asserted
+                outcome = "valid" if err is None else ("cut" if seq.finish_reason == "length" else "invalid")
+                row.update(outcome=outcome, finish_reason=seq.finish_reason, attempts=seq.constraint.attempts,
+                           tokens=seq.num_generated, text=text[:120], error=err)
+            row["s"] = round(time.perf_counter() - t, 2)
+            counts[row["outcome"]] += 1
+            rows.append(row)
+            print(f"{item['name']:24} {row['outcome']:8} attempts {row.get('attempts', '-')}  {row['s']:>6}s  "
+                  f"{row.get('text', row.get('error', ''))[:90]!r}", flush=True)
+    n = len(rows)
+    accepted = n - counts["rejected"]
+    valid_share = counts["valid"] / max(accepted - counts["cut"], 1)
+    print(f"{n} answers ({len(items)} schemas x {args.seeds} seeds): accepted {accepted}/{n} = "
+          f"{accepted / n:.1%}; valid {counts['valid']}, invalid {counts['invalid']}, cut by max_tokens "
+          f"{counts['cut']}, rejected {counts['rejected']}; valid among accepted and not cut {valid_share:.1%}; "
+          f"{time.perf_counter() - t0:.0f} s")
+    print(json.dumps({"corpus": str(CORPUS.name), "max_tokens": args.max_tokens, "seeds": args.seeds,
+                      "temperature": args.temperature, **counts, "rows": rows}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -166,6 +227,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--corpus", action="store_true", help="JSON-schema coverage over tests/data/json_schemas.json")
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = args.model
@@ -178,6 +242,9 @@ def main() -> None:
             from tiny_checkpoints import FAMILIES
             model = str(FAMILIES["sdar"](Path(tempfile.mkdtemp()) / "tiny-sdar"))
     llm = LLM(model, dtype="float32")  # the float32 of the committed figures
+    if args.corpus:
+        coverage(llm, args)
+        return
     oracle = None
     if args.oracle is not None:
         oracle = OracleRunner(llm.spec.arch.vocab_size, args.oracle)

@@ -7,7 +7,9 @@ the official openai client.
 """
 from __future__ import annotations
 
+import copy
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -106,7 +108,7 @@ def test_json_closes_within_max_tokens(llms, max_tokens):
                                   temperature=1.5)
         out = llm.generate(prompt(llm), params)[0]
         assert isinstance(json.loads(out.text), dict), out.text
-        assert len(out.token_ids) <= max_tokens and out.finish_reason == "stop"
+        assert len(out.token_ids) <= max_tokens and out.finish_reason in ("stop", "length")
 
 
 def test_regex_closes_within_max_tokens(llms):
@@ -116,7 +118,7 @@ def test_regex_closes_within_max_tokens(llms):
     email = r"[a-z]+@[a-z]+\.com"
     out = llm.generate(prompt(llm), GenerationParams(max_tokens=16, structured=StructuredSpec("regex", email),
                                                      seed=0, temperature=1.0))[0]
-    assert re.fullmatch(email, out.text) and out.finish_reason == "stop", out.text
+    assert re.fullmatch(email, out.text) and out.finish_reason in ("stop", "length"), out.text
 
 
 def test_every_committed_token_is_accepted_in_order(llms):
@@ -143,13 +145,9 @@ def test_forced_bytes_cost_no_forward(llms):
 
 
 @pytest.mark.parametrize("schema,feature", [
-    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
-    ({"not": {"type": "string"}}, "not"),
-    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
-    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
-    ({"type": "string", "format": "no-such-format"}, "no-such-format"),
     ({"type": "string", "pattern": "(?=a)b"}, "look-around"),
-    ({"type": "object", "propertyNames": {"pattern": "^a"}}, "propertyNames"),
+    ({"type": "object", "properties": {"a": {"not": {}}}}, "not"),   # accepts nothing: said up front
+    ({"type": "object", "$dynamicRef": "#x"}, "dynamicRef"),
 ])
 def test_unenforceable_schema_features_are_rejected_by_name(llms, schema, feature):
     with pytest.raises(InvalidRequestError, match=feature) as e:
@@ -488,8 +486,10 @@ def test_tool_results_in_history(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
      "response_format.json_schema.schema", "not"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}},
-     "response_format.json_schema.schema", "uniqueItems"),
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?!a)b"}}}}}},
+     "response_format.json_schema.schema", "look-around"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes", "schema": {}}}},
+     "response_format.json_schema.strict", "boolean"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"if": {}, "then": {}}}}],
       "tool_choice": "required"}, "tools[0].function.parameters", "if"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
@@ -508,3 +508,179 @@ def test_unenforceable_requests_get_400(server, body, param, words):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == param and words in err["message"], err
+
+
+# ---------------------------------------------------------------------------------------- coverage and JSON hygiene
+CORPUS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
+
+
+def strictly(schema: dict, strict: bool) -> dict:
+    """The schema as a strict request means it (objects with properties closed)."""
+    from unmask.structured.schema import strict_objects
+
+    schema = copy.deepcopy(schema)
+    if strict:
+        strict_objects(schema)
+    return schema
+
+
+def no_duplicates(text: str):
+    from unmask.structured.schema import duplicate_key_hook
+
+    return json.loads(text, object_pairs_hook=duplicate_key_hook)  # raises ValueError on a repeated key
+
+
+def test_corpus_covers_every_keyword_of_the_issue():
+    kws = {k for item in CORPUS for k in item["keywords"]}
+    assert {"oneOf", "uniqueItems", "not", "format", "dependencies", "propertyNames", "if", "$ref"} <= kws
+    assert len(CORPUS) >= 40
+
+
+@pytest.mark.parametrize("item", CORPUS, ids=[i["name"] for i in CORPUS])
+def test_corpus_schema_is_accepted_and_every_answer_is_valid(llms, item):
+    """Each real-world-style schema compiles (no 400 up front); an answer that comes back validates against the
+    request's schema (strict: closed objects) and repeats no key; a 400 after the draft names the check."""
+    import jsonschema
+
+    llm = llms["sdar"]
+    spec = StructuredSpec.json_schema(item["schema"], strict=item["strict"])
+    llm.engine.structured_backend().compile(spec)
+    schema = strictly(item["schema"], item["strict"])
+    for seed in range(2):
+        try:
+            out = llm.generate(prompt(llm), GenerationParams(max_tokens=128, structured=spec, seed=seed,
+                                                             temperature=1.0))[0]
+        except InvalidRequestError as e:
+            assert "after-draft check" in str(e) and e.param == "response_format"
+            continue
+        if out.finish_reason == "length" and not _complete(out.text):
+            continue  # cut off by max_tokens, and said so
+        value = no_duplicates(out.text)
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema).validate(value)
+
+
+def _complete(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def test_a_check_that_never_passes_is_a_400_after_bounded_attempts(llms):
+    from unmask.structured.constraint import ATTEMPTS
+
+    llm = llms["sdar"]
+    spec = StructuredSpec.json_schema({"type": "boolean", "not": {"type": "boolean"}})
+    seq = llm.engine.add_request(prompt(llm), GenerationParams(max_tokens=16, structured=spec, seed=0))
+    llm.engine.run_to_completion()
+    assert seq.constraint.attempts == ATTEMPTS and isinstance(seq.error, InvalidRequestError)
+    assert "not" in str(seq.error) and seq.error.param == "response_format"
+    with pytest.raises(InvalidRequestError, match="after-draft"):
+        llm.generate(prompt(llm), GenerationParams(max_tokens=16, structured=spec, seed=0))
+
+
+def test_relaxed_schema_output_is_held_back_until_checked(llms):
+    """Nothing of a checked answer is released before it passed: one event carries the whole output."""
+    llm = llms["sdar"]
+    spec = StructuredSpec.json_schema({"type": "array", "items": {"type": "integer", "maximum": 9}, "maxItems": 4,
+                                       "uniqueItems": True})
+    seq = llm.engine.add_request(prompt(llm), GenerationParams(max_tokens=32, structured=spec, seed=1,
+                                                               temperature=1.0))
+    events = []
+    while llm.engine.has_unfinished():
+        events += [o for o in llm.engine.step() if o.request_id == seq.request_id and o.new_token_ids]
+    assert seq.error is None and len(events) == 1 and events[0].finished
+    value = no_duplicates(llm.tokenizer.decode(events[0].new_token_ids))
+    assert len(set(value)) == len(value)
+
+
+def test_unknown_formats_are_annotations(llms):
+    from unmask.structured.schema import prepare
+
+    be = llms["sdar"].engine.structured_backend()
+    prep = prepare({"type": "string", "format": "non-blank"}, False, be._schema_error)
+    assert prep.enforced == {"type": "string"} and prep.check is None
+    prep = prepare({"type": "string", "format": "email"}, False, be._schema_error)  # known: still enforced
+    assert prep.enforced["format"] == "email"
+
+
+@pytest.mark.parametrize("family", ["sdar", "dream"])
+def test_no_duplicate_keys(llms, family):
+    """Free keys (json_object, additionalProperties) never repeat within an object."""
+    llm = llms[family]
+    schema = {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 12}
+    for seed in range(6):
+        for spec in (StructuredSpec.json_object(), StructuredSpec.json_schema(schema)):
+            out = llm.generate(prompt(llm), GenerationParams(max_tokens=96, structured=spec, seed=seed,
+                                                             temperature=1.5))[0]
+            no_duplicates(out.text)
+
+
+def test_guard_bans_a_repeated_key_and_runaway_numbers():
+    from unmask.structured.guard import MAX_FRAC_DIGITS, MAX_INT_DIGITS, JsonGuard, TokenFacts
+
+    vocab = [b'"', b'":', b'B', b'1', b'12', b'}', b'.', b'x"']
+    facts = TokenFacts(vocab)
+    g = JsonGuard()
+    assert g.feed(b'{"B": 1, "B')
+    allowed = g.restrict(torch.ones(len(vocab), dtype=torch.bool), facts)
+    assert not allowed[0] and not allowed[1] and allowed[2] and allowed[7]   # `"` would repeat "B"; `x"` would not
+    assert not g.copy().feed(b'": 2') and g.copy().feed(b'C": 2')
+    g = JsonGuard()
+    assert g.feed(b'[' + b'9' * (MAX_INT_DIGITS - 1))
+    allowed = g.restrict(torch.ones(len(vocab), dtype=torch.bool), facts)
+    assert allowed[3] and not allowed[4] and allowed[6]   # one more digit fits, two do not; the point does
+    assert not JsonGuard().feed(b'1.' + b'5' * (MAX_FRAC_DIGITS + 1))
+    only_digits = torch.tensor([False, False, False, True, True, False, False, False])
+    g = JsonGuard()
+    g.feed(b'9' * MAX_INT_DIGITS)
+    assert g.restrict(only_digits, facts).equal(only_digits)  # soft: never leaves no token at all
+
+
+def test_numbers_stay_bounded(llms):
+    import re
+
+    from unmask.structured.guard import MAX_EXP_DIGITS, MAX_FRAC_DIGITS, MAX_INT_DIGITS
+
+    llm = llms["sdar"]
+    spec = StructuredSpec.json_schema({"type": "array", "items": {"type": "number"}, "maxItems": 3})
+    for seed in range(4):
+        out = llm.generate(prompt(llm), GenerationParams(max_tokens=160, structured=spec, seed=seed,
+                                                         temperature=1.5))[0]
+        for m in re.finditer(r"-?(\d+)(?:\.(\d+))?(?:[eE][+-]?(\d+))?", out.text):
+            assert len(m.group(1)) <= MAX_INT_DIGITS and len(m.group(2) or "") <= MAX_FRAC_DIGITS
+            assert len(m.group(3) or "") <= MAX_EXP_DIGITS, out.text
+
+
+def test_strict_allows_only_declared_properties(llms):
+    llm = llms["sdar"]
+    schema = {"properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    spec = from_request({"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": schema}})
+    assert spec.strict
+    for seed in range(6):
+        out = llm.generate(prompt(llm), GenerationParams(max_tokens=48, structured=spec, seed=seed,
+                                                         temperature=1.5))[0]
+        value = no_duplicates(out.text)
+        if isinstance(value, dict):  # no "type": other JSON values are valid too
+            assert list(value) == ["a"] and isinstance(value["a"], int), out.text
+    loose = from_request({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert not loose.strict and loose.key != spec.key
+
+
+def test_finish_reason_is_length_when_the_budget_ended_the_output(llms):
+    llm = llms["sdar"]
+    seen = set()
+    for max_tokens in (4, 8, 12):
+        for seed in range(4):
+            seq = llm.engine.add_request(prompt(llm), GenerationParams(
+                max_tokens=max_tokens, structured=StructuredSpec.json_object(), seed=seed, temperature=1.5))
+            llm.engine.run_to_completion()
+            text = llm.tokenizer.decode(seq.output_ids)
+            assert isinstance(json.loads(text), dict), text
+            if seq.constraint.budget_cut or seq.num_generated == max_tokens and not seq.constraint.m.is_stopped():
+                assert seq.finish_reason == "length", (text, seq.finish_reason)
+            else:
+                assert seq.finish_reason == "stop"
+            seen.add(seq.finish_reason)
+    assert seen == {"stop", "length"}

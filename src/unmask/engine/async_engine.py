@@ -50,7 +50,7 @@ class AsyncEngine:
             self._drain_inbox()
             busy = self.engine.has_unfinished()
             for out in self._step() if busy else []:
-                self._deliver(out.request_id, out)
+                self._deliver(out.request_id, out if out.error is None else out.error)
                 if out.finished:
                     self._deliver(out.request_id, _FINISHED)
             if not busy and not self._inbox:

@@ -115,6 +115,12 @@ class Engine:
             seq.request_id = request_id
         if params.structured is not None:
             seq.constraint = self.structured_backend().constraint(params.structured)
+            if seq.constraint.holds_back and not hasattr(seq, "_restart_constrained"):
+                raise InvalidRequestError(f"{params.structured.param} cannot be enforced on the "
+                                          f"{self.spec.family.name} family: it uses "
+                                          f"{', '.join(seq.constraint.relaxed)}, which unmask checks after the "
+                                          "draft and retries, and this family's decoder cannot start an answer over",
+                                          params.structured.param)
         if getattr(seq, "dry", None) is not None and self.tokenizer is not None:  # GemmaSequence has none
             seq.dry_breakers = self.dry_breakers(seq.dry.breakers)
         if not (seq.bidirectional and seq.cache_mode == "none"):
@@ -237,7 +243,7 @@ class Engine:
             num_prompt_tokens=seq.P, num_generated=seq.num_generated, forwards=seq.stats.forwards,
             # the last frame is the finished output, with nothing masked: a client's view ends where the text does
             snapshot=(seq.output_ids if seq.finish_reason else seq.snapshot()) if seq.params.snapshots else None,
-            new_logprobs=lp, new_top_logprobs=top,
+            new_logprobs=lp, new_top_logprobs=top, error=getattr(seq, "error", None),
         )
 
     def run_to_completion(self) -> None:

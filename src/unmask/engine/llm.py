@@ -85,6 +85,9 @@ class LLM:
         finally:
             if bar is not None:
                 bar.stop()
+        for s in seqs:
+            if getattr(s, "error", None) is not None:  # a constrained answer that failed its after-draft check
+                raise s.error
         return [RequestOutput(
             request_id=s.request_id, prompt_ids=s.prompt_ids, token_ids=s.output_ids,
             text=texts[s.request_id], finish_reason=s.finish_reason, forwards=s.stats.forwards,

@@ -17,6 +17,7 @@ class StepOutput:
     snapshot: list[int] | None = None  # committed prefix + active block with masks (diffusing view)
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob), most likely first
+    error: Exception | None = None    # the request failed (finished): a constrained answer that failed its check
 
 
 @dataclass

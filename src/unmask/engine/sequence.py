@@ -133,6 +133,7 @@ class Sequence:
     stats: Stats = field(default_factory=Stats)
     cache: KVCache | None = None
     constraint: Any = None   # unmask.structured.Constraint, set by the engine for structured requests
+    error: Any = None        # an InvalidRequestError the request ends with (a constrained answer that failed its check)
 
     supports_constraints: ClassVar[bool] = True  # other sequence classes (uniform noise) lack the hook
 
@@ -339,10 +340,49 @@ class Sequence:
         if self.top is not None:  # the constrained distribution: the constraint masked these rows in place
             self.top.record(pos - self.P, logits[: len(tokens)], self.sampling.temperature)
         self.stats.denoise_steps += 1
+        cache, status = self.cache, self.status   # finish() drops the cache; another attempt reuses the prompt's
         new = self._advance()
-        if self.finish_reason == "length" and self.constraint.complete():
-            self.finish_reason = "stop"  # the grammar's output is complete: not truncated
-        return new
+        c = self.constraint
+        if self.finish_reason is not None:
+            self.finish_reason = c.finish_reason(self.finish_reason)  # "length" whenever the budget ended it
+        if not c.holds_back:
+            return new
+        # a schema with an after-draft check (unmask.structured.schema): nothing is released before it passes
+        if self.finish_reason is None:
+            return []
+        if not c.complete():  # cut off by max_tokens: returned as it is, with finish_reason "length"
+            return self.output_ids
+        error = c.final_error(self.tokenizer_text())
+        if error is None:
+            return self.output_ids
+        if c.retry():  # a whole new answer: the canvas starts over, the prompt's K/V are kept
+            self._restart_constrained(cache, status)
+            return []
+        from unmask.errors import InvalidRequestError
+        self.error = InvalidRequestError(
+            f"{self.params.structured.param}: no answer of {c.attempts} attempts passed the schema's "
+            f"after-draft check ({', '.join(c.relaxed) or 'duplicate keys'}): {error}", self.params.structured.param)
+        return []
+
+    def tokenizer_text(self) -> str:
+        """The committed output as text (the constraint's tokenizer)."""
+        return self.constraint.backend.tok.decode(self.output_ids, skip_special_tokens=False)
+
+    def _restart_constrained(self, cache: KVCache | None, status: Status) -> None:
+        """Another attempt at a constrained answer: fresh canvas, policy state and generator (next seed), same
+        prompt; the cache keeps the K/V of the prompt blocks before the answer's first block."""
+        keep = {k: getattr(self, k) for k in ("constraint", "dry_breakers", "stats", "cached")}
+        seed = self.params.seed
+        self.params = replace(self.params, seed=None if seed is None else seed + self.constraint.attempts - 1,
+                              temperature=max(self.params.temperature, self.constraint.retry_temperature))
+        self.__post_init__()
+        for k, v in keep.items():
+            setattr(self, k, v)
+        self.status, self.finish_reason, self.stop_at, self.cache = status, None, None, cache
+        if not self.bidirectional:
+            self.cached = min(self.cached, self.block_start)
+            if cache is not None:
+                cache.truncate(self.cached)
 
     def _advance(self) -> list[int]:
         """Extend the final prefix over what is committed; finish at a stop token or the end; move past

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from unmask.errors import InvalidRequestError
 from unmask.structured.gemma4 import QUOTE
+from unmask.structured.schema import Prepared, prepare
 from unmask.structured.spec import StructuredSpec, styled_schema
 from unmask.tokenizer import Tokenizer
 
@@ -101,31 +102,53 @@ class GuidanceBackend:
         ids = {text: tokenizer.encode(text) for text in CLOSERS["string"]}
         self.closers = {ctx: [ids[t] for t in texts if ids[t]] for ctx, texts in CLOSERS.items()}  # token sequences
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[str, Prepared | None]] = OrderedDict()
+        self._facts = None
 
     # ------------------------------------------------------------------ compiling
     def compile(self, spec: StructuredSpec) -> str:
         """The llguidance grammar of `spec`, checked against this tokenizer; InvalidRequestError if not enforceable."""
+        return self.prepared(spec)[0]
+
+    def prepared(self, spec: StructuredSpec) -> tuple[str, Prepared | None]:
+        """(grammar, the JSON schema's Prepared or None): cached per spec. A JSON schema goes through
+        schema.prepare first (strict mode, unknown formats, what is checked after the draft)."""
         key = spec.key
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        grammar = self._grammar(spec)
-        bad, messages = self.llg.LLMatcher.validate_grammar_with_warnings(grammar, self.lltok)
-        if bad:
-            raise InvalidRequestError(f"{spec.param} cannot be enforced: {_what(spec)}{messages[0]}", spec.param)
+        prep = None
+        if spec.kind == "json":
+            try:
+                prep = prepare(spec.value, spec.strict, self._schema_error, relax=not spec.param.startswith("tools"))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"{spec.param} cannot be enforced: {_what(spec)}{e}", spec.param) from None
+            grammar = self.llg.LLMatcher.grammar_from_json_schema(styled_schema(prep.enforced, prep.coerce_one_of))
+        else:
+            grammar = self._grammar(spec)
+            bad, messages = self.llg.LLMatcher.validate_grammar_with_warnings(grammar, self.lltok)
+            if bad:
+                raise InvalidRequestError(f"{spec.param} cannot be enforced: {_what(spec)}{messages[0]}", spec.param)
         with self._lock:
-            self._cache[key] = grammar
+            self._cache[key] = (grammar, prep)
             if len(self._cache) > COMPILE_CACHE:
                 self._cache.popitem(last=False)
-        return grammar
+        return grammar, prep
+
+    def _schema_error(self, schema, coerce_one_of: bool) -> str | None:
+        """llguidance's complaint about a JSON schema, or None when it compiles for this tokenizer."""
+        M = self.llg.LLMatcher
+        try:
+            grammar = M.grammar_from_json_schema(styled_schema(schema, coerce_one_of))
+        except ValueError as e:
+            return str(e)
+        bad, messages = M.validate_grammar_with_warnings(grammar, self.lltok)
+        return messages[0] if bad else None
 
     def _grammar(self, spec: StructuredSpec) -> str:
         M = self.llg.LLMatcher
         try:
-            if spec.kind == "json":
-                return M.grammar_from_json_schema(styled_schema(spec.value))
             if spec.kind == "regex":
                 return M.grammar_from_regex(spec.value)
             if spec.kind == "choice":
@@ -134,14 +157,26 @@ class GuidanceBackend:
         except ValueError as e:
             raise InvalidRequestError(f"{spec.param} cannot be enforced: {e}", spec.param) from None
 
+    # ------------------------------------------------------------------ token facts (the JSON guard)
+    def token_facts(self):
+        """Per token id: its bytes, whether it holds a `"`, whether it starts with a digit (built once)."""
+        if self._facts is None:
+            from unmask.structured.guard import TokenFacts
+
+            self._facts = TokenFacts([self.lltok.decode_bytes([i]) if i not in self.stop_ids else b""
+                                      for i in range(self.vocab_size)])
+        return self._facts
+
     # ------------------------------------------------------------------ per request
     def constraint(self, spec: StructuredSpec):
         from unmask.structured.constraint import Constraint
 
-        matcher = self.llg.LLMatcher(self.lltok, self.compile(spec), log_level=0)
+        grammar, prep = self.prepared(spec)
+        matcher = self.llg.LLMatcher(self.lltok, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"{spec.param} cannot be enforced: {matcher.get_error()}", spec.param)
-        return Constraint(matcher, self)
+        return Constraint(matcher, self, json=spec.kind == "json", check=prep.check if prep else None,
+                          relaxed=prep.relaxed if prep else ())
 
 
 def _what(spec: StructuredSpec) -> str:

@@ -35,7 +35,10 @@ import torch
 from torch import Tensor
 
 from unmask.decoding import BlockState, PolicyConfig, SamplingParams, decide, propose
+from unmask.structured.guard import JsonGuard
 
+ATTEMPTS = 4        # whole answers a schema with an after-draft check may take (schema.py)
+RETRY_TEMPERATURE = 0.8   # at least this on attempts after the first: a greedy answer would only repeat itself
 CLOSE_WINDOW = 96   # canvas positions from the end within which commits are budget-checked
 LOOKAHEAD = 16      # allowed tokens tried when the budget closer has to choose one
 CLOSE_FUEL = 64     # token masks one closing search may compute
@@ -45,8 +48,17 @@ _PROBE = "a"        # a token valid here but never outside a JSON string: we are
 class Constraint:
     """One request's grammar state. The matcher has consumed exactly the committed output prefix."""
 
-    def __init__(self, matcher, backend):
+    def __init__(self, matcher, backend, json: bool = False, check=None, relaxed: tuple[str, ...] = ()):
         self.m = matcher
+        self._start = matcher.deep_copy()   # for another attempt (`reset`)
+        self.json = json
+        self.facts = backend.token_facts() if json else None
+        self.guard = JsonGuard() if json else None   # duplicate keys, runaway numbers and strings (guard.py)
+        self.check = check            # JSON Schema validated after the draft (schema.py), or None
+        self.relaxed = relaxed
+        self.attempts = 1
+        self.retry_temperature = RETRY_TEMPERATURE
+        self.budget_cut = False       # the budget closer cut or replaced what the model proposed
         self.backend = backend
         self.vocab = backend.vocab_size
         self.stops = set(backend.stop_ids)
@@ -70,9 +82,13 @@ class Constraint:
         bits = (self._bits.unsqueeze(1) >> self._shifts) & 1   # [words, 32], bit j of word w = token 32w + j
         return bits.view(-1)[: self.vocab].bool()
 
-    def mask_row(self, row: Tensor) -> None:
-        """Logits outside the grammar's next-token mask -> -inf, in place."""
-        row.masked_fill_(~self.allowed().to(row.device), float("-inf"))
+    def mask_row(self, row: Tensor, guard: JsonGuard | None = None) -> None:
+        """Logits outside the grammar's next-token mask (less what `guard` bans) -> -inf, in place."""
+        allowed = self.allowed()
+        guard = guard or self.guard
+        if guard is not None:
+            allowed = guard.restrict(allowed, self.facts)
+        row.masked_fill_(~allowed.to(row.device), float("-inf"))
 
     # ------------------------------------------------------------------ one step
     def step(self, logits: Tensor, offsets: Tensor, cfg: PolicyConfig, block: BlockState,
@@ -103,12 +119,20 @@ class Constraint:
             if not commit[i] or run[-1] in self.stops:
                 break
             run.append(tokens[i])
+        base, guard_cut = self.guard, False
+        if base is not None:  # a draft the guard refuses is cut like one the grammar refuses
+            g = base.copy()
+            for i, t in enumerate(run):
+                if t not in self.stops and not g.feed(self.facts.bytes[t]) and i:  # token 0 is taken (step 1)
+                    run, guard_cut = run[:i], True
+                    break
         n = m.validate_tokens(run)
         out, p = run[:n], probs[:n]
         m.consume_tokens(out)
-        if n < len(run):  # a draft the policy was sure of and the grammar refuses: resample it under the mask
+        if n < len(run) or guard_cut:
+            # a draft the policy was sure of and the grammar (or the guard) refuses: resample it under the mask
             row = logits[n:n + 1].clone()
-            self.mask_row(row[0])
+            self.mask_row(row[0], self._guard_after(base, out) if base is not None else None)
             prop = propose(row, sampling, generator, need_entropy=False)
             out.append(int(prop.tokens[0]))
             p.append(float(prop.probs[0]))
@@ -127,11 +151,57 @@ class Constraint:
             p.append(1.0)
         if room - len(out) < self.window and not self._ended(out):
             out, p = self._fit(out, p, room, rows)
+        if base is not None:
+            self.guard = self._guard_after(base, out)
         return out, p
+
+    def _guard_after(self, base: JsonGuard, tokens: list[int]) -> JsonGuard:
+        g = base.copy()
+        for t in tokens:
+            if t not in self.stops:
+                g.feed(self.facts.bytes[t])
+        g.violation = None
+        return g
 
     def complete(self) -> bool:
         """The output read so far is a complete member of the grammar's language."""
         return self.m.is_accepting()
+
+    def finish_reason(self, reason: str) -> str:
+        """The finish reason of an output that ended with `reason` ("stop": a stop token; "length": the canvas
+        is full). "length" whenever the budget ended it: the closer cut the model's tokens or wrote the end
+        itself, or the canvas filled while the grammar could still go on; "stop" for a complete output that
+        ended by itself (a stop token, or a grammar after which nothing may follow)."""
+        if self.budget_cut:
+            return "length"
+        if reason == "length" and self.m.is_accepting() and self.m.is_stopped():
+            return "stop"
+        return reason
+
+    # ------------------------------------------------------------------ after the draft
+    @property
+    def holds_back(self) -> bool:
+        """Whether the answer is released only once it passed `final_error` (schema.py's after-draft check)."""
+        return self.check is not None
+
+    def final_error(self, text: str) -> str | None:
+        """Why a complete JSON answer is not acceptable (a repeated key, the after-draft check), or None."""
+        from unmask.structured.schema import check_error, parse_json
+
+        value, err = parse_json(text)
+        if err is None and self.check is not None:
+            err = check_error(self.check, value)
+        return err
+
+    def retry(self) -> bool:
+        """Start another attempt (fresh grammar and guard state) if the budget allows; False if spent."""
+        if self.attempts >= ATTEMPTS:
+            return False
+        self.attempts += 1
+        self.m = self._start.deep_copy()
+        self.guard = JsonGuard() if self.json else None
+        self.window, self._fuel, self.budget_cut = None, CLOSE_FUEL, False
+        return True
 
     def _ended(self, out: list[int]) -> bool:
         return bool(out) and out[-1] in self.stops
@@ -141,6 +211,7 @@ class Constraint:
         """Keep the longest prefix of `out` after which the grammar can still be completed within `room`."""
         if self.closing_path(room - len(out)) is not None:
             return out, p
+        self.budget_cut = True
         self.m.rollback(len(out))
         path = self.closing_path(room)
         if path is None:  # cannot be closed in time whatever we do: keep the model's tokens

@@ -31,6 +31,7 @@ class StructuredSpec:
     kind: str
     value: Any      # dict (json), str (regex, grammar, lark) or tuple[str, ...] (choice)
     param: str = "response_format"   # the request field a compile error is reported against
+    strict: bool = False   # json: OpenAI strict mode (objects with declared properties allow only those)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -49,7 +50,7 @@ class StructuredSpec:
     @property
     def key(self) -> str:
         """A stable text key (compile cache)."""
-        return json.dumps([self.kind, self.value], sort_keys=True, ensure_ascii=False)
+        return json.dumps([self.kind, self.value, self.strict], sort_keys=True, ensure_ascii=False)
 
     # ------------------------------------------------------------------ constructors
     @staticmethod
@@ -57,14 +58,15 @@ class StructuredSpec:
         return StructuredSpec("json", {"type": "object"})
 
     @staticmethod
-    def json_schema(schema: dict, param: str = "response_format") -> StructuredSpec:
-        return StructuredSpec("json", schema, param)
+    def json_schema(schema: dict, param: str = "response_format", strict: bool = False) -> StructuredSpec:
+        return StructuredSpec("json", schema, param, strict)
 
 
 def from_response_format(fmt: dict | None) -> StructuredSpec | None:
     """OpenAI `response_format`: text (None), json_object, or json_schema {name, schema, strict}.
 
-    `strict: false` is still enforced: a schema that was sent is a schema that holds.
+    `strict: false` is still enforced: a schema that was sent is a schema that holds. `strict: true` also closes
+    objects that declare properties and leave `additionalProperties` unset (OpenAI's strict mode; see schema.py).
     """
     if fmt is None:
         return None
@@ -84,7 +86,12 @@ def from_response_format(fmt: dict | None) -> StructuredSpec | None:
         if not isinstance(schema, dict):
             raise InvalidRequestError("response_format.json_schema.schema must be a JSON object",
                                       "response_format.json_schema.schema")
-        return StructuredSpec.json_schema(schema or {"type": "object"}, "response_format.json_schema.schema")
+        strict = js.get("strict")
+        strict = False if strict is None else strict
+        if not isinstance(strict, bool):
+            raise InvalidRequestError("response_format.json_schema.strict must be a boolean",
+                                      "response_format.json_schema.strict")
+        return StructuredSpec.json_schema(schema or {"type": "object"}, "response_format.json_schema.schema", strict)
     raise InvalidRequestError(f"response_format type {kind!r} is not supported; use text, json_object or "
                               "json_schema (or the regex, choice and grammar fields)", "response_format")
 
@@ -104,12 +111,14 @@ def from_request(response_format: dict | None = None, regex: str | None = None, 
     return specs[0] if specs else None
 
 
-def styled_schema(schema: dict | bool) -> dict | bool:
+def styled_schema(schema: dict | bool, coerce_one_of: bool = False) -> dict | bool:
     """The schema with unmask's JSON output style as llguidance's `x-guidance` options.
 
     A client's own `x-guidance` is replaced, not merged: its `lenient` option would turn unsupported
-    keywords into silently unenforced ones.
+    keywords into silently unenforced ones. `coerce_one_of` is set only by `schema.prepare`, which then
+    checks "exactly one branch" after the draft.
     """
     if isinstance(schema, bool):
         return schema
-    return {**schema, "x-guidance": dict(JSON_STYLE)}
+    style = {**JSON_STYLE, "coerce_one_of": True} if coerce_one_of else dict(JSON_STYLE)
+    return {**schema, "x-guidance": style}
