@@ -3,7 +3,9 @@
 Written from the rules in docs/decoding.md, not from the engine's code: blocks (absolutely aligned for the
 block-causal families), sub-blocks decoded left to right (`small_block_size`), the next block decoded with the
 active one once enough of that is committed (`multi_block_threshold`), and the early stop (nothing after a
-committed stop token is decoded; the output ends at the first stop token).
+committed stop token is decoded; the output ends at the first stop token), and stop tokens in order
+(`ordered_stops`, on by default for the built-in family only): a stop token proposed right of the first
+undecided position waits; a step left with nothing commits its leftmost target.
 """
 import torch
 
@@ -23,6 +25,7 @@ def naive_generate(model, spec, prompt, params: GenerationParams):
     start = P if bidir else (P // B) * B
     gen = torch.Generator().manual_seed(params.seed or 0)
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(spec.stop_ids))
+    ordered = spec.family.name == "unmask" if params.ordered_stops is None else params.ordered_stops
 
     def first_stop(hi: int) -> int:
         out = seq[P:hi].tolist()
@@ -61,6 +64,13 @@ def naive_generate(model, spec, prompt, params: GenerationParams):
                 commit = d.commit.clone()
                 if first:
                     commit[0] = True
+                if ordered:
+                    hole = P + next(i for i, t in enumerate(seq[P:].tolist()) if t == mask)
+                    for j, (pos_j, tok) in enumerate(zip(targets.tolist(), d.tokens.tolist())):
+                        if commit[j] and tok in stops and pos_j != hole:
+                            commit[j] = False
+                    if not commit.any():
+                        commit[0] = True
                 seq[targets[commit]] = d.tokens[commit]
         out = seq[P:stop_blk].tolist()
         for i, t in enumerate(out):

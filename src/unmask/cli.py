@@ -77,6 +77,10 @@ def generate(
         None, "--full-last-block/--no-full-last-block",
         help="Decode the last block at full size and cut the output at --max-tokens afterwards (SDAR's and "
              "LLaDA2's references; block-causal families; default off)."),
+    ordered_stops: Optional[bool] = typer.Option(
+        None, "--ordered-stops/--no-ordered-stops",
+        help="Commit a stop token only at the first undecided position (default: the model's; the built-in "
+             "family: on)."),
     alg_temp: Optional[float] = typer.Option(
         None, help="Dream's policies: > 0 samples the rows to commit from softmax(confidence / alg_temp) (default 0)."),
     credit_decay: Optional[float] = typer.Option(None, help="credit policy: EMA decay in [0, 1] (default 0.8)."),
@@ -117,7 +121,7 @@ def generate(
                      tokens_per_step=tokens_per_step, factor=factor, entropy_bound=entropy_bound, alg_temp=alg_temp,
                      small_block_size=small_block_size, multi_block_threshold=multi_block_threshold,
                      greedy_filters=greedy_filters, empty_steps=empty_steps, full_last_block=full_last_block,
-                     credit_decay=credit_decay,
+                     ordered_stops=ordered_stops, credit_decay=credit_decay,
                      credit_gamma=credit_gamma, credit_weight=credit_weight, cache=cache, stop=list(stop),
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                      repetition_penalty=repetition_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,

@@ -6,6 +6,12 @@ Two restrictions on top of "every masked position of the block", both pure funct
   that still holds a mask is decoded; the rest of the block is still fed to the model, just not targeted.
 - Early stop: positions after a stop token already committed in the block are not decoded any more; only the
   holes before it are, since the output ends at the first stop token whatever follows it.
+
+And one restriction on what a step commits (`ordered_stops`): a stop token is committed only at the first
+undecided position. Models trained with EOS padding in the loss (the LLaDA / SDAR SFT recipe, and the built-in
+family) are most confident of EOS on the tail of a masked block; committed there first, it pulls the answer's
+end forward (an infill of "def area(r):" that comes back empty). Deferred, the tail stays masked until the
+text before it is written; it is never banned, so an answer still ends the step its end is the leftmost hole.
 """
 from __future__ import annotations
 
@@ -38,3 +44,15 @@ def first_stop(seq: Tensor, start: int, end: int, stops: Tensor) -> int:
 def masked_in(seq: Tensor, lo: int, hi: int, mask_id: int) -> Tensor:
     """Absolute positions in [lo, hi) that are still masked, ascending."""
     return (seq[lo:hi] == mask_id).nonzero(as_tuple=True)[0] + lo
+
+
+def defer_late_stops(commit: Tensor, tokens: Tensor, targets: Tensor, first_hole: int, stops: Tensor) -> Tensor:
+    """`commit` without the stop tokens proposed right of `first_hole` (the first undecided position); if that
+    leaves nothing, the leftmost target (whatever it holds) so a step always commits. All [M] but `first_hole`."""
+    late = torch.isin(tokens, stops) & commit & (targets != first_hole)
+    if not bool(late.any()):
+        return commit
+    kept = commit & ~late
+    if not bool(kept.any()):
+        kept[int(targets.argmin())] = True
+    return kept

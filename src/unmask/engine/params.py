@@ -42,6 +42,7 @@ class GenerationParams:
     greedy_filters: bool | None = None   # at temperature 0, read confidences from the top_k / top_p-filtered softmax
     empty_steps: bool | None = None      # a schedule step may commit nothing (Dream's linear schedule)
     full_last_block: bool | None = None  # decode the last block at full size, cut the output at max_tokens after
+    ordered_stops: bool | None = None    # commit a stop token only at the first undecided position (targets.py)
     multi_block_threshold: float | None = None  # D2F / d3LLM: decode the next block too once this share is committed
     cache: CacheMode = "auto"           # bidirectional families: none (exact) | prefix | dual
     stop: list[str] = field(default_factory=list)
@@ -250,14 +251,19 @@ class GenerationParams:
         return replace(self, **kw) if kw else self
 
 
-REFERENCE_SWITCHES = ("greedy_filters", "empty_steps", "full_last_block")
+# switches whose default is the model's (a family default, or a bool of the same name in generation_config.json)
+REFERENCE_SWITCHES = ("greedy_filters", "empty_steps", "full_last_block", "ordered_stops")
 
 # Each family's reference sampler, where the engine's own defaults differ from it (docs/decoding.md, "Reference
 # fidelity"); a checkpoint's generation_config.json may set the same keys (and Dream's top_k / top_p) itself.
 #   Fast-dLLM v2: `generate(..., block_size=32, small_block_size=8)` (families.md 4.4), its scripts too.
 #   Dream: `diffusion_generate` filters by top_p / top_k before reading confidences, also at temperature 0, and
 #   its linear schedule int(M * (1 - s/t)) may give a step no token (families.md 2.5).
+#   unmask (the built-in family): stop tokens in order (decoding/targets.py): its SFT rows pad with EOS in the
+#   loss, so a masked block's tail is confidently EOS; committed first it emptied 6 of 119 held-out infills
+#   (docs/decoding.md, "Stop tokens in order"). The public families keep their references' commit order.
 FAMILY_DEFAULTS: dict[str, dict] = {
+    "unmask": {"ordered_stops": True},
     "fast_dllm_v2": {"small_block_size": 8},
     "dream": {"greedy_filters": True, "empty_steps": True},
 }

@@ -22,7 +22,7 @@ from unmask.decoding.dry import dry_penalty
 from unmask.decoding.policies import LEARNED
 from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
 from unmask.decoding.sampling import top_logprobs
-from unmask.decoding.targets import decode_window, first_stop, masked_in
+from unmask.decoding.targets import decode_window, defer_late_stops, first_stop, masked_in
 from unmask.engine.params import GenerationParams, model_defaults
 from unmask.errors import ContextLengthError
 from unmask.models.attention import KVCache, Segment
@@ -75,7 +75,6 @@ class ModelTraits:
                     f"full_last_block: prompt ({prompt_len} tokens) plus max_tokens ({p.max_tokens}) rounded up to "
                     f"whole blocks of {B} is {end} tokens, over this model's context of {self.max_context}",
                     "max_tokens")
-
 
     @property
     def commit_filter(self) -> CommitFilter | None:
@@ -310,6 +309,8 @@ class Sequence:
         commit = d.commit.clone()
         if forced_first:
             commit[0] = True
+        if self.params.ordered_stops:
+            commit = defer_late_stops(commit, d.tokens, plan.targets, self.final_end, self.stop_tensor)
         pos = plan.targets[commit]
         self.seq[pos] = d.tokens[commit]
         if self.adjuster is not None:

@@ -104,7 +104,7 @@ DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_l
 UNIFORM_FIELDS = ("entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold", "uniform_draws")
 # policy knobs past threshold / steps / factor / tokens_per_step (docs/decoding.md)
 POLICY_FIELDS = ("alg_temp", "credit_decay", "credit_gamma", "credit_weight")
-REFERENCE_SWITCHES = ("greedy_filters", "empty_steps", "full_last_block")  # null: the model's default
+REFERENCE_SWITCHES = ("greedy_filters", "empty_steps", "full_last_block", "ordered_stops")  # null: the model's default
 
 
 class GenerationRequest(RequestModel):
@@ -135,6 +135,7 @@ class GenerationRequest(RequestModel):
     greedy_filters: bool | None = None
     empty_steps: bool | None = None
     full_last_block: bool | None = None
+    ordered_stops: bool | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
     entropy_bound: float | None = None
