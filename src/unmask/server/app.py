@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -70,8 +71,10 @@ def load_serving(app: FastAPI, args: ServerArgs) -> None:
                 llm.tokenizer.apply_chat_template([{"role": "user", "content": "warm-up"}])
             except Exception as e:  # noqa: BLE001 - a template that refuses this conversation still serves others
                 logger.warning("chat template warm-up: %s", e)
-        # the server counts admission exactly (serving.py); the engine's own queue bound is a backstop
-        engine = AsyncEngine(llm.engine, max_queue=args.max_queue + args.max_num_seqs)
+        # admission is counted once, by the server (admission.py); no second bound in the engine, whose queue
+        # still holds requests the server has released (aborted, removed at the next step) and would refuse
+        # admitted requests mid-stream
+        engine = AsyncEngine(llm.engine, max_queue=sys.maxsize)
         cfg = ServingConfig(model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                             max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
                             default_max_tokens=args.default_max_tokens, force_include_usage=args.force_include_usage)

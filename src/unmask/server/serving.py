@@ -345,8 +345,7 @@ class OpenAIServing:
                     raise APIError(503, "the request was aborted (the server is shutting down)")
                 else:
                     yield index, item
-        except (asyncio.CancelledError, GeneratorExit):
-            self.metrics.cancellations.inc()
+        except (asyncio.CancelledError, GeneratorExit):  # counted by the caller (one outcome per request)
             logger.info("aborted request %s: the client went away", jobs[0].request_id.rsplit("-", 1)[0])  # engine id
             raise
         finally:
@@ -384,9 +383,8 @@ class OpenAIServing:
             raise as_api_error(e) from None
         return states
 
-    @staticmethod
-    async def _until_done(coro, is_disconnected: Disconnected | None):
-        """Await `coro`, cancelling it if the client goes away first."""
+    async def _until_done(self, coro, is_disconnected: Disconnected | None):
+        """Await `coro`, cancelling it if the client goes away first (counted as a cancellation)."""
         task = asyncio.ensure_future(coro)
         try:
             while True:
@@ -394,7 +392,8 @@ class OpenAIServing:
                 if done:
                     return task.result()
                 if is_disconnected is not None and await is_disconnected():
-                    raise APIError(499, "the client disconnected")
+                    self.metrics.cancellations.inc()
+                    raise APIError(499, "the client disconnected")   # not counted again as an error
         finally:
             task.cancel()
 
@@ -417,6 +416,11 @@ class OpenAIServing:
             for chunk in fmt.closing(states, self._usage(prompt_tokens, states), include_usage):
                 yield fmt.frame(chunk)
             self.metrics.e2e.observe(time.perf_counter() - t0)
+        except (asyncio.CancelledError, GeneratorExit):
+            # the client went away (or the web layer dropped the stream) at any point before the end: one
+            # cancellation, whether or not the engine requests had started (an error frame is counted below)
+            self.metrics.cancellations.inc()
+            raise
         except Exception as e:  # noqa: BLE001 - a stream reports its error in-band, then its end marker
             try:
                 err = as_api_error(e)
