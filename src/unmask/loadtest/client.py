@@ -1,0 +1,200 @@
+"""One request over HTTP and its timing record, and the two schedules that send many: a closed loop of
+`concurrency` clients, or Poisson arrivals at `rate` requests/s (optionally capped at `max_concurrency`).
+
+Times are time.perf_counter() seconds. Streaming: TTFT is the arrival of the first chunk that carries
+generated text (or a tool-call / reasoning delta), ITL the gaps between such chunks; a chunk that carries a
+whole block of a diffusion model counts once, as vLLM counts a chunk. Failures are records too, with a kind:
+`http <status>`, `timeout`, `connection` or `malformed stream`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from unmask.loadtest.workloads import Prompt
+
+
+@dataclass
+class Target:
+    name: str  # "A" / "B" in a --compare run
+    url: str   # base URL, without /v1
+    model: str | None = None
+    api_key: str | None = None
+    endpoint: str = "chat"  # "chat" | "completions"
+    stream: bool = True
+    extra_body: dict = field(default_factory=dict)
+    ignore_eos: bool = False
+    temperature: float = 0.0
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, prompt: Prompt, max_tokens: int) -> dict:
+        body: dict = {"model": self.model, "max_tokens": max_tokens, "temperature": self.temperature,
+                      "stream": self.stream}
+        if self.endpoint == "chat":
+            body["messages"] = prompt.as_messages()
+        else:
+            body["prompt"] = prompt.as_text()
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return {**body, **self.extra_body}
+
+
+@dataclass
+class Record:
+    """One request as the client saw it. ok=False records keep their place in every denominator."""
+    start: float
+    e2e: float = 0.0
+    ok: bool = False
+    error: str | None = None      # failure kind: "http 401", "timeout", "connection", "malformed stream"
+    detail: str = ""
+    ttft: float | None = None     # streaming only
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int | None = None      # from the server's usage
+    output_tokens: int | None = None
+    text: str = ""
+    prompt: Prompt | None = None
+
+
+class Malformed(Exception):
+    pass
+
+
+def _delta_text(choice: dict, chat: bool) -> str:
+    if not chat:
+        return choice.get("text") or ""
+    d = choice.get("delta") or {}
+    text = (d.get("content") or "") + (d.get("reasoning_content") or d.get("reasoning") or "")
+    if d.get("tool_calls"):
+        text += json.dumps(d["tool_calls"])
+    return text
+
+
+def _message_text(choice: dict, chat: bool) -> str:
+    if not chat:
+        return choice.get("text") or ""
+    m = choice.get("message") or {}
+    return (m.get("content") or "") + (m.get("reasoning_content") or "") + \
+        (json.dumps(m["tool_calls"]) if m.get("tool_calls") else "")
+
+
+def _usage(rec: Record, usage: object) -> None:
+    if isinstance(usage, dict):
+        rec.prompt_tokens = usage.get("prompt_tokens")
+        rec.output_tokens = usage.get("completion_tokens")
+
+
+async def send(http: httpx.AsyncClient, target: Target, prompt: Prompt, max_tokens: int) -> Record:
+    rec = Record(start=time.perf_counter(), prompt=prompt)
+    chat = target.endpoint == "chat"
+    try:
+        body = target.body(prompt, max_tokens)
+        if not target.stream:
+            r = await http.post(target.url + target.path, json=body, headers=target.headers())
+            if r.status_code != 200:
+                rec.error, rec.detail = f"http {r.status_code}", r.text[:200]
+                return rec
+            try:
+                data = r.json()
+                rec.text = "".join(_message_text(c, chat) for c in data["choices"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise Malformed(f"response is not a completion: {e}") from None
+            _usage(rec, data.get("usage"))
+            rec.ok = True
+            return rec
+        async with http.stream("POST", target.url + target.path, json=body, headers=target.headers()) as r:
+            if r.status_code != 200:
+                rec.error, rec.detail = f"http {r.status_code}", (await r.aread()).decode(errors="replace")[:200]
+                return rec
+            last, done, pieces = None, False, []
+            async for line in r.aiter_lines():
+                if not line.strip() or line.startswith(":"):
+                    continue
+                if not line.startswith("data:"):
+                    raise Malformed(f"not an SSE data line: {line[:80]!r}")
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                try:
+                    chunk = json.loads(payload)
+                except json.JSONDecodeError:
+                    raise Malformed(f"chunk is not JSON: {payload[:80]!r}") from None
+                if not isinstance(chunk, dict):
+                    raise Malformed("chunk is not a JSON object")
+                if "error" in chunk:  # an error after the 200: the server gave up mid-stream
+                    raise Malformed(f"error event: {str(chunk['error'])[:160]}")
+                _usage(rec, chunk.get("usage"))
+                text = "".join(_delta_text(c, chat) for c in chunk.get("choices") or [] if isinstance(c, dict))
+                if text:
+                    now = time.perf_counter()
+                    if rec.ttft is None:
+                        rec.ttft = now - rec.start
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    pieces.append(text)
+            if not done:
+                raise Malformed("stream ended without data: [DONE]")
+            rec.text = "".join(pieces)
+            rec.ok = True
+    except httpx.TimeoutException as e:
+        rec.error, rec.detail = "timeout", type(e).__name__
+    except (httpx.TransportError, OSError) as e:  # refused, reset, closed mid-body
+        rec.error, rec.detail = "connection", f"{type(e).__name__}: {e}"[:200]
+    except Malformed as e:
+        rec.error, rec.detail = "malformed stream" if target.stream else "malformed response", str(e)
+    finally:
+        rec.e2e = time.perf_counter() - rec.start
+    return rec
+
+
+async def closed_loop(http: httpx.AsyncClient, target: Target, work: list[tuple[Prompt, int]], concurrency: int,
+                      done: Callable[[], None] = lambda: None) -> list[Record]:
+    """`concurrency` clients, each sending its next request as soon as its previous one ends."""
+    todo = iter(work)
+    out: list[Record] = []
+
+    async def client():
+        for prompt, max_tokens in todo:
+            out.append(await send(http, target, prompt, max_tokens))
+            done()
+
+    await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
+    return out
+
+
+async def poisson(http: httpx.AsyncClient, target: Target, work: list[tuple[Prompt, int]], rate: float,
+                  max_concurrency: int | None, seed: int, done: Callable[[], None] = lambda: None) -> list[Record]:
+    """Requests start at Poisson arrivals of `rate` per second (exponential gaps; inf = all at once), as vLLM's
+    `--request-rate`; with max_concurrency, an arrival waits for a free slot."""
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(prompt, max_tokens):
+        if gate is None:
+            rec = await send(http, target, prompt, max_tokens)
+        else:
+            async with gate:
+                rec = await send(http, target, prompt, max_tokens)
+        done()
+        return rec
+
+    tasks = []
+    for i, (prompt, max_tokens) in enumerate(work):
+        if i and rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+        tasks.append(asyncio.create_task(one(prompt, max_tokens)))
+    return list(await asyncio.gather(*tasks))

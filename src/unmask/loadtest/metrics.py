@@ -1,0 +1,141 @@
+"""The figures of one run from its records, as vLLM's `bench serve` defines them (docs/loadtest.md).
+Pure functions of `Record`s and the run's wall time: no I/O, no clocks."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from unmask.loadtest.client import Record
+
+SLO_KEYS = ("ttft", "tpot", "e2el")  # milliseconds, as vLLM's --goodput
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default, which vLLM uses); None for no data."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def stats_ms(xs: Sequence[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99 of seconds, in milliseconds (None where there is no sample)."""
+    out = {"mean": 1e3 * sum(xs) / len(xs) if xs else None}
+    for q in PERCENTILES:
+        p = percentile(xs, q)
+        out[f"p{q}"] = None if p is None else 1e3 * p
+    return out
+
+
+def tpot(rec: Record) -> float | None:
+    """Time per output token after the first: (e2e - ttft) / (output_tokens - 1); None unless streamed with
+    more than one output token."""
+    if rec.ttft is None or not rec.output_tokens or rec.output_tokens < 2:
+        return None
+    return (rec.e2e - rec.ttft) / (rec.output_tokens - 1)
+
+
+def parse_slos(spec: str) -> dict[str, float]:
+    """'ttft:500 tpot:50' (or comma-separated) -> {"ttft": 500.0, "tpot": 50.0}, milliseconds."""
+    slos: dict[str, float] = {}
+    for item in spec.replace(",", " ").split():
+        key, sep, value = item.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = -1.0
+        if not sep or key not in SLO_KEYS or not ms > 0 or math.isinf(ms):
+            raise ValueError(f"--goodput takes KEY:MS pairs with KEY one of {', '.join(SLO_KEYS)} and MS > 0, "
+                             f"got {item!r}")
+        slos[key] = ms
+    return slos
+
+
+def is_good(rec: Record, slos: dict[str, float]) -> bool:
+    """A completed request that meets every SLO (vLLM: a one-token answer has TPOT 0)."""
+    if not rec.ok:
+        return False
+    values = {"ttft": rec.ttft, "tpot": tpot(rec) if (rec.output_tokens or 0) > 1 else 0.0, "e2el": rec.e2e}
+    return all(values[k] is not None and 1e3 * values[k] <= ms for k, ms in slos.items())
+
+
+def cost(dollars_per_hour: float | None, duration: float, output_tokens: int, completed: int) -> dict | None:
+    """The run's machine time at $/hour spread over what it delivered."""
+    if dollars_per_hour is None:
+        return None
+    run = dollars_per_hour * duration / 3600
+    return {"dollars_per_hour": dollars_per_hour, "run_dollars": run,
+            "per_1m_output_tokens": run / output_tokens * 1e6 if output_tokens else None,
+            "per_1k_requests": run / completed * 1e3 if completed else None}
+
+
+def summarize(records: Sequence[Record], duration: float, slos: dict[str, float] | None = None,
+              dollars_per_hour: float | None = None) -> dict:
+    """Every figure of one sweep point. Failed requests count in `requests` and in success_rate's and
+    goodput_share's denominators; their latency is not mixed into the latency figures."""
+    done = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens or 0 for r in done)
+    in_tokens = sum(r.prompt_tokens or 0 for r in done)
+    n = len(records)
+    summary = {
+        "requests": n, "completed": len(done), "failed": n - len(done),
+        "failures": dict(sorted(Counter(r.error for r in records if not r.ok).items())),
+        "success_rate": len(done) / n if n else None,
+        "without_usage": sum(r.output_tokens is None for r in done),
+        "duration_s": duration,
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "request_throughput": len(done) / duration if duration > 0 else None,
+        "output_throughput": out_tokens / duration if duration > 0 else None,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else None,
+        "ttft_ms": stats_ms([r.ttft for r in done if r.ttft is not None]),
+        "tpot_ms": stats_ms([t for r in done if (t := tpot(r)) is not None]),
+        "itl_ms": stats_ms([g for r in done for g in r.itl]),
+        "e2el_ms": stats_ms([r.e2e for r in done]),
+    }
+    if slos:
+        good = sum(is_good(r, slos) for r in records)
+        summary["goodput"] = {"slos_ms": slos, "good": good,
+                              "request_throughput": good / duration if duration > 0 else None,
+                              "share": good / n if n else None}
+    summary["cost"] = cost(dollars_per_hour, duration, out_tokens, len(done))
+    return summary
+
+
+def token_check(records: Sequence[Record], count: Callable[[str], int]) -> dict:
+    """Server usage against a local tokenizer's count of each completed answer's text. Decoding then
+    re-encoding need not give back the same ids, so a small share of disagreements is expected."""
+    pairs = [(r.output_tokens, count(r.text)) for r in records if r.ok and r.output_tokens is not None]
+    return {"checked": len(pairs), "agree": sum(a == b for a, b in pairs),
+            "server_output_tokens": sum(a for a, _ in pairs), "local_output_tokens": sum(b for _, b in pairs),
+            "max_abs_diff": max((abs(a - b) for a, b in pairs), default=0)}
+
+
+def scrape(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over labels}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+            except ValueError:
+                continue
+    return out
+
+
+SERVER_COUNTERS = {"requests": "unmask:e2e_request_latency_seconds_count",
+                   "output_tokens": "unmask:generation_tokens_total",
+                   "prompt_tokens": "unmask:prompt_tokens_total",
+                   "errors": "unmask:request_errors_total"}
+
+
+def server_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """What an unmask server's own counters saw during a sweep point (None for a server without them)."""
+    if SERVER_COUNTERS["requests"] not in after:
+        return None
+    return {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in SERVER_COUNTERS.items()}

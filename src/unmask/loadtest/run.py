@@ -1,0 +1,99 @@
+"""A whole load test: the sweep over concurrency levels or request rates, each point on every target, in
+rounds that alternate the targets (A B A B) so that drift on a shared machine hits both alike; the server's
+own /metrics scraped around each point; the records summarised by unmask.loadtest.metrics."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from unmask.loadtest import metrics
+from unmask.loadtest.client import Record, Target, closed_loop, poisson, send
+from unmask.loadtest.workloads import Prompt
+
+
+class LoadtestError(RuntimeError):
+    """A run that cannot start (no server, no model): one line for the user."""
+
+
+@dataclass
+class Plan:
+    sweep: str  # "concurrency" | "rate"
+    values: list[float]
+    work: list[tuple[Prompt, int]]  # per sweep point, the same for every target
+    rounds: int = 1
+    max_concurrency: int | None = None
+    warmup: int = 1
+    seed: int = 0
+    slos: dict | None = None
+    dollars_per_hour: float | None = None
+
+
+async def resolve_model(http: httpx.AsyncClient, target: Target) -> None:
+    if target.model:
+        return
+    try:
+        r = await http.get(f"{target.url}/v1/models", headers=target.headers())
+    except httpx.HTTPError as e:
+        raise LoadtestError(f"cannot reach {target.url} ({type(e).__name__}: {e})") from None
+    try:
+        r.raise_for_status()
+        target.model = r.json()["data"][0]["id"]
+    except (httpx.HTTPStatusError, ValueError, KeyError, IndexError, TypeError):
+        raise LoadtestError(f"could not read a model id from {target.url}/v1/models (HTTP {r.status_code}); "
+                            f"pass --model") from None
+
+
+async def server_counters(http: httpx.AsyncClient, target: Target) -> dict[str, float]:
+    try:
+        r = await http.get(f"{target.url}/metrics", headers=target.headers())
+        return metrics.scrape(r.text) if r.status_code == 200 else {}
+    except httpx.HTTPError:
+        return {}
+
+
+async def run(targets: list[Target], plan: Plan, timeout: float, advance: Callable[[], None] = lambda: None,
+              count_tokens: Callable[[str], int] | None = None) -> list[dict]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), limits=limits) as http:
+        for t in targets:
+            await resolve_model(http, t)
+        for t in targets:  # first requests pay for lazy loading and compilation: not measured
+            for prompt, max_tokens in plan.work[:plan.warmup]:
+                rec = await send(http, t, prompt, max_tokens)
+                if rec.error == "connection":
+                    raise LoadtestError(f"cannot reach {t.url} ({rec.detail})")
+        points = []
+        for x in plan.values:
+            records: dict[str, list[Record]] = {t.name: [] for t in targets}
+            duration = dict.fromkeys(records, 0.0)
+            before = {t.name: await server_counters(http, t) for t in targets}
+            size = -(-len(plan.work) // plan.rounds)
+            for r in range(plan.rounds):
+                chunk = plan.work[r * size:(r + 1) * size]
+                for t in targets:
+                    t0 = time.perf_counter()
+                    if plan.sweep == "concurrency":
+                        got = await closed_loop(http, t, chunk, int(x), advance)
+                    else:
+                        got = await poisson(http, t, chunk, x, plan.max_concurrency, plan.seed + r, advance)
+                    duration[t.name] += time.perf_counter() - t0
+                    records[t.name] += got
+            for t in targets:
+                after = await server_counters(http, t)
+                recs = records[t.name]
+                point = {"target": t.name, plan.sweep: x,
+                         **metrics.summarize(recs, duration[t.name], plan.slos, plan.dollars_per_hour),
+                         "server_metrics": metrics.server_delta(before[t.name], after),
+                         "token_check": metrics.token_check(recs, count_tokens) if count_tokens else None,
+                         "failure_examples": {k: next(r.detail for r in recs if r.error == k)
+                                              for k in sorted({r.error for r in recs if not r.ok})}}
+                points.append(point)
+        return points
+
+
+def run_sync(*args, **kw) -> list[dict]:
+    return asyncio.run(run(*args, **kw))
