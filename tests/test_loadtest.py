@@ -1,0 +1,201 @@
+"""`unmask loadtest` against real `unmask serve` processes on loopback ports (the built-in model, a few
+requests with small max_tokens), plus its metric definitions on hand-computed timing records.
+
+No timing assertions: speed goals live in bench/. Counts are asserted exactly: requests, tokens equal to
+the server's usage and to its own /metrics counters, failures by kind and in every denominator."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from test_server import Server
+from unmask.cli import app
+from unmask.loadtest import metrics
+from unmask.loadtest.client import Record
+from unmask.loadtest.workloads import Prompt, WorkloadError, jsonl_prompts, parse_length, sharegpt_prompts
+
+BUILT_IN = Path(__file__).resolve().parents[1] / "src" / "unmask" / "assets" / "unmask-tiny"
+KEY = "loadtest-key"
+POINT_KEYS = {"target", "requests", "completed", "failed", "failures", "success_rate", "without_usage", "duration_s",
+              "input_tokens", "output_tokens", "request_throughput", "output_throughput", "total_token_throughput",
+              "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "cost", "server_metrics", "token_check", "failure_examples"}
+
+
+# ------------------------------------------------------------------------------ pure metric functions
+def synthetic() -> list[Record]:
+    return [
+        Record(start=0, ok=True, ttft=0.1, e2e=0.5, prompt_tokens=10, output_tokens=5, itl=[0.1] * 4),
+        Record(start=0, ok=True, ttft=0.2, e2e=1.2, prompt_tokens=20, output_tokens=3, itl=[0.5, 0.5]),
+        Record(start=0, ok=True, ttft=0.3, e2e=0.3, prompt_tokens=5, output_tokens=1),
+        Record(start=0, ok=False, error="http 500", e2e=0.05),
+    ]
+
+
+def test_percentile_is_linear_between_ranks():
+    assert metrics.percentile([1, 2, 3, 4], 50) == 2.5
+    assert metrics.percentile([0.1, 0.2, 0.3], 90) == pytest.approx(0.28)
+    assert metrics.percentile([7], 99) == 7 and metrics.percentile([], 50) is None
+
+
+def test_metric_definitions_on_hand_computed_records():
+    s = metrics.summarize(synthetic(), duration=2.0, slos={"ttft": 250, "tpot": 200}, dollars_per_hour=3.6)
+    assert (s["requests"], s["completed"], s["failed"], s["failures"]) == (4, 3, 1, {"http 500": 1})
+    assert s["success_rate"] == 0.75
+    assert (s["input_tokens"], s["output_tokens"]) == (35, 9)
+    assert s["request_throughput"] == 1.5 and s["output_throughput"] == 4.5 and s["total_token_throughput"] == 22
+    ap = pytest.approx
+    assert s["ttft_ms"] == {"mean": ap(200), "p50": ap(200), "p90": ap(280), "p99": ap(298)}
+    # TPOT = (e2e - ttft) / (output_tokens - 1): 0.4/4 and 1.0/2; the one-token answer has none
+    assert s["tpot_ms"]["mean"] == ap(300) and s["tpot_ms"]["p50"] == ap(300)
+    # ITL: every chunk gap of every request, [0.1]*4 + [0.5]*2
+    assert s["itl_ms"]["mean"] == ap(1400 / 6) and s["itl_ms"]["p50"] == ap(100)
+    assert s["e2el_ms"]["mean"] == ap(2000 / 3) and s["e2el_ms"]["p50"] == ap(500)
+    # good: only the first (the second's TPOT 500 > 200, the third's TTFT 300 > 250, the failure never)
+    assert s["goodput"]["good"] == 1 and s["goodput"]["share"] == 0.25 and s["goodput"]["request_throughput"] == 0.5
+    # $3.6/h for 2 s = $0.002, over 9 output tokens and 3 completed requests
+    assert s["cost"]["run_dollars"] == ap(0.002)
+    assert s["cost"]["per_1m_output_tokens"] == ap(0.002 / 9 * 1e6) and s["cost"]["per_1k_requests"] == ap(2 / 3)
+
+
+def test_failures_only_and_slo_parsing():
+    s = metrics.summarize([Record(start=0, error="timeout"), Record(start=0, error="connection")], 1.0)
+    assert s["completed"] == 0 and s["failures"] == {"connection": 1, "timeout": 1} and s["success_rate"] == 0
+    assert s["ttft_ms"]["p99"] is None and s["output_throughput"] == 0
+    assert metrics.parse_slos("ttft:500 tpot:50,e2el:2000") == {"ttft": 500, "tpot": 50, "e2el": 2000}
+    for bad in ("ttft", "itl:5", "ttft:-1", "ttft:x"):
+        with pytest.raises(ValueError):
+            metrics.parse_slos(bad)
+    check = metrics.token_check(synthetic(), lambda text: 5)
+    assert check == {"checked": 3, "agree": 1, "server_output_tokens": 9, "local_output_tokens": 15, "max_abs_diff": 4}
+
+
+def test_workload_files(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "yo"}], "max_tokens": 3}\n')
+    a, b = jsonl_prompts(f)
+    assert a.as_messages() == [{"role": "user", "content": "hi"}] and b.as_text() == "yo" and b.max_tokens == 3
+    g = tmp_path / "sg.json"
+    g.write_text(json.dumps([{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "x" * 40}]},
+                             {"conversations": [{"from": "gpt", "value": "skipped"}]}]))
+    assert sharegpt_prompts(g) == [Prompt(messages=({"role": "user", "content": "q"},), max_tokens=10)]
+    assert parse_length("4:9", "--x") == (4, 9)
+    for bad in ("0", "9:4", "a"):
+        with pytest.raises(WorkloadError):
+            parse_length(bad, "--x")
+
+
+# ------------------------------------------------------------------------------ against real servers
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loadtest")
+    started = [Server(BUILT_IN, root / "open.log"), Server(BUILT_IN, root / "keyed.log", "--api-key", KEY)]
+    yield [s.wait_ready() for s in started]
+    for s in started:
+        s.stop()
+
+
+def loadtest(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["loadtest", "--json", str(out), *args])
+    assert r.exit_code == 0, r.output
+    return json.loads(out.read_text())
+
+
+def check_against_server(point: dict, n: int) -> None:
+    assert point["requests"] == n and point["completed"] == n and point["failed"] == 0
+    assert set(point) >= POINT_KEYS
+    sm = point["server_metrics"]
+    assert sm["requests"] == n and sm["output_tokens"] == point["output_tokens"]
+    assert sm["prompt_tokens"] == point["input_tokens"]
+
+
+def test_streamed_chat_concurrency_sweep(servers, tmp_path):
+    png = tmp_path / "p.png"
+    res = loadtest(tmp_path, "--url", servers[0].url, "-n", "4", "--concurrency", "1,2", "--output-len", "6",
+                   "--ignore-eos", "--tokenizer", str(BUILT_IN), "--goodput", "e2el:600000", "--dollars-per-hour", "1",
+                   "--plot", str(png))
+    assert res["schema_version"] == 1 and res["sweep"] == "concurrency" and res["stream"] is True
+    assert res["endpoint"] == "/v1/chat/completions" and res["targets"][0]["model"] == "unmask-tiny"
+    assert [p["concurrency"] for p in res["points"]] == [1, 2]
+    for p in res["points"]:
+        check_against_server(p, 4)
+        assert p["output_tokens"] == 24  # ignore_eos: exactly max_tokens each
+        assert p["ttft_ms"]["p50"] is not None and p["tpot_ms"]["mean"] is not None
+        assert p["goodput"]["good"] == 4 and p["cost"]["per_1m_output_tokens"] > 0
+        assert p["token_check"]["checked"] == 4 and p["token_check"]["server_output_tokens"] == 24
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_completions_not_streamed_at_poisson_rates(servers, tmp_path):
+    res = loadtest(tmp_path, "--url", servers[0].url + "/v1", "--endpoint", "completions", "--no-stream",
+                   "-n", "3", "--rate", "20,inf", "--output-len", "2:5", "--extra-body", '{"top_k": 1}')
+    assert res["endpoint"] == "/v1/completions" and [p["rate"] for p in res["points"]] == [20.0, "inf"]
+    for p in res["points"]:
+        check_against_server(p, 3)
+        assert p["ttft_ms"]["p50"] is None and p["itl_ms"]["mean"] is None and p["e2el_ms"]["p99"] is not None
+
+
+def test_wrong_key_is_counted_as_401_failures(servers, tmp_path):
+    res = loadtest(tmp_path, "--url", servers[1].url, "--api-key", "wrong", "--model", "unmask-tiny", "-n", "3",
+                   "--output-len", "2", "--goodput", "e2el:600000")
+    (p,) = res["points"]
+    assert p["requests"] == 3 and p["completed"] == 0 and p["failures"] == {"http 401": 3}
+    assert p["success_rate"] == 0 and p["goodput"]["share"] == 0 and p["output_throughput"] == 0
+    assert "failure_examples" in p and p["server_metrics"] is None  # /metrics is behind the key too
+
+
+def test_compare_interleaves_two_servers(servers, tmp_path):
+    res = loadtest(tmp_path, "--url", servers[0].url, "--compare", servers[1].url, "--compare-api-key", KEY,
+                   "-n", "4", "--output-len", "3", "--ignore-eos", "--dataset", "jsonl", "--dataset-path",
+                   str(write_jsonl(tmp_path)))
+    assert [(p["target"], p["concurrency"]) for p in res["points"]] == [("A", 1), ("B", 1)]
+    assert res["workload"]["rounds"] == 2 and res["ratios"][0]["output_throughput"] > 0
+    for p in res["points"]:
+        check_against_server(p, 4)
+        assert p["output_tokens"] == 12
+
+
+def write_jsonl(tmp_path: Path) -> Path:
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "def add(a, b):"}\n{"messages": [{"role": "user", "content": "Hello"}]}\n')
+    return f
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--endpoint", "embeddings"], "--endpoint"),
+    (["--rate", "0"], "--rate"),
+    (["--concurrency", "1,x"], "--concurrency"),
+    (["--goodput", "ttft:fast"], "--goodput"),
+    (["--extra-body", "[1]"], "--extra-body"),
+    (["--dataset", "jsonl"], "--dataset-path"),
+    (["--dataset", "sharegpt", "--dataset-path", "/nonexistent.json"], "not found"),
+    (["--url", "localhost:8000"], "--url"),
+    (["--url", "http://127.0.0.1:9", "--model", "m"], "cannot reach"),
+    (["--json", "/nonexistent/dir/r.json"], "--json"),
+])
+def test_bad_input_is_one_line(args, says):
+    r = CliRunner().invoke(app, ["loadtest", "--warmup", "1", *args])
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], r.output
+    assert "Traceback" not in r.output and not isinstance(r.exception, (ValueError, TypeError, KeyError))
+
+
+def test_bad_jsonl_line_is_one_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    r = CliRunner().invoke(app, ["loadtest", "--dataset", "jsonl", "--dataset-path", str(f)])
+    assert r.exit_code == 1 and r.output.strip() == f"error: {f}:2: expected 'prompt' (a string) or 'messages' " \
+                                                   f"(a list of role/content)"
+
+
+@pytest.mark.skipif(not Path("data/corpus/heldout.jsonl").is_file(), reason="no data/corpus")
+def test_heldout_tasks_workload(servers, tmp_path):
+    res = loadtest(tmp_path, "--url", servers[0].url, "--endpoint", "completions", "--dataset", "heldout",
+                   "-n", "2", "--output-len", "4", "--warmup", "0")
+    check_against_server(res["points"][0], 2)
+    assert math.isfinite(res["points"][0]["e2el_ms"]["mean"])
