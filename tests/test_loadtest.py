@@ -5,17 +5,19 @@ No timing assertions: speed goals live in bench/. Counts are asserted exactly: r
 the server's usage and to its own /metrics counters, failures by kind and in every denominator."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
 from test_server import Server
 from unmask.cli import app
 from unmask.loadtest import metrics
-from unmask.loadtest.client import Record
+from unmask.loadtest.client import Record, Target, send
 from unmask.loadtest.workloads import Prompt, WorkloadError, jsonl_prompts, parse_length, sharegpt_prompts
 
 BUILT_IN = Path(__file__).resolve().parents[1] / "src" / "unmask" / "assets" / "unmask-tiny"
@@ -86,6 +88,47 @@ def test_workload_files(tmp_path):
     for bad in ("0", "9:4", "a"):
         with pytest.raises(WorkloadError):
             parse_length(bad, "--x")
+
+
+# ------------------------------------------------------------------------------ failure kinds on a fake wire
+def sse(*events: str) -> str:
+    return "".join(f"data: {e}\n\n" for e in events)
+
+
+CHUNK = json.dumps({"choices": [{"index": 0, "delta": {"content": "ab"}}]})
+USAGE = json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}})
+
+
+@pytest.mark.parametrize("stream, answer, kind", [
+    (True, lambda: httpx.Response(200, text=sse(CHUNK, CHUNK, USAGE, "[DONE]")), None),
+    (True, lambda: httpx.Response(200, text=sse(CHUNK, "{not json")), "malformed stream"),
+    (True, lambda: httpx.Response(200, text=sse(CHUNK, USAGE)), "malformed stream"),  # no [DONE]
+    (True, lambda: httpx.Response(200, text=sse(json.dumps({"error": {"message": "boom"}}))), "malformed stream"),
+    (True, lambda: httpx.Response(200, text="hello\n"), "malformed stream"),
+    (True, lambda: httpx.Response(503, json={"error": {"message": "busy"}}), "http 503"),
+    (False, lambda: httpx.Response(200, text="<html>"), "malformed response"),
+    (False, lambda: httpx.Response(429, json={}), "http 429"),
+    (False, httpx.ReadTimeout, "timeout"),
+    (True, httpx.ConnectError, "connection"),
+    (True, httpx.RemoteProtocolError, "connection"),
+])
+def test_failure_kinds(stream, answer, kind):
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert body["stream"] is stream and body["messages"] == [{"role": "user", "content": "q"}]
+        assert ("stream_options" in body) is stream and body["seed"] == 1  # --extra-body merged
+        if isinstance(answer, type):
+            raise answer("simulated", request=request)
+        return answer()
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            return await send(http, Target("A", "http://x", "m", stream=stream, extra_body={"seed": 1}), Prompt("q"), 2)
+
+    rec = asyncio.run(go())
+    assert rec.ok is (kind is None) and rec.error == kind and rec.e2e > 0
+    if kind is None:
+        assert rec.text == "abab" and rec.output_tokens == 2 and rec.prompt_tokens == 4 and len(rec.itl) == 1
 
 
 # ------------------------------------------------------------------------------ against real servers
