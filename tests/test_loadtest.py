@@ -153,7 +153,7 @@ def check_against_server(point: dict, n: int) -> None:
     assert set(point) >= POINT_KEYS
     sm = point["server_metrics"]
     assert sm["requests"] == n and sm["output_tokens"] == point["output_tokens"]
-    assert sm["prompt_tokens"] == point["input_tokens"]
+    assert sm["prompt_tokens"] == point["input_tokens"] and sm["e2el_mean_ms"] > 0 and sm["mean_step_batch"] >= 1
 
 
 def test_streamed_chat_concurrency_sweep(servers, tmp_path):

@@ -132,10 +132,25 @@ SERVER_COUNTERS = {"requests": "unmask:e2e_request_latency_seconds_count",
                    "output_tokens": "unmask:generation_tokens_total",
                    "prompt_tokens": "unmask:prompt_tokens_total",
                    "errors": "unmask:request_errors_total"}
+# means of the server's histograms and summaries over the point: name -> (sum sample, count sample, scale)
+SERVER_MEANS = {"e2el_mean_ms": ("unmask:e2e_request_latency_seconds", 1e3),
+                "ttft_mean_ms": ("unmask:time_to_first_token_seconds", 1e3),
+                "mean_step_batch": ("unmask:step_batch_size", 1.0),
+                "tokens_per_forward": ("unmask:tokens_per_forward", 1.0)}
 
 
-def server_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
-    """What an unmask server's own counters saw during a sweep point (None for a server without them)."""
+def server_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None] | None:
+    """What an unmask server's own /metrics saw during a sweep point: counter deltas, and the means of its
+    latency histograms (server side: from arrival to the first committed token / the last byte) and of its
+    step batch size and tokens per forward. None for a server without these metrics."""
     if SERVER_COUNTERS["requests"] not in after:
         return None
-    return {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in SERVER_COUNTERS.items()}
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    out: dict[str, float | None] = {k: delta(name) for k, name in SERVER_COUNTERS.items()}
+    for key, (name, scale) in SERVER_MEANS.items():
+        n = delta(f"{name}_count")
+        out[key] = scale * delta(f"{name}_sum") / n if n else None
+    return out

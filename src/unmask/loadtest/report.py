@@ -51,7 +51,10 @@ def print_results(results: dict, console: Console) -> None:
         where = f"{p['target']} {results['sweep']}={p[results['sweep']]}"
         if sm:
             console.print(f"{where}: server /metrics saw {sm['requests']:.0f} completed requests, "
-                          f"{sm['output_tokens']:.0f} output tokens (client: {p['completed']}, {p['output_tokens']})")
+                          f"{sm['output_tokens']:.0f} output tokens, mean E2E {_f(sm['e2el_mean_ms'])} ms, "
+                          f"mean TTFT {_f(sm['ttft_mean_ms'])} ms, mean step batch {_f(sm['mean_step_batch'], 2)}, "
+                          f"tokens/forward {_f(sm['tokens_per_forward'], 2)} (client: {p['completed']}, "
+                          f"{p['output_tokens']}, {_f(p['e2el_ms']['mean'])} ms, {_f(p['ttft_ms']['mean'])} ms)")
         if tc:
             console.print(f"{where}: local tokenizer agrees with usage on {tc['agree']}/{tc['checked']} answers "
                           f"({tc['local_output_tokens']} vs {tc['server_output_tokens']} tokens)")
