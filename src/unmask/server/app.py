@@ -27,6 +27,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from unmask.errors import UnmaskError
 from unmask.server import logsafe, openapi
+from unmask.server.admission import AdmissionGate
 from unmask.server.metrics import Metrics
 from unmask.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EditRequest,
                                     FIMCompletionRequest, ResponsesRequest, TokenizeRequest)
@@ -263,8 +264,11 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     app.include_router(router)
     openapi.install(app)
     install_error_handlers(app)
-    # the last added middleware runs first: CORS (answers preflights), then the key, then the size
+    # the last added middleware runs first: CORS (answers preflights), then the key, then admission (429 before
+    # the body is read), then the size
     app.add_middleware(BodyLimitMiddleware, limit=args.max_body_bytes, metrics=app.state.metrics)
+    app.add_middleware(AdmissionGate, metrics=app.state.metrics,
+                       admission=lambda: app.state.serving.admission if app.state.serving is not None else None)
     app.add_middleware(APIKeyMiddleware, keys=args.api_keys, metrics=app.state.metrics)
     if args.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=args.cors_origins, allow_methods=["GET", "POST"],

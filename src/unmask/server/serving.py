@@ -27,6 +27,7 @@ from unmask.engine.outputs import StepOutput
 from unmask.engine.params import GenerationParams, sampling_defaults
 from unmask.errors import InvalidRequestError, UnmaskError
 from unmask.server import chat_history, logsafe
+from unmask.server.admission import Admission
 from unmask.server.metrics import Metrics
 from unmask.server.protocol import (
     APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -119,13 +120,18 @@ class OpenAIServing:
         self.tok, self.spec = llm.tokenizer, llm.spec
         self.defaults = sampling_defaults(llm.spec.generation_config)
         self.chat_defaults = sampling_defaults(llm.spec.generation_config, chat=True)
-        self.inflight = 0        # engine requests admitted and not yet released
+        self.admission = Admission(cfg.max_num_seqs, cfg.max_queue)   # the one count (admission.py)
         self.created = int(time.time())
         self._template_tools: bool | None = None   # does the chat template render `tools`? (probed once)
 
     @property
     def capacity(self) -> int:
-        return self.cfg.max_num_seqs + self.cfg.max_queue
+        return self.admission.capacity
+
+    @property
+    def inflight(self) -> int:
+        """Engine requests admitted and not yet released."""
+        return self.admission.inflight
 
     # ------------------------------------------------------------------ models
     def models(self) -> ModelList:
@@ -318,16 +324,15 @@ class OpenAIServing:
         try:
             states = await self._until_done(self._collect(jobs, t0), is_disconnected)
         finally:
-            self.inflight -= len(jobs)
+            self._release(len(jobs))
         self.metrics.e2e.observe(time.perf_counter() - t0)
         return fmt.response(states, self._usage(prompt_tokens, states))
 
     def _admit(self, n: int) -> None:
-        if self.inflight + n > self.capacity:
-            raise APIError(429, f"server busy: {self.inflight} requests in flight, limit {self.cfg.max_num_seqs} "
-                                f"running + {self.cfg.max_queue} queued", code="queue_full",
-                           headers={"Retry-After": "1"})
-        self.inflight += n
+        self.admission.acquire(n)   # 429 when they do not fit
+
+    def _release(self, n: int) -> None:
+        self.admission.release(n)
 
     async def _events(self, jobs: list[Job], t0: float) -> AsyncIterator[tuple[int, StepOutput]]:
         """Every job's engine events as (choice index, event). Closing it early aborts the jobs."""
@@ -431,7 +436,7 @@ class OpenAIServing:
             for chunk in fmt.failure(err):
                 yield fmt.frame(chunk)
         finally:
-            self.inflight -= len(jobs)
+            self._release(len(jobs))
         for chunk in fmt.trailer():
             yield fmt.frame(chunk)
 

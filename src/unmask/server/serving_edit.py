@@ -210,7 +210,7 @@ class EditServing:
         try:
             states = await self.s._until_done(self.s._collect(jobs, t0), is_disconnected)
         finally:
-            self.s.inflight -= len(jobs)
+            self.s._release(len(jobs))
         self.s.metrics.e2e.observe(time.perf_counter() - t0)
         answers = {i: decode[i](st.text) for i, st in states.items()}
         cut = any(st.finish_reason == "length" and isinstance(plan.pieces[i], Rewrite) for i, st in states.items())
