@@ -151,17 +151,23 @@ def test_passthrough_extensions_change_decoding(client):
 # ---------------------------------------------------------------------------------------- structured, tools
 def test_json_schema_text_format(client):
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
-    r = client.responses.create(model=MODEL, input="A person.", max_output_tokens=200, text={"format": fmt})
+    r = client.responses.create(model=MODEL, input="A person.", max_output_tokens=200, text={"format": fmt},
+                                temperature=0.0)
     jsonschema.validate(json.loads(r.output_text), PERSON)
-    assert r.status == "completed" and r.text.format.type == "json_schema"
+    assert r.text.format.type == "json_schema"
+    # the random tiny model never closes the object itself: the budget closer does, so the answer is valid JSON
+    # and still reported as cut short (finish_reason "length" on chat), as issue 30 item 8 asks
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
 
 
 def test_required_tool_call_whole_and_streamed(client):
     kw = dict(model=MODEL, input="What is the weather in Paris?", tools=FLAT_TOOLS, tool_choice="required",
-              parallel_tool_calls=False, max_output_tokens=160)
+              parallel_tool_calls=False, max_output_tokens=160, temperature=0.0)
     r = client.responses.create(**kw)
     (call,) = r.output
     assert call.type == "function_call" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    # greedy, so the call ends by itself (sampled, the random tiny model's arguments can run until the budget
+    # closer ends them, and then the response is reported as cut short: issue 30 item 8)
     assert r.status == "completed" and call.status == "completed"
     schema = next(t["parameters"] for t in FLAT_TOOLS if t["name"] == call.name)
     jsonschema.validate(json.loads(call.arguments), schema)
