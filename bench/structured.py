@@ -22,7 +22,7 @@ to the committed prefix).
 oneOf, uniqueItems, not, unknown formats, dependencies, propertyNames, if/then/else, circular $ref with
 siblings, and plain ones): per schema, whether it is accepted (no 400, at compile time or after the
 after-draft retries), whether the answer is valid (jsonschema, no repeated key), cut by max_tokens, or
-rejected, plus attempts used; --seeds N answers per schema.
+rejected, plus attempts used; --seeds N answers per schema; --only a,b: the schemas whose name contains a or b.
 
 Prints a table, then one JSON line.
 """
@@ -174,6 +174,8 @@ def coverage(llm: LLM, args) -> None:
     from unmask.structured.schema import check_error, parse_json, strict_objects
 
     items = json.loads(CORPUS.read_text())
+    if args.only:
+        items = [i for i in items if any(w in i["name"] for w in args.only.split(","))]
     ids = llm.chat_prompt([{"role": "user", "content": "Answer with JSON that follows the schema."}])
     rows, counts = [], {"valid": 0, "invalid": 0, "cut": 0, "rejected": 0}
     t0 = time.perf_counter()
@@ -229,6 +231,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--corpus", action="store_true", help="JSON-schema coverage over tests/data/json_schemas.json")
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--only", default=None, help="--corpus: only the schemas whose name contains one of these "
+                                                  "comma-separated words")
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -571,13 +571,18 @@ def test_a_check_that_never_passes_is_a_400_after_bounded_attempts(llms):
     from unmask.structured.constraint import ATTEMPTS
 
     llm = llms["sdar"]
-    spec = StructuredSpec.json_schema({"type": "boolean", "not": {"type": "boolean"}})
+    # a `not` that rewrite.py cannot enforce (no non-integer is an integer): relaxed, checked, never passes
+    spec = StructuredSpec.json_schema({"type": "integer", "not": {"type": "integer"}})
     seq = llm.engine.add_request(prompt(llm), GenerationParams(max_tokens=16, structured=spec, seed=0))
     llm.engine.run_to_completion()
     assert seq.constraint.attempts == ATTEMPTS and isinstance(seq.error, InvalidRequestError)
     assert "not" in str(seq.error) and seq.error.param == "response_format"
     with pytest.raises(InvalidRequestError, match="after-draft"):
         llm.generate(prompt(llm), GenerationParams(max_tokens=16, structured=spec, seed=0))
+    # one it can enforce turns out empty: said up front, before any decoding
+    with pytest.raises(InvalidRequestError, match="Unsatisfiable"):
+        llm.generate(prompt(llm), GenerationParams(max_tokens=16, structured=StructuredSpec.json_schema(
+            {"type": "boolean", "not": {"type": "boolean"}}), seed=0))
 
 
 def test_relaxed_schema_output_is_held_back_until_checked(llms):

@@ -176,7 +176,8 @@ class GuidanceBackend:
         if matcher.is_error():
             raise InvalidRequestError(f"{spec.param} cannot be enforced: {matcher.get_error()}", spec.param)
         return Constraint(matcher, self, json=spec.kind == "json", check=prep.check if prep else None,
-                          relaxed=prep.relaxed if prep else ())
+                          relaxed=(*prep.relaxed, *prep.rewritten) if prep else (),
+                          unique=dict(prep.unique) if prep else {})
 
 
 def _what(spec: StructuredSpec) -> str:

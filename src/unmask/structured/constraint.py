@@ -48,12 +48,14 @@ _PROBE = "a"        # a token valid here but never outside a JSON string: we are
 class Constraint:
     """One request's grammar state. The matcher has consumed exactly the committed output prefix."""
 
-    def __init__(self, matcher, backend, json: bool = False, check=None, relaxed: tuple[str, ...] = ()):
+    def __init__(self, matcher, backend, json: bool = False, check=None, relaxed: tuple[str, ...] = (),
+                 unique: dict | None = None):
         self.m = matcher
         self._start = matcher.deep_copy()   # for another attempt (`reset`)
         self.json = json
         self.facts = backend.token_facts() if json else None
-        self.guard = JsonGuard() if json else None   # duplicate keys, runaway numbers and strings (guard.py)
+        self.unique = unique or {}    # uniqueItems arrays of scalars the guard keeps distinct (path -> item set)
+        self.guard = JsonGuard(unique) if json else None   # duplicate keys and items, runaway numbers (guard.py)
         self.check = check            # JSON Schema validated after the draft (schema.py), or None
         self.relaxed = relaxed
         self.attempts = 1
@@ -199,7 +201,7 @@ class Constraint:
             return False
         self.attempts += 1
         self.m = self._start.deep_copy()
-        self.guard = JsonGuard() if self.json else None
+        self.guard = JsonGuard(self.unique) if self.json else None
         self.window, self._fuel, self.budget_cut = None, CLOSE_FUEL, False
         return True
 

@@ -14,11 +14,18 @@ Steps, each driven by what llguidance reports (llguidance 1.9.1):
   formats       an unknown `format` value is an annotation (JSON Schema 2020-12, section 7.2): it is
                 dropped, not rejected. Formats llguidance knows (`date-time`, `email`, `uuid`, ...) stay
                 enforced.
+  rewrites      rewrite.py turns `not`, `if`/`then`/`else`, `dependentRequired`/`dependentSchemas`,
+                `propertyNames`, min/maxProperties llguidance refuses, `$ref` with siblings and trivial
+                `uniqueItems` into exact forms llguidance enforces; `uniqueItems` arrays of scalars are kept
+                distinct by the JSON guard (guard.py). Whatever was rewritten is still checked after the draft.
   oneOf         llguidance enforces a `oneOf` whose branches it can tell apart (types, consts, enums);
                 any other `oneOf` is generated as `anyOf` (llguidance's `coerce_one_of`) and checked
                 after the draft ("exactly one branch").
-  $ref siblings a circular `$ref` with sibling keywords becomes `allOf: [{"$ref": ...}, {siblings}]`.
-  the rest      keywords llguidance does not implement (`not`, `if`/`then`/`else`, `uniqueItems`,
+  $ref siblings a circular `$ref` with sibling keywords rewrite.py could not merge becomes
+                `allOf: [{"$ref": ...}, {siblings}]`.
+  min/maxProperties  where llguidance still refuses them (more than rewrite.MAX_OPTIONAL optional properties):
+                removed and checked after the draft.
+  the rest      keywords llguidance does not implement and rewrite.py found no exact form for (`not`, `if`/`then`/`else`, `uniqueItems`,
                 `propertyNames`, `dependentRequired`, `dependentSchemas`, `contains`, ...) are removed
                 from the enforced schema and checked after the draft.
 
@@ -35,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unmask.errors import InvalidRequestError
+from unmask.structured.rewrite import rewrite, unique_paths
 
 # keywords whose value is one schema / a list of schemas / a name -> schema map
 ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
@@ -54,6 +62,8 @@ class Prepared:
     check: Any | None        # validated with jsonschema after the draft; None: the grammar guarantees it
     coerce_one_of: bool = False
     relaxed: tuple[str, ...] = ()   # what is checked after the draft instead of enforced (for messages, stats)
+    rewritten: tuple[str, ...] = ()  # what rewrite.py turned into an enforced form (also checked after the draft)
+    unique: tuple = ()   # (path, finite item set or None) of uniqueItems arrays of scalars the JSON guard keeps distinct
 
 
 def walk(node: Any, fn: Callable[[dict, str | None], None], parent: str | None = None) -> None:
@@ -164,6 +174,8 @@ def prepare(schema: Any, strict: bool, compile_error: Callable[[Any, bool], str 
         strict_objects(check)
     split_dependencies(check)
     enforced = copy.deepcopy(check)
+    unique = tuple(unique_paths(enforced).items())
+    rewritten = tuple(rewrite(enforced))
     coerce, relaxed, wrapped = False, [], False
     for _ in range(MAX_ROUNDS):
         err = compile_error(enforced, coerce)
@@ -181,6 +193,10 @@ def prepare(schema: Any, strict: bool, compile_error: Callable[[Any, bool], str 
             drop_keys(enforced, keys)
             relaxed += sorted(keys)
             continue
+        if "min/maxProperties" in err and "minProperties/maxProperties" not in relaxed:
+            drop_keys(enforced, {"minProperties", "maxProperties"})   # where rewrite.py found no enforced form
+            relaxed.append("minProperties/maxProperties")
+            continue
         if "oneOf" in err and not coerce:
             coerce = True
             relaxed.append("oneOf")
@@ -192,16 +208,17 @@ def prepare(schema: Any, strict: bool, compile_error: Callable[[Any, bool], str 
         raise InvalidRequestError(err)
     else:
         raise InvalidRequestError(err)
-    if not relaxed:
+    if not relaxed and not rewritten:
         return Prepared(enforced, None, coerce)
     try:
         import jsonschema
 
         jsonschema.validators.validator_for(check, default=jsonschema.Draft202012Validator).check_schema(check)
     except jsonschema.SchemaError as e:
-        raise InvalidRequestError(f"invalid JSON Schema ({', '.join(relaxed)} must be checked after the "
-                                  f"draft): {e.message}") from None
-    return Prepared(enforced, check, coerce, tuple(relaxed))
+        raise InvalidRequestError(f"invalid JSON Schema ({', '.join([*relaxed, *rewritten])} must be checked "
+                                  f"after the draft): {e.message}") from None
+    return Prepared(enforced, check, coerce, tuple(relaxed), rewritten,
+                    unique if "uniqueItems" in relaxed else ())
 
 
 def check_error(check: Any, value: Any) -> str | None:
