@@ -228,3 +228,25 @@ def test_guard_bans_the_start_of_a_forced_repeat():
     g = JsonGuard(days)
     assert g.feed(b'{"n": [1, 2, ') and not g.copy().feed(b'2') and g.copy().feed(b'10]') and not g.copy().feed(b'3')
     assert g.feed(b'10], "b": [true, ') and not g.copy().feed(b't') and g.copy().feed(b'false]')
+
+
+def test_oneOf_is_made_disjoint_where_the_branches_can_be_negated(backend):
+    from unmask.structured.rewrite import rewrite_one_of
+    from unmask.structured.schema import prepare
+
+    schema = {"type": "object", "properties": {"path": {"type": "string"}, "url": {"type": "string"}},
+              "additionalProperties": False, "oneOf": [{"required": ["path"]}, {"required": ["url"]}]}
+    samples = [{}, {"path": "a"}, {"url": "b"}, {"path": "a", "url": "b"}]
+    out = copy.deepcopy(schema)
+    assert rewrite_one_of(out) and "oneOf" not in out
+    assert out["anyOf"] == [{"allOf": [{"required": ["path"]}, {"properties": {"url": False}}]},
+                            {"allOf": [{"required": ["url"]}, {"properties": {"path": False}}]}]
+    prep = prepare(schema, False, backend._schema_error)
+    assert prep.rewritten == ("oneOf",) and not prep.relaxed and not prep.coerce_one_of and prep.check is not None
+    for v in samples:
+        assert ok(out, v) == ok(schema, v) == grammar_accepts(backend, prep.enforced, v), v
+    # branches llguidance tells apart itself: untouched
+    assert prepare({"oneOf": [{"type": "string"}, {"type": "integer"}]}, False, backend._schema_error).rewritten == ()
+    # an integer is also a multiple of 0.5, and "not an integer" has no form on an unbounded number: coerced, checked
+    prep = prepare({"oneOf": [{"type": "integer"}, {"type": "number", "multipleOf": 0.5}]}, False, backend._schema_error)
+    assert prep.relaxed == ("oneOf",) and prep.coerce_one_of

@@ -22,6 +22,8 @@ original schema is still checked after the draft whenever anything was rewritten
   uniqueItems   trivial at maxItems <= 1; over a finite item set (enum, const, boolean) maxItems is capped at
                 its size; arrays of scalars reached through `properties` / `items` from the root are made
                 distinct by the JSON guard (guard.py, `unique_paths`).
+  oneOf         where llguidance cannot tell the branches apart: `anyOf` of each branch AND the negation of
+                every other (so exactly one holds), where those negations are known.
   $ref siblings a `$ref` to a local definition with sibling keywords becomes a `$ref` to a new definition: a
                 copy of the target with the siblings merged in (llguidance refuses siblings next to a
                 circular reference).
@@ -37,6 +39,7 @@ NOTES = {"title", "description", "default", "examples", "$comment", "deprecated"
 TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
 MAX_INTERVALS = 64     # `not: {type: integer}` on a bounded number: at most this many open intervals
 MAX_OPTIONAL = 4       # maxProperties: anyOf over at most 2**MAX_OPTIONAL presence patterns
+MAX_ONE_OF = 4         # oneOf made disjoint: at most this many branches (each gets the others' negations)
 SCALARS = {"null", "boolean", "number", "string", "integer"}
 TOGETHER = ({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"},
             {"prefixItems", "items", "additionalItems", "unevaluatedItems", "contains", "minContains", "maxContains"},
@@ -381,6 +384,38 @@ def unique_paths(schema: Any) -> dict[tuple[str, ...], tuple | None]:
             visit(s["items"], (*path, "*"))
     visit(schema, ())
     return out
+
+
+def rewrite_one_of(s: dict) -> bool:
+    """`oneOf: [b1, ..., bn]` -> `anyOf: [b1 AND NOT b2 ..., ...]` (disjoint, so "exactly one" holds), where every
+    branch's negation is known (`negate`) and n <= MAX_ONE_OF."""
+    branches = s.get("oneOf")
+    if not isinstance(branches, list) or not 2 <= len(branches) <= MAX_ONE_OF \
+            or not all(isinstance(b, dict) for b in branches):
+        return False
+    base = {k: v for k, v in s.items() if k != "oneOf"}
+    out = []
+    for i, b in enumerate(branches):
+        ctx = merge(base, b) or base
+        negs = [negate(c, ctx) for j, c in enumerate(branches) if j != i]
+        if any(n is None for n in negs):
+            return False
+        out.append({"allOf": [b, *negs]})
+    del s["oneOf"]
+    if "anyOf" in s:
+        s.setdefault("allOf", []).append({"anyOf": out})
+    else:
+        s["anyOf"] = out
+    return True
+
+
+def rewrite_one_ofs(schema: Any) -> bool:
+    """rewrite_one_of everywhere (called only where llguidance refused a oneOf it cannot tell apart)."""
+    from unmask.structured.schema import walk
+
+    done = []
+    walk(schema, lambda s, parent: done.append(1) if "oneOf" in s and rewrite_one_of(s) else None)
+    return bool(done)
 
 
 # ---------------------------------------------------------------------------------------------- $ref siblings

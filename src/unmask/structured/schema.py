@@ -19,6 +19,7 @@ Steps, each driven by what llguidance reports (llguidance 1.9.1):
                 `uniqueItems` into exact forms llguidance enforces; `uniqueItems` arrays of scalars are kept
                 distinct by the JSON guard (guard.py). Whatever was rewritten is still checked after the draft.
   oneOf         llguidance enforces a `oneOf` whose branches it can tell apart (types, consts, enums);
+                rewrite.py makes others disjoint where it can negate the branches (`required`, ...);
                 any other `oneOf` is generated as `anyOf` (llguidance's `coerce_one_of`) and checked
                 after the draft ("exactly one branch").
   $ref siblings a circular `$ref` with sibling keywords rewrite.py could not merge becomes
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unmask.errors import InvalidRequestError
-from unmask.structured.rewrite import rewrite, unique_paths
+from unmask.structured.rewrite import rewrite, rewrite_one_ofs, unique_paths
 
 # keywords whose value is one schema / a list of schemas / a name -> schema map
 ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
@@ -196,6 +197,9 @@ def prepare(schema: Any, strict: bool, compile_error: Callable[[Any, bool], str 
         if "min/maxProperties" in err and "minProperties/maxProperties" not in relaxed:
             drop_keys(enforced, {"minProperties", "maxProperties"})   # where rewrite.py found no enforced form
             relaxed.append("minProperties/maxProperties")
+            continue
+        if "oneOf" in err and "oneOf" not in rewritten and rewrite_one_ofs(enforced):
+            rewritten += ("oneOf",)
             continue
         if "oneOf" in err and not coerce:
             coerce = True
