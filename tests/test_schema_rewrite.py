@@ -15,7 +15,8 @@ import jsonschema
 import pytest
 import torch
 
-from unmask.structured.rewrite import negate, other_strings, rewrite, unique_paths
+from unmask.structured.negate import negate, other_strings
+from unmask.structured.rewrite import rewrite, unique_paths
 
 
 def ok(schema, value) -> bool:
