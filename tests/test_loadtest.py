@@ -30,9 +30,9 @@ POINT_KEYS = {"target", "requests", "completed", "failed", "failures", "success_
 # ------------------------------------------------------------------------------ pure metric functions
 def synthetic() -> list[Record]:
     return [
-        Record(start=0, ok=True, ttft=0.1, e2e=0.5, prompt_tokens=10, output_tokens=5, itl=[0.1] * 4),
-        Record(start=0, ok=True, ttft=0.2, e2e=1.2, prompt_tokens=20, output_tokens=3, itl=[0.5, 0.5]),
-        Record(start=0, ok=True, ttft=0.3, e2e=0.3, prompt_tokens=5, output_tokens=1),
+        Record(start=0, ok=True, ttft=0.1, e2e=0.5, prompt_tokens=10, output_tokens=5, itl=[0.1] * 4, usage=True),
+        Record(start=0, ok=True, ttft=0.2, e2e=1.2, prompt_tokens=20, output_tokens=3, itl=[0.5, 0.5], usage=True),
+        Record(start=0, ok=True, ttft=0.3, e2e=0.3, prompt_tokens=5, output_tokens=1, usage=True),
         Record(start=0, ok=False, error="http 500", e2e=0.05),
     ]
 
@@ -71,8 +71,12 @@ def test_failures_only_and_slo_parsing():
     for bad in ("ttft", "itl:5", "ttft:-1", "ttft:x"):
         with pytest.raises(ValueError):
             metrics.parse_slos(bad)
-    check = metrics.token_check(synthetic(), lambda text: 5)
+    records = synthetic() + [Record(start=0, ok=True, text="no usage sent")]
+    check = metrics.token_check(records, lambda text: 5)
     assert check == {"checked": 3, "agree": 1, "server_output_tokens": 9, "local_output_tokens": 15, "max_abs_diff": 4}
+    assert metrics.summarize(records, 1.0)["without_usage"] == 1
+    metrics.fill_missing_tokens(records, lambda text: len(text.split()))
+    assert records[-1].output_tokens == 3 and records[0].output_tokens == 5
 
 
 def test_workload_files(tmp_path):

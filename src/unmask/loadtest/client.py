@@ -63,7 +63,8 @@ class Record:
     ttft: float | None = None     # streaming only
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int | None = None      # from the server's usage
-    output_tokens: int | None = None
+    output_tokens: int | None = None      # from the server's usage, else a local tokenizer's count, else None
+    usage: bool = False                   # the server sent usage with completion_tokens
     text: str = ""
     prompt: Prompt | None = None
 
@@ -91,9 +92,10 @@ def _message_text(choice: dict, chat: bool) -> str:
 
 
 def _usage(rec: Record, usage: object) -> None:
-    if isinstance(usage, dict):
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         rec.prompt_tokens = usage.get("prompt_tokens")
-        rec.output_tokens = usage.get("completion_tokens")
+        rec.output_tokens = usage["completion_tokens"]
+        rec.usage = True
 
 
 async def send(http: httpx.AsyncClient, target: Target, prompt: Prompt, max_tokens: int) -> Record:

@@ -86,7 +86,7 @@ def summarize(records: Sequence[Record], duration: float, slos: dict[str, float]
         "requests": n, "completed": len(done), "failed": n - len(done),
         "failures": dict(sorted(Counter(r.error for r in records if not r.ok).items())),
         "success_rate": len(done) / n if n else None,
-        "without_usage": sum(r.output_tokens is None for r in done),
+        "without_usage": sum(not r.usage for r in done),
         "duration_s": duration,
         "input_tokens": in_tokens, "output_tokens": out_tokens,
         "request_throughput": len(done) / duration if duration > 0 else None,
@@ -109,10 +109,17 @@ def summarize(records: Sequence[Record], duration: float, slos: dict[str, float]
 def token_check(records: Sequence[Record], count: Callable[[str], int]) -> dict:
     """Server usage against a local tokenizer's count of each completed answer's text. Decoding then
     re-encoding need not give back the same ids, so a small share of disagreements is expected."""
-    pairs = [(r.output_tokens, count(r.text)) for r in records if r.ok and r.output_tokens is not None]
+    pairs = [(r.output_tokens, count(r.text)) for r in records if r.ok and r.usage]
     return {"checked": len(pairs), "agree": sum(a == b for a, b in pairs),
             "server_output_tokens": sum(a for a, _ in pairs), "local_output_tokens": sum(b for _, b in pairs),
             "max_abs_diff": max((abs(a - b) for a, b in pairs), default=0)}
+
+
+def fill_missing_tokens(records: Sequence[Record], count: Callable[[str], int]) -> None:
+    """Completed answers without usage get the local tokenizer's count of their text (as vLLM does)."""
+    for r in records:
+        if r.ok and not r.usage:
+            r.output_tokens = count(r.text)
 
 
 def scrape(text: str) -> dict[str, float]:

@@ -85,10 +85,13 @@ async def run(targets: list[Target], plan: Plan, timeout: float, advance: Callab
             for t in targets:
                 after = await server_counters(http, t)
                 recs = records[t.name]
+                check = metrics.token_check(recs, count_tokens) if count_tokens else None
+                if count_tokens:
+                    metrics.fill_missing_tokens(recs, count_tokens)
                 point = {"target": t.name, plan.sweep: x,
                          **metrics.summarize(recs, duration[t.name], plan.slos, plan.dollars_per_hour),
                          "server_metrics": metrics.server_delta(before[t.name], after),
-                         "token_check": metrics.token_check(recs, count_tokens) if count_tokens else None,
+                         "token_check": check,
                          "failure_examples": {k: next(r.detail for r in recs if r.error == k)
                                               for k in sorted({r.error for r in recs if not r.ok})}}
                 points.append(point)
