@@ -135,6 +135,19 @@ def test_failure_kinds(stream, answer, kind):
         assert rec.text == "abab" and rec.output_tokens == 2 and rec.prompt_tokens == 4 and len(rec.itl) == 1
 
 
+def test_timeout_covers_the_whole_request():
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(5)
+        return httpx.Response(200, text=sse("[DONE]"))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            return await send(http, Target("A", "http://x", "m", timeout=0.05), Prompt("q"), 2)
+
+    rec = asyncio.run(go())
+    assert rec.error == "timeout" and not rec.ok and rec.e2e < 4
+
+
 # ------------------------------------------------------------------------------ against real servers
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):

@@ -146,7 +146,8 @@ def loadtest(
         fail(f"{dataset_path} is not valid UTF-8")
     work = workloads.budgets(workloads.cycle(prompts, num_requests, seed), out_range, output_len is None, seed)
 
-    common = dict(endpoint=endpoint, stream=stream, ignore_eos=ignore_eos, temperature=temperature)
+    common = dict(endpoint=endpoint, stream=stream, ignore_eos=ignore_eos, temperature=temperature,
+                  timeout=timeout)
     targets = [Target("A", _url(url, "--url"), model, api_key, extra_body=_extra_body(extra_body, "--extra-body"),
                       **common)]
     if compare:

@@ -30,6 +30,7 @@ class Target:
     extra_body: dict = field(default_factory=dict)
     ignore_eos: bool = False
     temperature: float = 0.0
+    timeout: float = 600.0  # seconds for the whole request, streamed or not
 
     @property
     def path(self) -> str:
@@ -100,59 +101,10 @@ def _usage(rec: Record, usage: object) -> None:
 
 async def send(http: httpx.AsyncClient, target: Target, prompt: Prompt, max_tokens: int) -> Record:
     rec = Record(start=time.perf_counter(), prompt=prompt)
-    chat = target.endpoint == "chat"
     try:
-        body = target.body(prompt, max_tokens)
-        if not target.stream:
-            r = await http.post(target.url + target.path, json=body, headers=target.headers())
-            if r.status_code != 200:
-                rec.error, rec.detail = f"http {r.status_code}", r.text[:200]
-                return rec
-            try:
-                data = r.json()
-                rec.text = "".join(_message_text(c, chat) for c in data["choices"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise Malformed(f"response is not a completion: {e}") from None
-            _usage(rec, data.get("usage"))
-            rec.ok = True
-            return rec
-        async with http.stream("POST", target.url + target.path, json=body, headers=target.headers()) as r:
-            if r.status_code != 200:
-                rec.error, rec.detail = f"http {r.status_code}", (await r.aread()).decode(errors="replace")[:200]
-                return rec
-            last, done, pieces = None, False, []
-            async for line in r.aiter_lines():
-                if not line.strip() or line.startswith(":"):
-                    continue
-                if not line.startswith("data:"):
-                    raise Malformed(f"not an SSE data line: {line[:80]!r}")
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    done = True
-                    break
-                try:
-                    chunk = json.loads(payload)
-                except json.JSONDecodeError:
-                    raise Malformed(f"chunk is not JSON: {payload[:80]!r}") from None
-                if not isinstance(chunk, dict):
-                    raise Malformed("chunk is not a JSON object")
-                if "error" in chunk:  # an error after the 200: the server gave up mid-stream
-                    raise Malformed(f"error event: {str(chunk['error'])[:160]}")
-                _usage(rec, chunk.get("usage"))
-                text = "".join(_delta_text(c, chat) for c in chunk.get("choices") or [] if isinstance(c, dict))
-                if text:
-                    now = time.perf_counter()
-                    if rec.ttft is None:
-                        rec.ttft = now - rec.start
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
-                    pieces.append(text)
-            if not done:
-                raise Malformed("stream ended without data: [DONE]")
-            rec.text = "".join(pieces)
-            rec.ok = True
-    except httpx.TimeoutException as e:
+        async with asyncio.timeout(target.timeout):
+            await _exchange(http, target, prompt, max_tokens, rec)
+    except (httpx.TimeoutException, TimeoutError) as e:
         rec.error, rec.detail = "timeout", type(e).__name__
     except (httpx.TransportError, OSError) as e:  # refused, reset, closed mid-body
         rec.error, rec.detail = "connection", f"{type(e).__name__}: {e}"[:200]
@@ -161,6 +113,61 @@ async def send(http: httpx.AsyncClient, target: Target, prompt: Prompt, max_toke
     finally:
         rec.e2e = time.perf_counter() - rec.start
     return rec
+
+
+async def _exchange(http: httpx.AsyncClient, target: Target, prompt: Prompt, max_tokens: int, rec: Record) -> None:
+    """Send one request and fill `rec` as it answers; raises on transport errors and malformed answers."""
+    chat = target.endpoint == "chat"
+    body = target.body(prompt, max_tokens)
+    if not target.stream:
+        r = await http.post(target.url + target.path, json=body, headers=target.headers())
+        if r.status_code != 200:
+            rec.error, rec.detail = f"http {r.status_code}", r.text[:200]
+            return
+        try:
+            data = r.json()
+            rec.text = "".join(_message_text(c, chat) for c in data["choices"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise Malformed(f"response is not a completion: {e}") from None
+        _usage(rec, data.get("usage"))
+        rec.ok = True
+        return
+    async with http.stream("POST", target.url + target.path, json=body, headers=target.headers()) as r:
+        if r.status_code != 200:
+            rec.error, rec.detail = f"http {r.status_code}", (await r.aread()).decode(errors="replace")[:200]
+            return
+        last, done, pieces = None, False, []
+        async for line in r.aiter_lines():
+            if not line.strip() or line.startswith((":", "event:", "id:", "retry:")):  # comments, SSE fields
+                continue
+            if not line.startswith("data:"):
+                raise Malformed(f"not an SSE data line: {line[:80]!r}")
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                done = True
+                break
+            try:
+                chunk = json.loads(payload)
+            except json.JSONDecodeError:
+                raise Malformed(f"chunk is not JSON: {payload[:80]!r}") from None
+            if not isinstance(chunk, dict):
+                raise Malformed("chunk is not a JSON object")
+            if "error" in chunk:  # an error after the 200: the server gave up mid-stream
+                raise Malformed(f"error event: {str(chunk['error'])[:160]}")
+            _usage(rec, chunk.get("usage"))
+            text = "".join(_delta_text(c, chat) for c in chunk.get("choices") or [] if isinstance(c, dict))
+            if text:
+                now = time.perf_counter()
+                if rec.ttft is None:
+                    rec.ttft = now - rec.start
+                else:
+                    rec.itl.append(now - last)
+                last = now
+                pieces.append(text)
+        if not done:
+            raise Malformed("stream ended without data: [DONE]")
+        rec.text = "".join(pieces)
+        rec.ok = True
 
 
 async def closed_loop(http: httpx.AsyncClient, target: Target, work: list[tuple[Prompt, int]], concurrency: int,
