@@ -251,3 +251,43 @@ def test_oneOf_is_made_disjoint_where_the_branches_can_be_negated(backend):
     # an integer is also a multiple of 0.5, and "not an integer" has no form on an unbounded number: coerced, checked
     prep = prepare({"oneOf": [{"type": "integer"}, {"type": "number", "multipleOf": 0.5}]}, False, backend._schema_error)
     assert prep.relaxed == ("oneOf",) and prep.coerce_one_of
+
+
+@pytest.mark.parametrize("schema", [
+    {"not": {"required": [{"a": 1}]}},
+    {"type": "object", "dependentRequired": {"a": [{}]}},
+    {"type": "object", "required": [[1]], "maxProperties": 1, "properties": {"a": {}}},
+    {"type": "string", "not": {"enum": ["x" * 2000]}},
+    {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": 5},
+    {"type": "object", "propertyNames": {"pattern": "("}},
+    {"$defs": {"a": {"type": "object"}}, "properties": {"x": {"$ref": "#/$defs/a", "required": [{}]}}},
+    {"type": "array", "items": {"enum": [[1], {"a": 1}, 1]}, "uniqueItems": True},
+    {"oneOf": [{"required": ["a"]}, {"required": "b"}]},
+])
+def test_malformed_schemas_are_a_400_or_accepted_never_a_crash(backend, schema):
+    from unmask.errors import InvalidRequestError
+    from unmask.structured.schema import prepare
+
+    try:
+        prep = prepare(schema, False, backend._schema_error)
+    except InvalidRequestError as e:
+        assert str(e)
+    else:
+        assert prep.enforced is not None
+
+
+def test_guard_over_a_small_integer_range_bans_a_number_that_can_only_repeat():
+    """0..99: after "83", "8" may go on ("8", "80".."89"), but "83" can only end (nothing follows it under 99), and
+    ending it is banned, so the "3" that would leave no way out is banned already."""
+    from unmask.structured.guard import JsonGuard
+    from unmask.structured.rewrite import int_range
+
+    assert int_range({"type": "integer", "minimum": 0.5, "exclusiveMaximum": 4}) == [1, 2, 3]
+    assert int_range({"type": "integer", "minimum": 0}) is None and int_range({"type": "number", "maximum": 1}) is None
+    schema = {"type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True,
+                                                       "items": {"type": "integer", "minimum": 0, "maximum": 99}}}}
+    paths = unique_paths(schema)
+    assert paths == {("ids",): tuple(range(100))}
+    g = JsonGuard(paths)
+    assert g.feed(b'{"ids": [83, 8')
+    assert not g.copy().feed(b'3') and g.copy().feed(b'4') and g.copy().feed(b', 3]')

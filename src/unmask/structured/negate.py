@@ -11,6 +11,7 @@ from typing import Any
 NOTES = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
 TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
 MAX_INTERVALS = 64     # `not: {type: integer}` on a bounded number: at most this many open intervals
+MAX_WORDS_CHARS = 512  # `not: {enum: [strings]}` as a complement pattern: at most this many characters in all
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -127,11 +128,12 @@ def negate(n: Any, ctx: dict) -> dict | None:
         if types_of(ctx) == ["string"] and all(isinstance(r, str) for r in refused):
             if refused == [""]:
                 return {"minLength": 1}
-            if "pattern" not in ctx:
+            if "pattern" not in ctx and sum(map(len, refused)) <= MAX_WORDS_CHARS:
                 return {"pattern": other_strings(refused)}
         return None
-    if key == "required" and isinstance(val, list) and val:
-        have = set(ctx.get("required", [])) if isinstance(ctx.get("required"), list) else set()
+    if key == "required" and isinstance(val, list) and val and all(isinstance(p, str) for p in val):
+        have = set(x for x in ctx.get("required", []) if isinstance(x, str)) \
+            if isinstance(ctx.get("required"), list) else set()
         branches = [absent(p) for p in val if p not in have]
         if not branches:
             return None

@@ -31,6 +31,7 @@ original schema is still checked after the draft whenever anything was rewritten
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -38,6 +39,7 @@ from unmask.structured.negate import (NOTES, absent, bare, intersect_types, lit,
                                       values_of)
 
 MAX_OPTIONAL = 4       # maxProperties: anyOf over at most 2**MAX_OPTIONAL presence patterns
+MAX_RANGE = 256        # uniqueItems over integers: the guard knows the item set of a range this small
 MAX_ONE_OF = 4         # oneOf made disjoint: at most this many branches (each gets the others' negations)
 SCALARS = {"null", "boolean", "number", "string", "integer"}
 TOGETHER = ({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"},
@@ -51,7 +53,8 @@ def add_conjunct(s: dict, extra: dict) -> None:
     if "type" in extra and types_of(s) is not None and types_of(extra) is not None:
         s["type"] = intersect_types(types_of(s), types_of(extra))
         del extra["type"]
-    if "required" in extra and isinstance(s.get("required", []), list):
+    if "required" in extra and isinstance(s.get("required", []), list) \
+            and all(isinstance(x, str) for x in s.get("required", [])):
         s["required"] = list(dict.fromkeys([*s.get("required", []), *extra.pop("required")]))
     if "minLength" in extra and isinstance(s.get("minLength", 0), int):
         s["minLength"] = max(s.get("minLength", 0), extra.pop("minLength"))
@@ -94,7 +97,7 @@ def rewrite_if(s: dict) -> bool:
 def rewrite_dependents(s: dict) -> list[str]:
     done = []
     req = s.get("dependentRequired")
-    if isinstance(req, dict) and all(isinstance(v, list) for v in req.values()):
+    if isinstance(req, dict) and all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in req.values()):
         for name, needs in req.items():
             add_conjunct(s, {"anyOf": [absent(name), {"required": list(dict.fromkeys([name, *needs]))}]})
         del s["dependentRequired"]
@@ -151,8 +154,8 @@ def rewrite_property_bounds(s: dict) -> bool:
     props = s.get("properties", {})
     if not isinstance(props, dict) or not ({"minProperties", "maxProperties"} & s.keys()):
         return False
-    req = s.get("required", []) if isinstance(s.get("required", []), list) else None
-    if req is None:
+    req = s.get("required", [])
+    if not isinstance(req, list) or not all(isinstance(x, str) for x in req):
         return False
     closed = s.get("additionalProperties") is False and not s.get("patternProperties")
     changed = False
@@ -195,6 +198,21 @@ def rewrite_unique(s: dict) -> str | None:
     return None
 
 
+def int_range(s: dict) -> list[int] | None:
+    """The integers a bounded integer schema allows (a superset where `multipleOf` thins them), if few."""
+    if types_of(s) != ["integer"]:
+        return None
+    num = {k: v for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+           if isinstance(v := s.get(k), int | float) and not isinstance(v, bool) and math.isfinite(v)}
+    lo = [math.ceil(num["minimum"])] if "minimum" in num else []
+    lo += [math.floor(num["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in num else []
+    hi = [math.floor(num["maximum"])] if "maximum" in num else []
+    hi += [math.ceil(num["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in num else []
+    if not lo or not hi or not 0 <= min(hi) - max(lo) < MAX_RANGE:
+        return None
+    return list(range(max(lo), min(hi) + 1))
+
+
 def scalar_items(s: dict) -> bool:
     items = s.get("items")
     if not isinstance(items, dict) or "prefixItems" in s:
@@ -216,6 +234,7 @@ def unique_paths(schema: Any) -> dict[tuple[str, ...], tuple | None]:
             return
         if s.get("uniqueItems") is True and scalar_items(s):
             vals = values_of(s["items"])
+            vals = int_range(s["items"]) if vals is None else vals
             out[path] = None if vals is None else tuple(vals)
         if isinstance(s.get("properties"), dict):
             for name, sub in s["properties"].items():

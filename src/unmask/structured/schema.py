@@ -175,8 +175,13 @@ def prepare(schema: Any, strict: bool, compile_error: Callable[[Any, bool], str 
         strict_objects(check)
     split_dependencies(check)
     enforced = copy.deepcopy(check)
-    unique = tuple(unique_paths(enforced).items())
-    rewritten = tuple(rewrite(enforced))
+    try:
+        trial = copy.deepcopy(enforced)
+        unique = tuple(unique_paths(trial).items())
+        rewritten = tuple(rewrite(trial))
+        enforced = trial
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError):
+        unique, rewritten = (), ()   # a malformed corner rewrite.py did not foresee: relax and check as before
     coerce, relaxed, wrapped = False, [], False
     for _ in range(MAX_ROUNDS):
         err = compile_error(enforced, coerce)
