@@ -157,6 +157,10 @@ def loadtest(
     rounds = rounds or (2 if compare else 1)
     if rounds > num_requests:
         fail(f"--rounds {rounds} is more than --num-requests {num_requests}")
+    per_round = -(-num_requests // rounds)
+    if sweep == "concurrency" and max(values) > per_round:
+        typer.echo(f"warning: a round has {per_round} requests (--num-requests / --rounds), fewer than "
+                   f"--concurrency {max(values):g}: that level cannot fill", err=True)
     plan = Plan(sweep, values, work, rounds, max_concurrency, min(warmup, len(work)), seed, slos, dollars_per_hour)
 
     console, err = Console(width=None if Console().is_terminal else 200), Console(stderr=True)

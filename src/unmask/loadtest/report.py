@@ -106,29 +106,30 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     panels = [("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("e2el_ms", "end-to-end latency (ms)")]
     targets = sorted({p["target"] for p in results["points"]})
-    rate_inf = [p[x] for p in results["points"] if isinstance(p[x], float) and math.isinf(p[x])]
-    finite = [p[x] for p in results["points"] if p[x] not in rate_inf]
-    inf_at = (max(finite) * 2 if finite else 1.0)
+    rate_inf = any(math.isinf(float(p[x])) for p in results["points"])  # float(): "inf" in a JSON file too
+    finite = [float(p[x]) for p in results["points"] if not math.isinf(float(p[x]))]
+    inf_at = max(finite) * 2 if finite else 1.0
 
     def xs(pts):
-        return [inf_at if p[x] in rate_inf else p[x] for p in pts]
+        return [inf_at if math.isinf(float(p[x])) else p[x] for p in pts]
 
     for ax, (key, label) in zip(axes.flat, panels):
-        for t in targets:
+        for i, t in enumerate(targets):  # a colour per target (several), a line style per percentile
             pts = [p for p in results["points"] if p["target"] == t]
-            for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
+            for j, (q, style) in enumerate((("p50", "-"), ("p90", "--"), ("p99", ":"))):
                 ys = [p[key][q] for p in pts]
                 if any(y is not None for y in ys):
                     ax.plot(xs(pts), [math.nan if y is None else y for y in ys], style, marker="o",
-                            label=f"{t} {q}" if len(targets) > 1 else q)
+                            color=f"C{i if len(targets) > 1 else j}", label=f"{t} {q}" if len(targets) > 1 else q)
         ax.set_title(label)
     ax = axes.flat[3]
-    for t in targets:
+    for i, t in enumerate(targets):
         pts = [p for p in results["points"] if p["target"] == t]
         prefix = f"{t} " if len(targets) > 1 else ""
-        ax.plot(xs(pts), [p["output_throughput"] or 0 for p in pts], marker="o", label=f"{prefix}output tok/s")
+        ax.plot(xs(pts), [p["output_throughput"] or 0 for p in pts], marker="o", color=f"C{i}",
+                label=f"{prefix}output tok/s")
         ax.plot(xs(pts), [p["total_token_throughput"] or 0 for p in pts], "--", marker="o",
-                label=f"{prefix}total tok/s")
+                color=f"C{i if len(targets) > 1 else 1}", label=f"{prefix}total tok/s")
     ax.set_title("throughput (tokens/s)")
     for ax in axes.flat:
         ax.set_xlabel(x + (" (rightmost: inf)" if rate_inf else ""))
