@@ -30,7 +30,7 @@ from unmask.server.protocol import APIError
 from unmask.server.security import send_error
 
 SETTLE_S = 0.002       # an admitted request starts its work once no generation request has arrived for this long,
-DEFER_MAX_S = 0.25      # or this long after it arrived at the latest (a steady flood does not starve it)
+DEFER_MAX_S = 1.0       # or this long after it arrived at the latest (a steady flood does not starve it)
 
 # POST routes that submit engine requests (the gate takes a slot for them on arrival)
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/fim/completions",
