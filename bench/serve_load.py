@@ -8,6 +8,14 @@ non-empty content chunk), inter-chunk latency (gap between content chunks: a chu
 whole block counts once), end-to-end latency, output tokens/s over the level's wall time, and from
 /metrics the mean step batch size (requests per forward) and tokens per forward. Prints a table,
 then one JSON line.
+
+    python bench/serve_load.py --url http://127.0.0.1:8000 --burst 500 --max-tokens 64
+
+With --burst N it instead sends N streamed chat requests at once (the overload case: run the server
+with a small --max-queue) and reports how many got 200 and 429, whether every 429 carried Retry-After
+and the error envelope, and the 429s' latency (p50/p90/p99/max: from writing the request to reading
+its status line). The burst uses raw sockets, all opened (untimed) before the requests are written,
+so that a client library's per-request work does not queue up in the figures.
 """
 from __future__ import annotations
 
@@ -102,6 +110,63 @@ async def run_level(http: httpx.AsyncClient, args, concurrency: int, rng: random
     }
 
 
+async def burst_request(host: str, port: int, payload: bytes, go: asyncio.Event) -> dict:
+    """One request of a burst on its own connection: status, latency to the status line, headers, body."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        await go.wait()
+        t0 = time.perf_counter()
+        writer.write(payload)
+        status_line = await reader.readline()
+        latency = time.perf_counter() - t0
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        headers = dict((k.strip().lower(), v.strip()) for k, _, v in
+                       (line.partition(":") for line in head.split("\r\n") if line))
+        body = await reader.read() if "content-length" not in headers else \
+            await reader.readexactly(int(headers["content-length"]))
+        return {"status": int(status_line.split()[1]), "latency": latency, "headers": headers, "body": body}
+    finally:
+        writer.close()
+
+
+async def run_burst(args) -> dict:
+    """--burst N: N streamed chat requests written at once; 200s are read to the end, 429s checked."""
+    url = httpx.URL(args.url)
+    headers = {"Host": f"{url.host}:{url.port}", "Content-Type": "application/json", "Connection": "close"}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    rng = random.Random(args.seed)
+    payloads = []
+    for _ in range(args.burst):
+        body = json.dumps({"model": args.model, "max_tokens": args.max_tokens, "temperature": 0.0,
+                           "ignore_eos": True, "stream": True, "messages": [
+                               {"role": "user", "content": " ".join(rng.choices(WORDS, k=args.prompt_words))}]})
+        head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Content-Length": len(body)}.items())
+        payloads.append(f"POST /v1/chat/completions HTTP/1.1\r\n{head}\r\n{body}".encode())
+    go = asyncio.Event()
+    tasks = [asyncio.create_task(burst_request(url.host, url.port, p, go)) for p in payloads]
+    await asyncio.sleep(0.5)  # let every connection open before the burst
+    t0 = time.perf_counter()
+    go.set()
+    results = await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t0
+    by_status: dict[int, int] = {}
+    for r in results:
+        by_status[r["status"]] = by_status.get(r["status"], 0) + 1
+    busy = [r for r in results if r["status"] == 429]
+    lat = [r["latency"] for r in busy]
+    ok = [r for r in results if r["status"] == 200]
+    return {
+        "burst": args.burst, "statuses": {str(k): v for k, v in sorted(by_status.items())}, "wall_s": wall,
+        "429_with_retry_after": sum("retry-after" in r["headers"] for r in busy),
+        "429_envelopes": sum(json.loads(r["body"]).get("error", {}).get("type") == "rate_limit_error" for r in busy),
+        "200_complete": sum(b"data: [DONE]" in r["body"] for r in ok),
+        "429_p50_ms": 1e3 * percentile(lat, 50), "429_p90_ms": 1e3 * percentile(lat, 90),
+        "429_p99_ms": 1e3 * percentile(lat, 99), "429_max_ms": 1e3 * max(lat, default=float("nan")),
+        "200_status_p50_ms": 1e3 * percentile([r["latency"] for r in ok], 50),
+    }
+
+
 async def main_async(args) -> list[dict]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
@@ -111,6 +176,8 @@ async def main_async(args) -> list[dict]:
             args.model = (await http.get("/v1/models")).json()["data"][0]["id"]
         rng = random.Random(args.seed)
         await run_level(http, argparse.Namespace(**{**vars(args), "requests": 2}), 1, rng)  # warm-up
+        if args.burst:
+            return [await run_burst(args)]
         return [await run_level(http, args, c, rng) for c in args.concurrency]
 
 
@@ -124,8 +191,18 @@ def main() -> None:
     p.add_argument("--model", default=None, help="model id (default: the server's first)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--burst", type=int, default=0, help="send this many streamed requests at once instead")
     args = p.parse_args()
     rows = asyncio.run(main_async(args))
+    if args.burst:
+        row = rows[0]
+        print(f"burst of {row['burst']}: statuses {row['statuses']}, {row['200_complete']} streams complete, "
+              f"{row['429_with_retry_after']} 429s with Retry-After, {row['429_envelopes']} with the error envelope")
+        print(f"429 latency ms: p50 {row['429_p50_ms']:.1f}  p90 {row['429_p90_ms']:.1f}  "
+              f"p99 {row['429_p99_ms']:.1f}  max {row['429_max_ms']:.1f}  (200 status p50 "
+              f"{row['200_status_p50_ms']:.1f}; burst over in {row['wall_s']:.2f} s)")
+        print(json.dumps({"url": args.url, "model": args.model, "max_tokens": args.max_tokens, **row}))
+        return
     cols = [("conc", "concurrency", "d"), ("TTFT p50 ms", "ttft_p50_ms", ".1f"), ("TTFT p99 ms", "ttft_p99_ms", ".1f"),
             ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f"), ("E2E p50 s", "e2e_p50_s", ".2f"),
             ("E2E p99 s", "e2e_p99_s", ".2f"), ("out tok/s", "output_tok_s", ".1f"), ("req/s", "req_s", ".2f"),
