@@ -88,11 +88,11 @@ def build_app(model_dir: str, name: str) -> FastAPI:
                                  "choices": [choice("".join(pieces), finish, False)], "usage": body["_usage"]})
 
         async def events():
-            obj = kind + ".chunk" if chat else kind
+            head = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": name}
             async for text, finish in decode(body, chat):
-                yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': name, 'choices': [choice(text, finish, True)]})}\n\n"
+                yield f"data: {json.dumps({**head, 'choices': [choice(text, finish, True)]})}\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
-                yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': name, 'choices': [], 'usage': body['_usage']})}\n\n"
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': body['_usage']})}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -8,19 +8,25 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
-from test_server import Server
+from test_server import Server, free_port
 from unmask.cli import app
 from unmask.loadtest import metrics
 from unmask.loadtest.client import Record, Target, send
 from unmask.loadtest.workloads import Prompt, WorkloadError, jsonl_prompts, parse_length, sharegpt_prompts
 
-BUILT_IN = Path(__file__).resolve().parents[1] / "src" / "unmask" / "assets" / "unmask-tiny"
+ROOT = Path(__file__).resolve().parents[1]
+BUILT_IN = ROOT / "src" / "unmask" / "assets" / "unmask-tiny"
+AR_TWIN = ROOT / "bench" / "models" / "ar-twin"
 KEY = "loadtest-key"
 POINT_KEYS = {"target", "requests", "completed", "failed", "failures", "success_rate", "without_usage", "duration_s",
               "input_tokens", "output_tokens", "request_throughput", "output_throughput", "total_token_throughput",
@@ -259,3 +265,32 @@ def test_heldout_tasks_workload(servers, tmp_path):
                    "-n", "2", "--output-len", "4", "--warmup", "0")
     check_against_server(res["points"][0], 2)
     assert math.isfinite(res["points"][0]["e2el_ms"]["mean"])
+
+
+@pytest.mark.skipif(not (AR_TWIN / "model.safetensors").is_file(), reason="no AR twin")
+def test_compare_against_a_second_engine(servers, tmp_path):
+    """bench/ar_twin_server.py (transformers, the AR twin) as target B: another engine, no /metrics."""
+    port = free_port()
+    log = (tmp_path / "twin.log").open("w")
+    twin = subprocess.Popen([sys.executable, str(ROOT / "bench" / "ar_twin_server.py"), "--model", str(AR_TWIN),
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert twin.poll() is None and time.monotonic() < deadline, (tmp_path / "twin.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        res = loadtest(tmp_path, "--url", servers[0].url, "--compare", f"http://127.0.0.1:{port}", "-n", "2",
+                       "--output-len", "3", "--ignore-eos", "--concurrency", "2")
+    finally:
+        twin.terminate()
+        twin.wait(30)
+    a, b = res["points"]
+    assert res["targets"][1]["model"] == "ar-twin" and (a["target"], b["target"]) == ("A", "B")
+    check_against_server(a, 2)
+    assert b["completed"] == 2 and b["output_tokens"] == 6 and b["server_metrics"] is None
+    assert b["ttft_ms"]["p50"] is not None and res["ratios"][0]["output_throughput"] > 0

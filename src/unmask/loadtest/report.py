@@ -59,7 +59,8 @@ def print_results(results: dict, console: Console) -> None:
             console.print(f"{where}: local tokenizer agrees with usage on {tc['agree']}/{tc['checked']} answers "
                           f"({tc['local_output_tokens']} vs {tc['server_output_tokens']} tokens)")
     for r in results.get("ratios", []):
-        console.print(f"B/A at {results['sweep']}={r[results['sweep']]}: output tok/s x{_f(r['output_throughput'], 3)}, "
+        x = results["sweep"]
+        console.print(f"B/A at {x}={r[x]}: output tok/s x{_f(r['output_throughput'], 3)}, "
                       f"E2E p50 x{_f(r['e2el_p50'], 3)}")
 
 

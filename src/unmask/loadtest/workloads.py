@@ -123,7 +123,8 @@ def heldout_prompts(corpus_dir: Path, limit: int) -> list[Prompt]:
     from unmask.train.corpus import read_documents
 
     docs = list(read_documents(held))
-    tasks = [(t, 16) for t in next_line_tasks(docs, limit)] + [(t, FUNCTION_TOKENS) for t in function_tasks(docs, limit)]
+    tasks = [(t, 16) for t in next_line_tasks(docs, limit)]
+    tasks += [(t, FUNCTION_TOKENS) for t in function_tasks(docs, limit)]
     random.Random(0).shuffle(tasks)
     return [Prompt(text=t.prompt, max_tokens=n) for t, n in tasks[:limit]]
 
@@ -135,7 +136,8 @@ def cycle(prompts: list[Prompt], n: int, seed: int) -> list[Prompt]:
     return [order[i % len(order)] for i in range(n)]
 
 
-def budgets(prompts: list[Prompt], output_len: tuple[int, int], prefer_own: bool, seed: int) -> list[tuple[Prompt, int]]:
+def budgets(prompts: list[Prompt], output_len: tuple[int, int], prefer_own: bool,
+            seed: int) -> list[tuple[Prompt, int]]:
     """(prompt, max_tokens) pairs: the prompt's own budget where it has one and prefer_own, else drawn from
     output_len (seeded)."""
     rng = random.Random(seed)
