@@ -55,6 +55,8 @@ def print_results(results: dict, console: Console) -> None:
                           f"mean TTFT {_f(sm['ttft_mean_ms'])} ms, mean step batch {_f(sm['mean_step_batch'], 2)}, "
                           f"tokens/forward {_f(sm['tokens_per_forward'], 2)} (client: {p['completed']}, "
                           f"{p['output_tokens']}, {_f(p['e2el_ms']['mean'])} ms, {_f(p['ttft_ms']['mean'])} ms)")
+        for kind, detail in p.get("failure_examples", {}).items():
+            console.print(f"{where}: {kind} x{p['failures'][kind]}, e.g. {detail}", markup=False, highlight=False)
         if tc:
             console.print(f"{where}: local tokenizer agrees with usage on {tc['agree']}/{tc['checked']} answers "
                           f"({tc['local_output_tokens']} vs {tc['server_output_tokens']} tokens)")
