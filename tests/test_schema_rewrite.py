@@ -249,7 +249,8 @@ def test_oneOf_is_made_disjoint_where_the_branches_can_be_negated(backend):
     # branches llguidance tells apart itself: untouched
     assert prepare({"oneOf": [{"type": "string"}, {"type": "integer"}]}, False, backend._schema_error).rewritten == ()
     # an integer is also a multiple of 0.5, and "not an integer" has no form on an unbounded number: coerced, checked
-    prep = prepare({"oneOf": [{"type": "integer"}, {"type": "number", "multipleOf": 0.5}]}, False, backend._schema_error)
+    halves = {"oneOf": [{"type": "integer"}, {"type": "number", "multipleOf": 0.5}]}
+    prep = prepare(halves, False, backend._schema_error)
     assert prep.relaxed == ("oneOf",) and prep.coerce_one_of
 
 

@@ -273,7 +273,14 @@ def rewrite_one_ofs(schema: Any) -> bool:
     from unmask.structured.schema import walk
 
     done = []
-    walk(schema, lambda s, parent: done.append(1) if "oneOf" in s and rewrite_one_of(s) else None)
+
+    def fix(s: dict, parent: str | None) -> None:
+        try:   # rewrite_one_of changes nothing before it has the whole result
+            if "oneOf" in s and rewrite_one_of(s):
+                done.append(1)
+        except (TypeError, ValueError, KeyError, AttributeError, RecursionError):
+            pass   # a malformed branch: left to coerce_one_of and the after-draft check
+    walk(schema, fix)
     return bool(done)
 
 

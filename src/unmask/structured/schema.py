@@ -26,9 +26,9 @@ Steps, each driven by what llguidance reports (llguidance 1.9.1):
                 `allOf: [{"$ref": ...}, {siblings}]`.
   min/maxProperties  where llguidance still refuses them (more than rewrite.MAX_OPTIONAL optional properties):
                 removed and checked after the draft.
-  the rest      keywords llguidance does not implement and rewrite.py found no exact form for (`not`, `if`/`then`/`else`, `uniqueItems`,
-                `propertyNames`, `dependentRequired`, `dependentSchemas`, `contains`, ...) are removed
-                from the enforced schema and checked after the draft.
+  the rest      keywords llguidance does not implement and rewrite.py found no exact form for (`not`,
+                `if`/`then`/`else`, `uniqueItems`, `propertyNames`, `dependentRequired`, `dependentSchemas`,
+                `contains`, ...) are removed from the enforced schema and checked after the draft.
 
 Anything else llguidance refuses (a look-around pattern, a broken `$ref`, an invalid schema) stays a
 400 naming it. A schema with a `check` must itself be a valid JSON Schema for `jsonschema`.
@@ -64,7 +64,7 @@ class Prepared:
     coerce_one_of: bool = False
     relaxed: tuple[str, ...] = ()   # what is checked after the draft instead of enforced (for messages, stats)
     rewritten: tuple[str, ...] = ()  # what rewrite.py turned into an enforced form (also checked after the draft)
-    unique: tuple = ()   # (path, finite item set or None) of uniqueItems arrays of scalars the JSON guard keeps distinct
+    unique: tuple = ()   # (path, item set or None): uniqueItems arrays of scalars the JSON guard keeps distinct
 
 
 def walk(node: Any, fn: Callable[[dict, str | None], None], parent: str | None = None) -> None:
