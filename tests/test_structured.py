@@ -362,6 +362,12 @@ def client(server):
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+# a whole call either ends by itself ("tool_calls") or is closed by the budget closer ("length", issue 30 item 8:
+# the budget ended it); which one a random tiny model gets depends on its rambling, the rule itself is tested on
+# the constraint (test_finish_reason_*)
+TOOL_ENDINGS = ("tool_calls", "length")
+
+
 def create(client, **kw):
     return client.chat.completions.create(**{"model": "tiny-sdar", "messages": ASK, "max_tokens": 160, **kw})
 
@@ -416,7 +422,8 @@ def test_regex_choice_grammar_extensions(client):
 def test_tool_choice_required(client):
     r = create(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     msg, choice = r.choices[0].message, r.choices[0]
-    assert choice.finish_reason == "tool_calls" and msg.content is None and len(msg.tool_calls) == 1
+    # TOOL_ENDINGS: the random model's arguments may run until the budget closer ends the call ("length")
+    assert choice.finish_reason in TOOL_ENDINGS and msg.content is None and len(msg.tool_calls) == 1
     call = msg.tool_calls[0]
     assert call.type == "function" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), tool_schema(call.function.name))
@@ -425,7 +432,7 @@ def test_tool_choice_required(client):
 def test_tool_choice_required_streamed_parallel(client):
     content, calls, finishes = collect_stream(create(client, tools=TOOLS, tool_choice="required", stream=True,
                                                      max_tokens=220, seed=1, temperature=1.0))
-    assert content == "" and calls and finishes == ["tool_calls"]
+    assert content == "" and calls and len(finishes) == 1 and finishes[0] in TOOL_ENDINGS
     for call in calls.values():
         jsonschema.validate(json.loads(call["arguments"]), tool_schema(call["name"]))
 
@@ -451,7 +458,7 @@ def test_tool_choice_named(client):
             finishes = [r.choices[0].finish_reason]
             calls = [{"name": c.function.name, "arguments": c.function.arguments}
                      for c in r.choices[0].message.tool_calls]
-        assert finishes == ["tool_calls"] and [c["name"] for c in calls] == ["get_time"]
+        assert len(finishes) == 1 and finishes[0] in TOOL_ENDINGS and [c["name"] for c in calls] == ["get_time"]
         jsonschema.validate(json.loads(calls[0]["arguments"]), tool_schema("get_time"))
 
 
