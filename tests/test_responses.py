@@ -47,7 +47,8 @@ OPENAI_CHAT_FIELDS = {"messages", "model", "logit_bias", "logprobs", "max_comple
 
 def test_every_chat_extension_passes_through():
     """A name in RESPONSES_PASSTHROUGH that the chat request lacks would be accepted and silently ignored."""
-    from unmask.server.protocol import RESPONSES_PASSTHROUGH, ChatCompletionRequest
+    from unmask.server.protocol import ChatCompletionRequest
+    from unmask.server.protocol_responses import RESPONSES_PASSTHROUGH
 
     passed = set(RESPONSES_PASSTHROUGH)
     assert passed <= set(ChatCompletionRequest.model_fields)
@@ -187,7 +188,8 @@ def _format_outputs(text: str, finish: str, step: int = 3, logprobs: bool = Fals
 
     from unmask.defaults import default_model_path
     from unmask.engine.outputs import StepOutput
-    from unmask.server.protocol import ResponsesRequest, Usage
+    from unmask.server.protocol import Usage
+    from unmask.server.protocol_responses import ResponsesRequest
     from unmask.server.serving import ChoiceState
     from unmask.server.serving_responses import ResponsesFormat, to_chat_request
     from unmask.structured.tools import UNMASK, ChatPlan

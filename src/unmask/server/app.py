@@ -31,7 +31,8 @@ from unmask.server import logsafe, openapi
 from unmask.server.admission import AdmissionGate
 from unmask.server.metrics import Metrics
 from unmask.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EditRequest,
-                                    FIMCompletionRequest, ResponsesRequest, TokenizeRequest)
+                                    FIMCompletionRequest, TokenizeRequest)
+from unmask.server.protocol_responses import ResponsesRequest
 from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
 
 logger = logging.getLogger("unmask.server")

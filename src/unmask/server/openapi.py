@@ -23,8 +23,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from unmask.server.protocol import (ERROR_TYPES, ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
-                                    EditCompletionResponse, ErrorResponse, ModelCard, ModelList, ResponseObject,
-                                    TokenizeResponse)
+                                    EditCompletionResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse)
+from unmask.server.protocol_responses import ResponseObject
 from unmask.server.security import OPEN_PATHS
 
 REF = "#/components/schemas/{model}"

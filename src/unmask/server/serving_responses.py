@@ -25,9 +25,9 @@ from pydantic import BaseModel, ValidationError
 
 from unmask.engine.outputs import StepOutput
 from unmask.engine.params import GenerationParams
-from unmask.server.protocol import (APIError, ChatCompletionRequest, DiffusingFrame, ResponseFunctionCallItem,
-                                    ResponseMessageItem, ResponseObject, ResponseOutputText, ResponsesRequest,
-                                    ResponseUsage, TokenLogprob, Usage)
+from unmask.server.protocol import APIError, ChatCompletionRequest, DiffusingFrame, TokenLogprob, Usage
+from unmask.server.protocol_responses import (ResponseFunctionCallItem, ResponseMessageItem, ResponseObject,
+                                              ResponseOutputText, ResponsesRequest, ResponseUsage)
 from unmask.server.serving import ChatFormat, ChoiceState, Disconnected, OpenAIServing, log_ignored_fields
 from unmask.structured.tools import ToolParser, parse_tool_calls
 from unmask.tokenizer import IncrementalDecoder
