@@ -42,6 +42,12 @@ class Operation:
     summary: str = ""
 
 
+# one server-sent event, as OpenAPI 3.2 models a text/event-stream item (and schemathesis checks each event):
+# `data` is a JSON chunk or [DONE]; /v1/responses also types its events with `event:` lines
+SSE_EVENT = {"type": "object", "description": "Server-sent events: `data:` lines (typed `event:` lines on /v1/responses)",
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                            "retry": {"type": "integer"}},
+             "required": ["data"]}
 GENERATE = (400, 404, 429, 503)      # generation routes: bad input, unknown model, queue full, loading / dead
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/v1/chat/completions", "post"): Operation("createChatCompletion", ChatCompletionResponse, GENERATE, True,
@@ -93,8 +99,7 @@ def _ok(op: Operation, refs: dict[type[BaseModel], dict], path: str) -> dict[str
         return {"description": "Ready", "content": _json(HEALTH)}
     content = _json(refs[op.body] if op.body else {})
     if op.stream:
-        content["text/event-stream"] = {"schema": {"type": "string", "description": "Server-sent events: `data:` "
-                                                   "lines (typed `event:` lines on /v1/responses)"}}
+        content["text/event-stream"] = {"schema": SSE_EVENT}
     return {"description": "Success (`text/event-stream` when the request sets `stream: true`)" if op.stream
             else "Success", "content": content}
 
