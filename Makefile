@@ -15,10 +15,18 @@ NEED_DOCS = @ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { e
 .PHONY: setup test test-fuzz serve bench bench-quick llama-cpp model model-5m twin clean
 
 setup: $(STAMP)
+	$(CHROMIUM)
+
+# headless Chromium and its driver from Debian for the playground's browser tests (tests/test_playground.py, which
+# skips without them); only as root, skipped when /usr/bin/chromium is already there
+CHROMIUM = @test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { if [ "$$(id -u)" = 0 ]; then \
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	else echo "note: not root, so chromium and chromium-driver are not installed; the browser tests will skip"; fi; }
 
 # torch==2.13.0 first: on these machines it is a CPU wheel already on disk; a bare
 # "torch" requirement would otherwise pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
+	$(CHROMIUM)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0

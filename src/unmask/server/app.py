@@ -34,6 +34,7 @@ from unmask.server.protocol import (APIError, ChatCompletionRequest, CompletionR
                                     FIMCompletionRequest, TokenizeRequest)
 from unmask.server.protocol_responses import ResponsesRequest
 from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
+from unmask.web.routes import router as page_router
 
 logger = logging.getLogger("unmask.server")
 
@@ -266,6 +267,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     app.state.metrics = Metrics()
     app.state.on_fatal = on_fatal
     app.include_router(router)
+    app.include_router(page_router)  # the playground at / (src/unmask/web/)
     openapi.install(app)
     install_error_handlers(app)
     # the last added middleware runs first: CORS (answers preflights), then the key, then admission (429 before

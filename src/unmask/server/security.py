@@ -9,8 +9,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from unmask.server.metrics import Metrics
 from unmask.server.protocol import APIError
+from unmask.web.routes import PATHS as PAGE_PATHS
 
-OPEN_PATHS = frozenset({"/health"})  # reachable without a key (load balancers, orchestrators)
+# reachable without a key: /health (load balancers, orchestrators) and the playground page, which asks for the key
+OPEN_PATHS = frozenset({"/health"}) | PAGE_PATHS
 
 
 async def send_error(err: APIError, scope: Scope, receive: Receive, send: Send, metrics: Metrics) -> None:

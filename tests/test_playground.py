@@ -1,0 +1,219 @@
+"""The playground page at `/` (src/unmask/web/), driven in real headless Chromium (Debian's chromium and
+chromium-driver, installed by `make setup`) against a real `unmask serve` with the built-in model and an API key.
+
+Set PLAYGROUND_SCREENSHOTS=DIR to keep the screenshots the tests take (docs/playground*.png came from
+`PLAYGROUND_SCREENSHOTS=docs pytest tests/test_playground.py`).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from test_server import Server
+
+BUILT_IN = Path(__file__).resolve().parents[1] / "src" / "unmask" / "assets" / "unmask-tiny"
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+KEY = "playground-key"
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
+if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+    pytest.skip(f"{CHROMIUM} / {CHROMEDRIVER} not installed (make setup installs Debian's chromium and "
+                "chromium-driver as root)", allow_module_level=True)
+
+from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(BUILT_IN, tmp_path_factory.mktemp("playground") / "server.log", "--api-key", KEY).wait_ready()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def driver():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1200,900", "--disable-extensions"):
+        options.add_argument(arg)
+    d = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
+    yield d
+    d.quit()
+
+
+def wait(driver, cond, timeout: float = 30, what: str = ""):
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: cond(d))
+    except TimeoutException:
+        logs = driver.get_log("browser") if hasattr(driver, "get_log") else []
+        pytest.fail(f"timed out waiting for {what}; browser log: {logs}")
+
+
+def screenshot(driver, name: str, tmp_path: Path) -> None:
+    out = Path(os.environ.get("PLAYGROUND_SCREENSHOTS") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(out / f"{name}.png"))
+
+
+def open_page(driver, server, key: str | None = KEY):
+    """Loads `/` with `key` already in local storage (None: no key stored), models listed."""
+    driver.get(server.url + "/")
+    driver.execute_script("localStorage.clear();" + (f"localStorage.setItem('unmask.apiKey', '{key}');" if key else ""))
+    driver.get(server.url + "/")
+    if key:
+        wait(driver, lambda d: d.find_element(By.ID, "status").text == "ready", what="the model list")
+
+
+def set_field(driver, element_id: str, value: str) -> None:
+    el = driver.find_element(By.ID, element_id)
+    driver.execute_script("arguments[0].value = arguments[1]; arguments[0].dispatchEvent(new Event('input'));",
+                          el, value)
+
+
+def api(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    r.raise_for_status()
+    return r.json()
+
+
+def send(driver, text: str) -> None:
+    box = driver.find_element(By.ID, "input")
+    box.clear()
+    box.send_keys(text)
+    driver.find_element(By.ID, "send").click()
+
+
+# the page's record of the token states the denoising view showed, frame by frame (read back by the tests)
+WATCH_FRAMES = """
+window.__frames = [];
+new MutationObserver(() => {
+  const f = document.querySelector('.msg.assistant:last-of-type .frame, #fim-out .frame');
+  if (f && f.childNodes.length) window.__frames.push({
+    mask: f.querySelectorAll('.tok-mask').length, fresh: f.querySelectorAll('.tok-new').length,
+    settled: f.querySelectorAll('.tok-settled').length, masked: f.dataset.masked});
+}).observe(document.body, {subtree: true, childList: true});
+"""
+
+
+def test_page_is_served_without_a_key_and_asks_for_it_on_a_401(server, driver, tmp_path):
+    for path, kind in (("/", "text/html"), ("/playground/app.js", "text/javascript"),
+                       ("/playground/style.css", "text/css")):
+        r = httpx.get(server.url + path, timeout=10)
+        assert r.status_code == 200 and r.headers["content-type"].startswith(kind), path
+    r = httpx.get(server.url + "/playground/other.js", timeout=10)   # anything else: the key, then the 404
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(server.url + "/", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+    open_page(driver, server, key=None)
+    dialog = driver.find_element(By.ID, "key-dialog")
+    wait(driver, lambda d: dialog.get_attribute("open") is not None, what="the key dialog")
+    driver.find_element(By.ID, "key-input").send_keys(KEY)
+    driver.find_element(By.ID, "key-ok").click()
+    wait(driver, lambda d: d.find_element(By.ID, "status").text == "ready", what="the models after the key")
+    assert driver.execute_script("return localStorage.getItem('unmask.apiKey')") == KEY
+    models = [o.get_attribute("value") for o in driver.find_elements(By.CSS_SELECTOR, "#set-model option")]
+    assert models == ["unmask-tiny"]
+    driver.refresh()   # kept: no second prompt
+    wait(driver, lambda d: d.find_element(By.ID, "status").text == "ready", what="the models on reload")
+    assert driver.find_element(By.ID, "key-dialog").get_attribute("open") is None
+
+
+def test_chat_streams_the_greedy_answer_and_the_denoising_view(server, driver, tmp_path):
+    open_page(driver, server)
+    set_field(driver, "set-max-tokens", "24")
+    set_field(driver, "system", "You are terse.")
+    driver.execute_script(WATCH_FRAMES)
+    send(driver, "What is a list in Python?")
+    msg = wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant[data-done]"), what="the answer")
+    screenshot(driver, "playground", tmp_path)
+
+    want = api(server, "/v1/chat/completions", {
+        "model": "unmask-tiny", "max_tokens": 24, "temperature": 0,
+        "messages": [{"role": "system", "content": "You are terse."},
+                     {"role": "user", "content": "What is a list in Python?"}]})["choices"][0]["message"]["content"]
+    assert want.strip()
+    assert msg.get_attribute("data-text") == want
+    shown = " ".join(msg.find_element(By.CSS_SELECTOR, ".body").text.split())
+    assert shown and all(word.strip("*_`#") in shown for word in want.split() if word.strip("*_`#")), (shown, want)
+
+    frames = driver.execute_script("return window.__frames")
+    first_masked = next(i for i, f in enumerate(frames) if f["mask"] > 0)   # masks first ...
+    assert any(f["fresh"] > 0 for f in frames[first_masked:])                # ... then newly committed tokens
+    assert frames[-1]["mask"] == 0 and frames[-1]["masked"] == "0"            # the last frame: all committed
+    stats = msg.find_element(By.CSS_SELECTOR, ".stats").get_attribute("textContent")
+    assert "tokens/s" in stats and "forwards" in stats and "tokens/forward" in stats, stats
+
+    # the conversation goes on with the history, and Reset clears it
+    send(driver, "Thanks")
+    wait(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]")) == 2, what="turn 2")
+    driver.find_element(By.ID, "reset").click()
+    assert driver.find_elements(By.CSS_SELECTOR, "#messages .msg") == []
+
+
+def test_stop_cancels_the_request_on_the_server(server, driver):
+    open_page(driver, server)
+    set_field(driver, "set-max-tokens", "1500")
+    set_field(driver, "set-extra", '{"ignore_eos": true}')
+    before = server.metrics(KEY).get("unmask:request_cancellations_total", 0)
+    send(driver, "Write a long story.")
+    wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant .frame").text, what="the first frame")
+    driver.find_element(By.ID, "stop").click()
+    wait(driver, lambda d: "Stopped." in d.find_element(By.CSS_SELECTOR, ".msg.assistant").text, what="Stopped.")
+    deadline = time.monotonic() + 10
+    while server.metrics(KEY).get("unmask:request_cancellations_total", 0) < before + 1:
+        assert time.monotonic() < deadline, "the server counted no cancellation"
+        time.sleep(0.05)
+    assert driver.find_element(By.ID, "send").is_enabled() and not driver.find_element(By.ID, "stop").is_enabled()
+
+
+def test_bad_extra_fields_show_the_servers_error(server, driver):
+    open_page(driver, server)
+    set_field(driver, "set-extra", '{"threshold": 7}')
+    send(driver, "Hi")
+    err = wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant .error"), what="the error")
+    assert err.text.startswith("Error: 400") and "threshold" in err.text
+
+
+def test_fill_in_the_middle_highlights_the_infill(server, driver, tmp_path):
+    open_page(driver, server)
+    driver.find_element(By.ID, "tab-fim").click()
+    set_field(driver, "set-max-tokens", "12")
+    prefix, suffix = driver.find_element(By.ID, "fim-prefix").get_attribute("value"), \
+        driver.find_element(By.ID, "fim-suffix").get_attribute("value")
+    driver.find_element(By.ID, "send").click()
+    out = wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "#fim-out[data-done]"), what="the infill")
+    screenshot(driver, "playground-fim", tmp_path)
+    want = api(server, "/v1/fim/completions", {"model": "unmask-tiny", "prompt": prefix, "suffix": suffix,
+                                               "max_tokens": 12, "temperature": 0})["choices"][0]["text"]
+    assert out.find_element(By.CSS_SELECTOR, "mark.infill").get_attribute("textContent") == want
+    code = out.find_element(By.CSS_SELECTOR, "code").get_attribute("textContent")
+    assert code == prefix + want + suffix
+
+
+def test_json_mode_validates_the_answer_against_the_schema(server, driver):
+    open_page(driver, server)
+    driver.find_element(By.ID, "tab-json").click()
+    set_field(driver, "set-max-tokens", "60")
+    send(driver, "A person")
+    wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "#json-out[data-done]"), what="the JSON answer")
+    verdict = driver.find_element(By.ID, "json-valid")
+    text = driver.find_element(By.CSS_SELECTOR, "#json-out code").get_attribute("textContent")
+    # the grammar constrains the answer to the schema, unless max_tokens cut it short
+    if "Not valid JSON" not in verdict.text:
+        assert "good" in verdict.get_attribute("class") and verdict.text.startswith("✓"), (verdict.text, text)
+    # the page's own validator reports a mismatch
+    problems = driver.execute_script(
+        "return validate({name: 3}, {type: 'object', properties: {name: {type: 'string'}, "
+        "kind: {enum: ['a', 'b']}}, required: ['name', 'age']}, '$')")
+    assert problems == ["$.age is missing", "$.name is integer, not string"]
