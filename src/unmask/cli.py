@@ -81,6 +81,15 @@ def generate(
         None, "--ordered-stops/--no-ordered-stops",
         help="Commit a stop token only at the first undecided position (default: the model's; the built-in "
              "family: on)."),
+    edit_threshold: Optional[float] = typer.Option(
+        None, help="LLaDA2.1 edits: also replace a filled token of the active block whose proposal differs with "
+                   "probability above this, in [0, 1] (default off; docs/decoding.md)."),
+    max_post_edit_steps: Optional[int] = typer.Option(
+        None, help="Edit-only steps once a block is full, stopping at the first that changes nothing (default 16)."),
+    remask_budget: Optional[int] = typer.Option(
+        None, help="ReMDM-style: put up to this many low-confidence tokens per block back to mask (default off)."),
+    remask_threshold: Optional[float] = typer.Option(
+        None, help="With --remask-budget: remask a token whose own probability is below this (default 0.5)."),
     alg_temp: Optional[float] = typer.Option(
         None, help="Dream's policies: > 0 samples the rows to commit from softmax(confidence / alg_temp) (default 0)."),
     credit_decay: Optional[float] = typer.Option(None, help="credit policy: EMA decay in [0, 1] (default 0.8)."),
@@ -121,8 +130,9 @@ def generate(
                      tokens_per_step=tokens_per_step, factor=factor, entropy_bound=entropy_bound, alg_temp=alg_temp,
                      small_block_size=small_block_size, multi_block_threshold=multi_block_threshold,
                      greedy_filters=greedy_filters, empty_steps=empty_steps, full_last_block=full_last_block,
-                     ordered_stops=ordered_stops, credit_decay=credit_decay,
-                     credit_gamma=credit_gamma, credit_weight=credit_weight, cache=cache, stop=list(stop),
+                     ordered_stops=ordered_stops, credit_decay=credit_decay, edit_threshold=edit_threshold,
+                     max_post_edit_steps=max_post_edit_steps, remask_budget=remask_budget,
+                     remask_threshold=remask_threshold, credit_gamma=credit_gamma, credit_weight=credit_weight, cache=cache, stop=list(stop),
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                      repetition_penalty=repetition_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,
                      dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
@@ -149,8 +159,9 @@ def generate(
     typer.echo("")
     if stats and last is not None:
         n = last.num_generated
+        revised = f", {last.edits} edits, {last.remasks} remasks" if last.edits or last.remasks else ""
         typer.echo(f"[{n} tokens, {last.forwards} forwards, {n / max(last.forwards, 1):.2f} tokens/forward, "
-                   f"{n / elapsed:.1f} tokens/s, finish={last.finish_reason}]", err=True)
+                   f"{n / elapsed:.1f} tokens/s{revised}, finish={last.finish_reason}]", err=True)
 
 
 @app.command()

@@ -98,6 +98,10 @@ class Engine:
             raise InvalidRequestError(f"dry_multiplier is not supported for the {self.spec.family.name} family "
                                       "(its decoder commits whole canvases, with no left context to match)",
                                       "dry_multiplier")
+        if params.edit_config().active and self.spec.family.sequence_class is not None:
+            name = "edit_threshold" if params.edit_threshold is not None else "remask_budget"
+            raise InvalidRequestError(f"{name} is not supported for the {self.spec.family.name} family (its decoder "
+                                      "re-noises the whole canvas itself)", name)
         if params.structured is not None:
             self.structured_backend().compile(params.structured)  # 400 for what it cannot enforce
 
@@ -244,6 +248,8 @@ class Engine:
             # the last frame is the finished output, with nothing masked: a client's view ends where the text does
             snapshot=(seq.output_ids if seq.finish_reason else seq.snapshot()) if seq.params.snapshots else None,
             new_logprobs=lp, new_top_logprobs=top, error=getattr(seq, "error", None),
+            edits=getattr(seq.stats, "edits", 0), remasks=getattr(seq.stats, "remasks", 0),
+            edited=list(getattr(seq, "edited", [])) if seq.params.snapshots else None,
         )
 
     def run_to_completion(self) -> None:

@@ -18,6 +18,9 @@ class StepOutput:
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob), most likely first
     error: Exception | None = None    # the request failed (finished): a constrained answer that failed its check
+    edits: int = 0                    # committed tokens replaced so far (edit_threshold; docs/decoding.md)
+    remasks: int = 0                  # committed tokens put back to mask so far (remask_budget)
+    edited: list[int] | None = None   # with snapshots: output indices this step replaced or remasked
 
 
 @dataclass

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from unmask.decoding import PolicyConfig, SamplingParams
+from unmask.decoding.edits import DEFAULT_POST_EDIT_STEPS, DEFAULT_REMASK_THRESHOLD, EditConfig
 from unmask.decoding.dry import DEFAULT_BREAKERS, DryParams, validate as validate_dry
 from unmask.decoding.logit_adjust import LogitAdjust, validate as validate_adjust
 from unmask.errors import InvalidRequestError
@@ -44,6 +45,11 @@ class GenerationParams:
     full_last_block: bool | None = None  # decode the last block at full size, cut the output at max_tokens after
     ordered_stops: bool | None = None    # commit a stop token only at the first undecided position (targets.py)
     multi_block_threshold: float | None = None  # D2F / d3LLM: decode the next block too once this share is committed
+    # revising committed tokens of the active block (unmask.decoding.edits); all None: off, the tokens as before
+    edit_threshold: float | None = None       # LLaDA2.1 token-to-token edits: replace when p(new token) > this
+    max_post_edit_steps: int | None = None    # edit-only steps once the block is full (None: 16, SGLang's default)
+    remask_budget: int | None = None          # ReMDM-style: low-confidence tokens put back to mask, per block
+    remask_threshold: float | None = None     # ... when their own probability is below this (None: 0.5)
     cache: CacheMode = "auto"           # bidirectional families: none (exact) | prefix | dual
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -107,6 +113,7 @@ class GenerationParams:
                 self.check_small_block(self.block_size)
         if self.multi_block_threshold is not None:
             self.check_multi_block()
+        self.check_edits()
         for name in REFERENCE_SWITCHES:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
@@ -186,6 +193,51 @@ class GenerationParams:
                                       f"({', '.join(MULTI_BLOCK_POLICIES)}), not {self.policy!r}", name)
         if self.structured is not None:  # a grammar reads the committed text left to right, one block at a time
             raise InvalidRequestError(f"{name} cannot be combined with a structured-output constraint", name)
+
+    def check_edits(self) -> None:
+        """The revision fields (unmask.decoding.edits): ranges, and the options they cannot be combined with."""
+        def bad(msg: str, name: str):
+            raise InvalidRequestError(msg, name)
+
+        def number(name: str, lo_open: bool) -> None:
+            v = getattr(self, name)
+            if v is None:
+                return
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (0 < v <= 1 if lo_open else 0 <= v <= 1)
+            if not ok:
+                bad(f"{name} must be in {'(0, 1]' if lo_open else '[0, 1]'}, got {v!r}", name)
+
+        def count(name: str, hi: int) -> None:
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi):
+                bad(f"{name} must be an integer in [0, {hi}], got {v!r}", name)
+
+        number("edit_threshold", lo_open=False)
+        number("remask_threshold", lo_open=True)
+        count("max_post_edit_steps", 256)
+        count("remask_budget", 1024)
+        if self.max_post_edit_steps is not None and self.edit_threshold is None:
+            bad("max_post_edit_steps needs edit_threshold (the edits it allows)", "max_post_edit_steps")
+        if self.remask_threshold is not None and not self.remask_budget:
+            bad("remask_threshold needs a remask_budget > 0", "remask_threshold")
+        if not self.edit_config().active:
+            return
+        name = "edit_threshold" if self.edit_threshold is not None else "remask_budget"
+        if self.multi_block_threshold is not None:  # edits stay inside one block: the one the cache is exact up to
+            bad(f"{name} cannot be combined with multi_block_threshold", name)
+        if self.structured is not None:  # a grammar reads the committed text once, left to right
+            bad(f"{name} cannot be combined with a structured-output constraint", name)
+        if self.remask_budget and self.policy not in MULTI_BLOCK_POLICIES:  # a remask would upset a block schedule
+            bad(f"remask_budget needs a policy without a per-block schedule ({', '.join(MULTI_BLOCK_POLICIES)}), "
+                f"not {self.policy!r}", "remask_budget")
+
+    def edit_config(self) -> EditConfig:
+        return EditConfig(edit_threshold=self.edit_threshold,
+                          max_post_edit_steps=(DEFAULT_POST_EDIT_STEPS if self.max_post_edit_steps is None
+                                               else self.max_post_edit_steps),
+                          remask_budget=self.remask_budget or 0,
+                          remask_threshold=(DEFAULT_REMASK_THRESHOLD if self.remask_threshold is None
+                                            else float(self.remask_threshold)))
 
     def check_model(self, block_size: int, block_causal: bool, causal_context: bool, family: str) -> None:
         """The block options against the model: `block_size` its default block, `block_causal` whether the

@@ -19,9 +19,10 @@ from torch import Tensor
 from unmask.decoding import BlockState, decide
 from unmask.decoding.commit_filter import CONFIG_KEY, CommitFilter
 from unmask.decoding.dry import dry_penalty
+from unmask.decoding.edits import block_settled, edit_rows, own_token_probs, remask_rows
 from unmask.decoding.policies import LEARNED
 from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
-from unmask.decoding.sampling import top_logprobs
+from unmask.decoding.sampling import propose, top_logprobs
 from unmask.decoding.targets import decode_window, defer_late_stops, first_stop, masked_in
 from unmask.engine.params import GenerationParams, model_defaults
 from unmask.errors import ContextLengthError
@@ -119,6 +120,8 @@ class Stats:
     forwards: int = 0         # forwards this request took part in
     denoise_steps: int = 0    # forwards that committed tokens
     prefill_tokens: int = 0
+    edits: int = 0            # committed tokens replaced by another (edit_threshold)
+    remasks: int = 0          # committed tokens put back to mask (remask_budget)
 
 
 @dataclass
@@ -154,6 +157,9 @@ class Sequence:
         self.multi = p.multi_block_threshold          # D2F / d3LLM: the next block opens at this committed share
         self.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else torch.seed() % 2**62)
         self.policy = p.policy_config()
+        edits = p.edit_config()
+        self.revise = edits if edits.active else None  # None: a committed token is final (the default)
+        self.edited: list[int] = []                    # output indices this step replaced or remasked
         if self.policy.name == LEARNED:  # the filter belongs to the model, the threshold to the request
             self.policy = replace(self.policy, commit_filter=t.commit_filter)
         self.sampling = p.sampling()
@@ -180,6 +186,13 @@ class Sequence:
         self.logprobs = torch.zeros(p.max_tokens) if p.logprobs else None
         self.top = new_top_store(p)
         self._open_window()
+        self._new_block()
+
+    def _new_block(self) -> None:
+        """Revision state of the active block: nothing final in it until it is settled (unmask.decoding.edits)."""
+        self.settled = self.revise is None
+        self.post_edit_steps = 0
+        self.remask_left = self.revise.remask_budget if self.revise is not None else 0
 
     @property
     def canvas_end(self) -> int:
@@ -221,6 +234,22 @@ class Sequence:
             hi = stop
         return masked_in(self.seq, lo, hi, self.traits.mask_id)
 
+    def editable_positions(self) -> Tensor:
+        """Filled positions of the active block that edits / remasks may change, ascending: never a prompt token,
+        never outside the block (its K/V are not written until it is settled, so the cache stays exact), and only
+        before the first stop token committed in it (which stays, so the output's end is never undone)."""
+        lo, hi = max(self.block_start, self.P), self.block_end
+        stop = first_stop(self.seq, self.final_end, min(hi, self.end), self.stop_tensor)
+        hi = min(hi, stop) if stop < min(hi, self.end) else hi
+        if lo >= hi:
+            return torch.empty(0, dtype=torch.long)
+        return (self.seq[lo:hi] != self.traits.mask_id).nonzero(as_tuple=True)[0] + lo
+
+    def _with_editable(self, targets: Tensor) -> Tensor:
+        if self.revise is None:
+            return targets
+        return torch.sort(torch.cat([targets, self.editable_positions()])).values
+
     @property
     def prefill_limit(self) -> int:
         """Prompt tokens that may enter the cache before the first decoding pass (prefix cache, chunked
@@ -247,12 +276,12 @@ class Sequence:
                                f"the cache already holds {self.cached} tokens")
         # an open next block rides in the same forward; with a causal context _make_plan groups it with the
         # active block, and nothing past block_start is written, so the cache stays exact
-        return self._make_plan(self.cached, self.view_end(), write=pending, targets=targets)
+        return self._make_plan(self.cached, self.view_end(), write=pending, targets=self._with_editable(targets))
 
     def _plan_bidirectional(self) -> StepPlan:
         s = int(self.traits.shift)
         first_step = self.block.step == 0
-        targets = self.masked_positions()
+        targets = self._with_editable(self.masked_positions())
         if self.cache_mode == "none":
             return self._make_plan(0, self.end + self.S, write=0, targets=targets)
         if first_step:  # refresh: full canvas, store what later steps read
@@ -291,7 +320,11 @@ class Sequence:
 
     def apply(self, plan: StepPlan, logits: Tensor) -> list[int]:
         """Commit tokens chosen by the policy; returns newly final generated token ids."""
+        self.edited = []
         if plan.targets.numel() == 0:
+            if self.revise is not None and not self.settled:  # nothing left to read: the block is what it is
+                self.settled = True
+                return self._advance()
             return []
         offsets = plan.targets - self.block_start
         if self.adjuster is not None:
@@ -304,6 +337,8 @@ class Sequence:
         ban_early_stops(logits, plan.targets - self.P, self.params.min_tokens, self.stops)
         if self.constraint is not None:
             return self._apply_constrained(plan, logits, offsets)
+        if self.revise is not None:
+            return self._apply_revising(plan, logits)
         forced_first = self.traits.ar_first_token and self.block.step == 0 and int(offsets[0]) == 0
         d = decide(self.policy, logits, offsets, self.block, self.sampling, self.generator)
         commit = d.commit.clone()
@@ -322,6 +357,73 @@ class Sequence:
         if bool(commit.any()):  # a Dream schedule with empty_steps may commit nothing
             self.stats.denoise_steps += 1
         return self._advance()
+
+    def _apply_revising(self, plan: StepPlan, logits: Tensor) -> list[int]:
+        """A step with edits or remasking (unmask.decoding.edits): the policy commits among the masked rows as
+        usual; the filled rows may be replaced (edits) or put back to mask (remasks); the block's tokens become
+        final only once it is settled."""
+        mask = self.traits.mask_id
+        masked = self.seq[plan.targets] == mask
+        m_targets, f_targets = plan.targets[masked], plan.targets[~masked]
+        m_logits, f_logits = logits[masked.to(logits.device)], logits[(~masked).to(logits.device)]
+        had_masks = m_targets.numel() > 0
+        commit = torch.zeros(0, dtype=torch.bool)
+        if had_masks:
+            offsets = m_targets - self.block_start
+            forced_first = self.traits.ar_first_token and self.block.step == 0 and int(offsets[0]) == 0
+            d = decide(self.policy, m_logits, offsets, self.block, self.sampling, self.generator)
+            commit = d.commit.clone()
+            if forced_first:
+                commit[0] = True
+            if self.params.ordered_stops:
+                commit = defer_late_stops(commit, d.tokens, m_targets, int(m_targets[0]), self.stop_tensor)
+        current = self.seq[f_targets]
+        replace_ = remask = torch.zeros(f_targets.numel(), dtype=torch.bool)
+        if f_targets.numel():
+            prop = propose(f_logits.float(), self.sampling, self.generator)
+            editable = torch.ones_like(replace_)
+            replace_ = edit_rows(current, prop.tokens.cpu(), prop.probs.cpu(), editable, self.revise.edit_threshold,
+                                 self.stop_tensor)
+            if had_masks and self.remask_left:  # remasking only while the block is still being filled
+                own = own_token_probs(f_logits, current).cpu()
+                remask = remask_rows(own, ~replace_, self.revise.remask_threshold, self.remask_left)
+                self.remask_left -= int(remask.sum())
+        if had_masks:
+            pos = m_targets[commit]
+            self.seq[pos] = d.tokens[commit].cpu()
+            self._record(pos, d.tokens[commit], d.probs[commit], m_logits[commit.to(m_logits.device)])
+        if bool(replace_.any()):
+            pos = f_targets[replace_]
+            self.seq[pos] = prop.tokens.cpu()[replace_]
+            self._record(pos, prop.tokens.cpu()[replace_], prop.probs.cpu()[replace_],
+                         f_logits[replace_.to(f_logits.device)])
+        self.seq[f_targets[remask]] = mask
+        n_edit, n_remask = int(replace_.sum()), int(remask.sum())
+        self.stats.edits += n_edit
+        self.stats.remasks += n_remask
+        self.edited = (f_targets[replace_ | remask] - self.P).tolist()
+        if bool(commit.any()) or n_edit or n_remask:
+            self.stats.denoise_steps += 1
+        has_masks = self._holes_before_stop()
+        if not had_masks:
+            self.post_edit_steps += 1
+        self.settled = block_settled(self.revise, had_masks, has_masks, self.post_edit_steps, n_edit)
+        return self._advance()
+
+    def _holes_before_stop(self) -> bool:
+        """Whether the active block still has a mask in the output before its first committed stop token."""
+        hi = min(self.block_end, self.end)
+        hi = first_stop(self.seq, self.final_end, hi, self.stop_tensor)
+        return bool((self.seq[self.block_start:hi] == self.traits.mask_id).any())
+
+    def _record(self, pos: Tensor, tokens: Tensor, probs: Tensor, rows: Tensor) -> None:
+        """Bookkeeping of tokens written at `pos`: penalties' counts, logprobs, top alternatives."""
+        if self.adjuster is not None:
+            self.adjuster.commit(tokens)
+        if self.logprobs is not None:
+            self.logprobs[(pos - self.P).cpu()] = probs.float().clamp_min(1e-30).log().cpu()
+        if self.top is not None:
+            self.top.record(pos - self.P, rows, self.sampling.temperature)
 
     def _apply_constrained(self, plan: StepPlan, logits: Tensor, offsets: Tensor) -> list[int]:
         """Grammar-constrained step: commits a run of tokens from the leftmost masked position on
@@ -388,6 +490,10 @@ class Sequence:
     def _advance(self) -> list[int]:
         """Extend the final prefix over what is committed; finish at a stop token or the end; move past
         complete blocks (a block decoded while the one before was open may be complete already)."""
+        if not self.settled:  # revising: the active block may still change, so nothing in it is final yet
+            if self.sub is not None and self._window()[0] != self.window_start:
+                self._open_window()
+            return []
         mask = self.traits.mask_id
         new: list[int] = []
         while True:
@@ -411,6 +517,7 @@ class Sequence:
             # block complete: move on; its K/V are written next step
             self.block_start, self.block_end = self.block_end, min(self.block_end + self.B, self.canvas_end)
             self._open_window()
+            self._new_block()
         if self.sub is not None and self._window()[0] != self.window_start:
             self._open_window()  # sub-block complete: the next one starts its own schedule
         return new

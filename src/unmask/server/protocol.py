@@ -105,6 +105,7 @@ UNIFORM_FIELDS = ("entropy_bound", "t_min", "t_max", "stability_threshold", "con
 # policy knobs past threshold / steps / factor / tokens_per_step (docs/decoding.md)
 POLICY_FIELDS = ("alg_temp", "credit_decay", "credit_gamma", "credit_weight")
 REFERENCE_SWITCHES = ("greedy_filters", "empty_steps", "full_last_block", "ordered_stops")  # null: the model's default
+EDIT_FIELDS = ("edit_threshold", "max_post_edit_steps", "remask_budget", "remask_threshold")  # revising; null: off
 
 
 class GenerationRequest(RequestModel):
@@ -136,6 +137,10 @@ class GenerationRequest(RequestModel):
     empty_steps: bool | None = None
     full_last_block: bool | None = None
     ordered_stops: bool | None = None
+    edit_threshold: float | None = None
+    max_post_edit_steps: int | None = None
+    remask_budget: int | None = None
+    remask_threshold: float | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
     entropy_bound: float | None = None
@@ -156,7 +161,7 @@ class GenerationRequest(RequestModel):
         kw = dict(REASONING_EFFORT[EFFORT_ALIASES.get(effort, effort)]) if effort else {}
         for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "factor", "tokens_per_step",
                      *POLICY_FIELDS, "block_size", "small_block_size", "multi_block_threshold", *REFERENCE_SWITCHES,
-                     "min_tokens", *UNIFORM_FIELDS):
+                     *EDIT_FIELDS, "min_tokens", *UNIFORM_FIELDS):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -453,6 +458,11 @@ class DiffusingFrame(ResponseModel):
     index: int
     text: str
     masked: int
+    # with edit_threshold / remask_budget: committed tokens replaced / remasked so far (left out when neither is on)
+    edits: int | None = None
+    remasks: int | None = None
+
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"edits", "remasks"})
 
 
 class ChatCompletionChunk(ResponseModel):

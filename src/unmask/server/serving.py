@@ -417,7 +417,10 @@ class OpenAIServing:
                     for chunk in fmt.chunks(index, st, out):
                         yield fmt.frame(chunk)
                     if diffusing and out.snapshot is not None:
-                        yield fmt.frame(fmt.diffusing(DiffusingFrame(index=index, **self._render(out.snapshot))))
+                        revised = ({"edits": out.edits, "remasks": out.remasks}
+                                   if out.edits or out.remasks or out.edited else {})
+                        yield fmt.frame(fmt.diffusing(DiffusingFrame(index=index, **self._render(out.snapshot),
+                                                                     **revised)))
             for chunk in fmt.closing(states, self._usage(prompt_tokens, states), include_usage):
                 yield fmt.frame(chunk)
             self.metrics.e2e.observe(time.perf_counter() - t0)

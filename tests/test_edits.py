@@ -1,0 +1,348 @@
+"""Decoding that revises committed tokens (issue 35): LLaDA2.1 edits and ReMDM-style remasking in the active block.
+
+The pure rules on hand-made rows; the engine against an independent dense loop written from docs/decoding.md on
+the tiny checkpoints; the request checks; and the default (no edit field) giving the tokens it gave before."""
+import json
+
+import httpx
+import pytest
+import torch
+
+from naive_decode import naive_generate
+from unmask.decoding import BlockState, decide
+from unmask.decoding.edits import EditConfig, block_settled, edit_rows, own_token_probs, remask_rows
+from unmask.decoding.sampling import propose
+from unmask.engine.engine import Engine
+from unmask.engine.params import GenerationParams
+from unmask.errors import InvalidRequestError
+from unmask.models.loader import load_model
+
+NO_STOPS = torch.empty(0, dtype=torch.long)
+
+
+# ------------------------------------------------------------------------------------------ the pure rules
+def test_edit_rows_replace_only_differing_confident_editable_rows():
+    current = torch.tensor([5, 6, 7, 8, 9])
+    proposed = torch.tensor([5, 4, 4, 4, 4])
+    probs = torch.tensor([0.99, 0.8, 0.5, 0.3, 0.9])
+    editable = torch.tensor([True, True, True, True, False])
+    got = edit_rows(current, proposed, probs, editable, 0.5, NO_STOPS)
+    # row 0 agrees, row 2 is not strictly above 0.5, row 3 below, row 4 not editable (prompt / past a stop)
+    assert got.tolist() == [False, True, False, False, False]
+    assert edit_rows(current, proposed, probs, editable, 0.0, NO_STOPS).tolist() == [False, True, True, True, False]
+    assert not edit_rows(current, proposed, probs, editable, None, NO_STOPS).any()  # edits off
+    # an edit never writes a stop token
+    assert not edit_rows(current, proposed, probs, editable, 0.0, torch.tensor([4])).any()
+
+
+def test_remask_rows_take_the_least_likely_within_the_budget():
+    own = torch.tensor([0.9, 0.1, 0.3, 0.05, 0.2])
+    cand = torch.tensor([True, True, True, True, False])
+    assert remask_rows(own, cand, 0.5, 2).tolist() == [False, True, False, True, False]
+    assert remask_rows(own, cand, 0.5, 10).tolist() == [False, True, True, True, False]
+    assert not remask_rows(own, cand, 0.5, 0).any()
+    assert not remask_rows(own, cand, 0.04, 5).any()
+
+
+def test_own_token_probs():
+    logits = torch.tensor([[0.0, 0.0], [10.0, 0.0]])
+    p = own_token_probs(logits, torch.tensor([1, 0]))
+    assert torch.allclose(p, torch.tensor([0.5, 1 / (1 + torch.exp(torch.tensor(-10.0)))]))
+
+
+@pytest.mark.parametrize("cfg, had, has, post, changed, settled", [
+    (EditConfig(edit_threshold=0.5), True, True, 0, 3, False),    # masks left: never
+    (EditConfig(edit_threshold=0.5), True, False, 0, 0, False),   # just filled: post-edit steps follow
+    (EditConfig(edit_threshold=0.5, max_post_edit_steps=0), True, False, 0, 0, True),
+    (EditConfig(remask_budget=2), True, False, 0, 0, True),       # remasking alone: full is final
+    (EditConfig(edit_threshold=0.5), False, False, 1, 0, True),   # an edit-only step that changed nothing
+    (EditConfig(edit_threshold=0.5), False, False, 3, 2, False),
+    (EditConfig(edit_threshold=0.5, max_post_edit_steps=3), False, False, 3, 2, True),  # the last allowed
+])
+def test_block_settled(cfg, had, has, post, changed, settled):
+    assert block_settled(cfg, had, has, post, changed) is settled
+
+
+# ------------------------------------------------------------------------------------------ the engine, model-free
+def drive_edits(params: GenerationParams, want, prompt_len: int = 4, block: int = 8, vocab: int = 16):
+    """Decode with logits from `want(canvas) -> (tokens, logit)` over the output positions (mask id 0, stop 1)."""
+    from unmask.engine.sequence import ModelTraits, Sequence
+
+    traits = ModelTraits(attention="block_causal", shift=False, mask_id=0, block_size=block, stop_ids=(1,),
+                         ar_first_token=False, max_context=256)
+    seq = Sequence([2 + i for i in range(prompt_len)], params, traits)
+    targets, outs = [], []
+    while seq.finish_reason is None:
+        plan = seq.plan(4096)
+        seq.after_forward(plan)
+        targets.append(plan.targets.tolist())
+        toks, score = want(seq.seq[seq.P:])
+        idx = plan.targets - seq.P
+        logits = torch.zeros(idx.numel(), vocab)
+        logits[torch.arange(idx.numel()), torch.tensor(toks)[idx]] = torch.tensor(score)[idx]
+        outs.append(seq.apply(plan, logits))
+        assert len(targets) < 100
+    return seq, targets, outs
+
+
+def first_guess_then_fix(canvas):
+    """Output index i proposes 10 until index i + 1 is committed, then 11 (sure); a block's last index (3, 11 after
+    a 4-token prompt in blocks of 8) always 12."""
+    n = canvas.numel()
+    toks = [12 if i % 8 == 3 else 11 if i + 1 < n and canvas[i + 1] != 0 else 10 for i in range(n)]
+    return toks, [8.0] * n
+
+
+def test_edits_fix_committed_tokens_and_stay_in_the_block():
+    """Prompt of 4 in a block of 8: positions 0..3 are prompt and never targets; the block's 4 masks are all
+    committed at once (10, 10, 10, 12), the next step edits the first three to 11, the one after changes nothing."""
+    p = GenerationParams(max_tokens=12, threshold=0.9, edit_threshold=0.5, ignore_eos=True)
+    seq, targets, outs = drive_edits(p, first_guess_then_fix)
+    assert targets[0] == [4, 5, 6, 7] and targets[1] == [4, 5, 6, 7] and targets[2] == [4, 5, 6, 7]
+    assert all(min(t) >= 4 for t in targets)
+    assert outs[0] == [] and outs[1] == [] and outs[2] == [11, 11, 11, 12]  # nothing final before the block settles
+    assert seq.output_ids[:4] == [11, 11, 11, 12] and seq.stats.edits == 3 + 7
+    # the next block (positions 8..15) starts only after: its targets never include the first block
+    assert all(min(t) >= 8 for t in targets[3:])
+
+
+def test_without_edits_the_first_guess_stays():
+    seq, targets, _ = drive_edits(GenerationParams(max_tokens=12, threshold=0.9, ignore_eos=True),
+                                  first_guess_then_fix)
+    assert seq.output_ids[:4] == [10, 10, 10, 12] and seq.stats.edits == 0 and targets[0] == [4, 5, 6, 7]
+
+
+def test_post_edit_steps_are_bounded():
+    """A canvas that flips index 0 between 10 and 11 on every read never settles by itself: max_post_edit_steps."""
+    def flip(canvas):
+        toks = [11 if canvas[0] == 10 else 10] + [12] * (canvas.numel() - 1)
+        return toks, [8.0] * canvas.numel()
+
+    for k in (0, 1, 3):
+        p = GenerationParams(max_tokens=4, threshold=0.9, edit_threshold=0.5, max_post_edit_steps=k, ignore_eos=True)
+        seq, targets, _ = drive_edits(p, flip)
+        assert seq.stats.forwards == 1 + k and seq.stats.edits == k
+
+
+def test_a_committed_stop_is_never_edited_and_ends_the_output():
+    """A stop at index 2: index 0 before it is edited once the stop is in; the stop and index 3 after it are
+    never read again, and the output ends at the stop."""
+    def want(canvas):
+        n = canvas.numel()
+        toks = [11 if canvas[2] == 1 and canvas[0] != 0 else 10, 10, 1, 10][:n] + [10] * (n - 4)
+        return toks, [8.0] * n
+
+    p = GenerationParams(max_tokens=4, threshold=0.9, edit_threshold=0.5, ordered_stops=False)
+    seq, targets, _ = drive_edits(p, want)
+    assert seq.finish_reason == "stop" and seq.output_ids == [11, 10] and seq.stats.edits == 1
+    # the first step commits all four (the stop at index 2 with them); after it only the positions before the stop
+    assert targets[0] == [4, 5, 6, 7] and all(t == [4, 5] for t in targets[1:]) and len(targets) == 3
+
+
+def test_remask_budget_is_respected():
+    """Every committed token stays unsure (p 0.08 < 0.5), so each step would remask all it could: the budget of 3
+    per block caps it."""
+    unsure = lambda canvas: ([5] * canvas.numel(), [1.0] * canvas.numel())  # noqa: E731
+    for budget in (1, 3):
+        p = GenerationParams(max_tokens=12, threshold=0.9, remask_budget=budget, ignore_eos=True)
+        seq, _, _ = drive_edits(p, unsure)
+        assert seq.stats.remasks == 2 * budget and seq.output_ids == [5] * 12  # two blocks (4 + 8 positions)
+
+
+# ------------------------------------------------------------------------------------------ the engine vs dense
+def naive_edit_generate(model, spec, prompt, params: GenerationParams):
+    """Dense decode with edits and remasking, from docs/decoding.md: every step recomputes the canvas up to the
+    active block's end; the policy commits among the block's masks before the first committed stop token;
+    filled non-prompt positions before that stop are replaced when the proposal differs with p above
+    edit_threshold (never by a stop token), or, while the block has masks, put back to mask when their own
+    token's p is below remask_threshold (least likely first, a budget per block); after the block is full, edit-only
+    steps until one changes nothing or max_post_edit_steps. The output ends at the first stop token."""
+    cfg = params.edit_config()
+    mask, B = spec.mask_id, params.block_size or spec.block_size
+    P, end = len(prompt), len(prompt) + params.max_tokens
+    seq = torch.full((end,), mask)
+    seq[:P] = torch.tensor(prompt)
+    bidir = spec.family.attention == "bidirectional"
+    start = P if bidir else (P // B) * B
+    gen = torch.Generator().manual_seed(params.seed or 0)
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(spec.stop_ids))
+    stop_t = torch.tensor(sorted(stops - {mask}), dtype=torch.long)
+    ordered = spec.family.name == "unmask" if params.ordered_stops is None else params.ordered_stops
+    while True:
+        hi_blk = min(start + B, end)
+        state = BlockState(initial_masked=int((seq[start:hi_blk] == mask).sum()))
+        budget, post = cfg.remask_budget, 0
+        while True:
+            out = seq[P:hi_blk].tolist()
+            cap = next((P + i for i, t in enumerate(out) if t in stops), hi_blk)
+            masked = [i for i in range(start, cap) if seq[i] == mask]
+            filled = [i for i in range(max(start, P), cap) if seq[i] != mask]
+            L = end if bidir else hi_blk
+            pos = torch.arange(L)
+            m = None if bidir else ((pos[None, :] // B) <= (pos[:, None] // B))[None, None]
+            if not masked and not filled:
+                break
+            with torch.no_grad():
+                logits = model.logits(model.forward_dense(seq[None, :L], pos[None], m))[0].float()
+            logits[:, mask] = float("-inf")
+            had = bool(masked)
+            if had:
+                t = torch.tensor(masked)
+                d = decide(params.policy_config(), logits[t - int(spec.shift)].clone(), t - start, state,
+                           params.sampling(), gen)
+                commit = d.commit.clone()
+                if spec.ar_first_token and state.step == 1 and masked[0] == start:
+                    commit[0] = True
+                if ordered:
+                    hole = masked[0]
+                    for j, (pj, tok) in enumerate(zip(masked, d.tokens.tolist())):
+                        if commit[j] and tok in stops and pj != hole:
+                            commit[j] = False
+                    if not commit.any():
+                        commit[0] = True
+            n_edit = 0
+            if filled:
+                f = torch.tensor(filled)
+                fl = logits[f - int(spec.shift)]
+                prop = propose(fl, params.sampling(), gen)
+                cur = seq[f]
+                rep = torch.zeros(len(filled), dtype=torch.bool)
+                if cfg.edit_threshold is not None:
+                    rep = (prop.tokens != cur) & (prop.probs > cfg.edit_threshold) & ~torch.isin(prop.tokens, stop_t)
+                rem = torch.zeros_like(rep)
+                if had and budget:
+                    own = torch.softmax(fl, -1).gather(1, cur[:, None])[:, 0]
+                    low = [(float(own[j]), j) for j in range(len(filled)) if not rep[j] and own[j] < cfg.remask_threshold]
+                    for _, j in sorted(low)[:budget]:
+                        rem[j] = True
+                    budget -= int(rem.sum())
+                n_edit = int(rep.sum())
+            if had:
+                seq[t[commit]] = d.tokens[commit]
+            if filled:
+                seq[f[rep]] = prop.tokens[rep]
+                seq[f[rem]] = mask
+            out = seq[P:hi_blk].tolist()
+            cap = next((P + i for i, t in enumerate(out) if t in stops), hi_blk)
+            if (seq[start:cap] == mask).any():
+                continue
+            if had:
+                if cfg.edit_threshold is None or cfg.max_post_edit_steps == 0:
+                    break
+                continue
+            post += 1
+            if n_edit == 0 or post >= cfg.max_post_edit_steps:
+                break
+        out = seq[P:hi_blk].tolist()
+        for i, t in enumerate(out):
+            if t in stops:
+                return out[:i]
+        if hi_blk >= end:
+            return out
+        start = hi_blk
+
+
+PROMPTS = [list(range(20, 33)), list(range(40, 45))]
+EDIT_CASES = [dict(edit_threshold=0.1), dict(edit_threshold=0.0, max_post_edit_steps=2),
+              dict(remask_budget=3, remask_threshold=0.6), dict(edit_threshold=0.2, remask_budget=2)]
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2", "llada", "dream"])
+def test_edits_match_the_dense_loop(family, family_dirs):
+    model, spec = load_model(family_dirs[family])
+    total = 0
+    for kw in EDIT_CASES:
+        p = GenerationParams(max_tokens=12, threshold=0.3, block_size=4, seed=0, ignore_eos=True, **kw)
+        eng = Engine(model, spec, max_num_seqs=4)
+        seqs = [eng.add_request(prompt, p) for prompt in PROMPTS]
+        eng.run_to_completion()
+        for prompt, s in zip(PROMPTS, seqs):
+            assert s.output_ids == naive_edit_generate(model, spec, prompt, p), (kw, prompt)
+            total += s.stats.edits + s.stats.remasks
+    assert total > 0  # the random models' predictions move: the rules did act
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada"])
+def test_edits_with_stop_tokens_match_the_dense_loop(family, family_dirs):
+    model, spec = load_model(family_dirs[family])
+    base = dict(max_tokens=12, threshold=0.3, block_size=4, seed=0, ordered_stops=False)
+    eng = Engine(model, spec)
+    free = eng.add_request(PROMPTS[0], GenerationParams(**base, ignore_eos=True, edit_threshold=0.1))
+    eng.run_to_completion()
+    for k in (2, 6):
+        p = GenerationParams(**base, edit_threshold=0.1, stop_token_ids=[free.output_ids[k]])
+        eng = Engine(model, spec)
+        s = eng.add_request(PROMPTS[0], p)
+        eng.run_to_completion()
+        assert s.output_ids == naive_edit_generate(model, spec, PROMPTS[0], p)
+        assert p.stop_token_ids[0] not in s.output_ids
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada", "dream"])
+def test_the_default_gives_the_previous_tokens(family, family_dirs):
+    """No edit field (or all null) is the decode of before: the engine equals the pre-existing dense loop."""
+    model, spec = load_model(family_dirs[family])
+    for extra in ({}, dict(edit_threshold=None, max_post_edit_steps=None, remask_budget=None, remask_threshold=None)):
+        p = GenerationParams(max_tokens=12, threshold=0.3, block_size=4, seed=0, ignore_eos=True, **extra)
+        eng = Engine(model, spec)
+        s = eng.add_request(PROMPTS[0], p)
+        eng.run_to_completion()
+        assert s.output_ids == naive_generate(model, spec, PROMPTS[0], p)
+        assert s.stats.edits == 0 and s.stats.remasks == 0
+
+
+# ------------------------------------------------------------------------------------------ request checks
+@pytest.mark.parametrize("kw, param", [
+    (dict(edit_threshold=1.5), "edit_threshold"),
+    (dict(edit_threshold=-0.1), "edit_threshold"),
+    (dict(edit_threshold="0.5"), "edit_threshold"),
+    (dict(edit_threshold=0.5, max_post_edit_steps=-1), "max_post_edit_steps"),
+    (dict(edit_threshold=0.5, max_post_edit_steps=2.5), "max_post_edit_steps"),
+    (dict(max_post_edit_steps=4), "max_post_edit_steps"),           # without edit_threshold
+    (dict(remask_budget=-2), "remask_budget"),
+    (dict(remask_budget=2, remask_threshold=0), "remask_threshold"),
+    (dict(remask_threshold=0.5), "remask_threshold"),                # without a budget
+    (dict(remask_budget=2, policy="low_confidence"), "remask_budget"),
+    (dict(edit_threshold=0.5, multi_block_threshold=0.5), "edit_threshold"),
+])
+def test_bad_edit_requests_name_the_field(kw, param):
+    with pytest.raises(InvalidRequestError) as e:
+        GenerationParams(**kw)
+    assert e.value.param == param, str(e.value)
+
+
+def test_the_server_forwards_the_edit_fields():
+    from unmask.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    fields = dict(edit_threshold=0.4, max_post_edit_steps=3, remask_budget=2, remask_threshold=0.3)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+    assert {k: chat.generation_kwargs()[k] for k in fields} == fields
+    assert {k: CompletionRequest(prompt="hi", **fields).generation_kwargs()[k] for k in fields} == fields
+    assert "edit_threshold" not in CompletionRequest(prompt="hi").generation_kwargs()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from test_server import Server, make_text_checkpoint
+
+    root = tmp_path_factory.mktemp("edits")
+    s = Server(make_text_checkpoint(root / "tiny-sdar"), root / "server.log")
+    yield s.wait_ready()
+    s.stop()
+
+
+def test_http_edits_and_their_400s(server):
+    body = {"model": "tiny-sdar", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "edit_threshold": 0.3}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "edit_threshold": 2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "edit_threshold"
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "remask_budget": 1, "policy": "random"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "remask_budget"
+    # streamed with diffusing frames: they parse, and the text is the non-streamed text
+    plain = httpx.post(f"{server.url}/v1/completions", json={**body, "edit_threshold": 0.0}, timeout=60).json()
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={**body, "edit_threshold": 0.0, "stream": True, "diffusing": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    assert text == plain["choices"][0]["text"] and any("diffusing" in c for c in chunks)
