@@ -6,15 +6,17 @@ Set PLAYGROUND_SCREENSHOTS=DIR to keep the screenshots the tests take (docs/play
 """
 from __future__ import annotations
 
+import http.client
 import os
-import shutil
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
-from test_server import Server
+from test_server import Server, free_port
 
 BUILT_IN = Path(__file__).resolve().parents[1] / "src" / "unmask" / "assets" / "unmask-tiny"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -217,3 +219,71 @@ def test_json_mode_validates_the_answer_against_the_schema(server, driver):
         "return validate({name: 3}, {type: 'object', properties: {name: {type: 'string'}, "
         "kind: {enum: ['a', 'b']}}, required: ['name', 'age']}, '$')")
     assert problems == ["$.age is missing", "$.name is integer, not string"]
+
+
+class PrefixProxy(ThreadingHTTPServer):
+    """A reverse proxy serving `upstream` under `prefix`, which it strips (as nginx's `proxy_pass .../;`),
+    relaying the answer as it arrives (the SSE streams too)."""
+
+    daemon_threads = True
+
+    def __init__(self, prefix: str, upstream_port: int):
+        self.prefix, self.upstream_port = prefix, upstream_port
+        super().__init__(("127.0.0.1", free_port()), self.Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def relay(self):
+            prefix = self.server.prefix
+            if not self.path.startswith(prefix + "/"):
+                self.send_error(404)
+                return
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            up = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+            up.request(self.command, self.path[len(prefix):], body=body or None, headers=headers)
+            resp = up.getresponse()
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    self.send_header(k, v)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            try:
+                while chunk := resp.read1(65536):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass                      # the browser went away (Stop)
+            finally:
+                up.close()                # and so does the server's client: it cancels the request
+            self.close_connection = True
+
+        do_GET = do_POST = relay
+
+
+def test_the_page_works_behind_a_proxy_under_root_path(tmp_path, driver):
+    s = Server(BUILT_IN, tmp_path / "server.log", "--api-key", KEY, "--root-path", "/unmask").wait_ready()
+    proxy = PrefixProxy("/unmask", s.port)
+    try:
+        base = f"http://127.0.0.1:{proxy.server_address[1]}/unmask"
+        driver.get(base + "/")
+        driver.execute_script(f"localStorage.setItem('unmask.apiKey', '{KEY}');")
+        driver.get(base + "/")
+        wait(driver, lambda d: d.find_element(By.ID, "status").text == "ready", what="the models through the proxy")
+        set_field(driver, "set-max-tokens", "8")
+        send(driver, "Hi")
+        msg = wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant[data-done]"), what="the answer")
+        assert msg.get_attribute("data-text") and not msg.find_elements(By.CSS_SELECTOR, ".error")
+        assert httpx.get(base + "/health", timeout=10).status_code == 200    # still open under the prefix
+        assert httpx.get(base + "/metrics", timeout=10).status_code == 401
+    finally:
+        proxy.shutdown()
+        s.stop()

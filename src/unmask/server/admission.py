@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from unmask.server.metrics import Metrics
 from unmask.server.protocol import APIError
-from unmask.server.security import send_error
+from unmask.server.security import route_path, send_error
 
 SETTLE_S = 0.002       # an admitted request starts its work once no generation request has arrived for this long,
 DEFER_MAX_S = 1.0       # or this long after it arrived at the latest (a steady flood does not starve it)
@@ -126,7 +126,7 @@ class AdmissionGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         admission = None
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+        if scope["type"] == "http" and scope["method"] == "POST" and route_path(scope) in GENERATION_PATHS:
             admission = self.admission()
         if admission is None:
             return await self.app(scope, receive, send)

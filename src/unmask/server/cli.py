@@ -87,6 +87,9 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, envvar="UNMASK_SERVED_MODEL_NAME",
                                                     help="Model id in the API (default: the directory name; for a "
                                                          "training run's model/ folder, the run's name)."),
+    root_path: str = typer.Option("", envvar="UNMASK_ROOT_PATH",
+                                  help="Path prefix a reverse proxy serves this server under and strips "
+                                       "(e.g. /unmask); the OpenAPI document and the playground at / follow it."),
     drain_timeout: float = typer.Option(30.0, min=0, envvar="UNMASK_DRAIN_TIMEOUT",
                                         help="On shutdown, seconds to let running requests finish."),
     log_level: str = typer.Option("info", envvar="UNMASK_LOG_LEVEL",
@@ -146,7 +149,8 @@ def serve(
                       device=device, drain_timeout=drain_timeout)
     app = create_app(args)
     server = _server_class(uvicorn)(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                                   timeout_graceful_shutdown=drain_timeout + ABORT_GRACE_S),
+                                                   timeout_graceful_shutdown=drain_timeout + ABORT_GRACE_S,
+                                                   root_path=root_path.rstrip("/")),
                                     drain_timeout)
     app.state.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run()

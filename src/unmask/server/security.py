@@ -15,6 +15,12 @@ from unmask.web.routes import PATHS as PAGE_PATHS
 OPEN_PATHS = frozenset({"/health"}) | PAGE_PATHS
 
 
+def route_path(scope: Scope) -> str:
+    """The path the app routes on: under `--root-path /p`, uvicorn puts /p in front of the path the proxy passed."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and (path == root or path.startswith(root + "/")) else path
+
+
 async def send_error(err: APIError, scope: Scope, receive: Receive, send: Send, metrics: Metrics) -> None:
     metrics.error(err.status)
     await JSONResponse(err.response().model_dump(), status_code=err.status, headers=err.headers)(scope, receive, send)
@@ -42,7 +48,7 @@ class APIKeyMiddleware:
         return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS or self.authorized(scope):
+        if scope["type"] != "http" or not self.keys or route_path(scope) in OPEN_PATHS or self.authorized(scope):
             return await self.app(scope, receive, send)
         err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})
