@@ -217,6 +217,7 @@ function renderFrame(container, text, prev) {
   add(runCls, run);
   add("tok-settled", text.slice(end));
   container.replaceChildren(frag);
+  container.scrollTop = container.scrollHeight;   // the active block is at the end
 }
 
 // ------------------------------------------------------------------------------------------ messages
