@@ -299,3 +299,15 @@ def test_the_page_works_behind_a_proxy_under_root_path(tmp_path, driver):
     finally:
         proxy.shutdown()
         s.stop()
+
+
+def test_markdown_rendering_escapes_html(server, driver):
+    open_page(driver, server)
+    html = driver.execute_script("return renderMarkdown(arguments[0])", (
+        "# Title\n<img src=x onerror=alert(1)> **bold** and `a<b`\n\n- one\n- two\n\n"
+        "```python\nif x < 1:\n    print('<b>')\n```\n[site](https://example.org) [js](javascript:alert(1))"))
+    assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+    assert "<h3>Title</h3>" in html and "<strong>bold</strong>" in html and "<code>a&lt;b</code>" in html
+    assert "<ul><li>one</li><li>two</li></ul>" in html
+    assert '<pre class="code" data-lang="python">' in html and "if x &lt; 1:\n    print(&#39;&lt;b&gt;&#39;)" in html
+    assert '<a href="https://example.org"' in html and 'href="javascript' not in html
