@@ -254,6 +254,8 @@ function showStats(parts, s) {
     bits.push(`${s.frames} forwards`);
     if (tokens !== null) bits.push(`${(tokens / s.frames).toFixed(2)} tokens/forward`);
   }
+  if (s.edits) bits.push(`${s.edits} edits`);
+  if (s.remasks) bits.push(`${s.remasks} remasks`);
   bits.push(`${seconds.toFixed(2)} s`);
   if (s.finish) bits.push(`finish: ${s.finish}`);
   parts.stats.textContent = bits.join(" · ");
@@ -276,6 +278,8 @@ async function stream(path, body, parts, onText) {
         renderFrame(parts.frame, chunk.diffusing.text, s.prevFrame);
         parts.frame.dataset.masked = String(chunk.diffusing.masked);
         s.prevFrame = chunk.diffusing.text;
+        if (chunk.diffusing.edits !== undefined) s.edits = chunk.diffusing.edits;     // with self-correction on
+        if (chunk.diffusing.remasks !== undefined) s.remasks = chunk.diffusing.remasks;
       }
       for (const choice of chunk.choices || []) {
         if (choice.index !== 0) continue;
