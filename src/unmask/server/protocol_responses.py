@@ -9,16 +9,15 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from unmask.server.protocol import (DRY_FIELDS, POLICY_FIELDS, REFERENCE_SWITCHES, UNIFORM_FIELDS, RequestModel,
-                                    ResponseModel, TokenLogprob)
+from unmask.server.protocol import (DRY_FIELDS, EDIT_FIELDS, POLICY_FIELDS, REFERENCE_SWITCHES, UNIFORM_FIELDS,
+                                    RequestModel, ResponseModel, TokenLogprob)
 
 
 # chat-request fields a /v1/responses request may also set (unmask's and vLLM's extensions): passed through as they are
 RESPONSES_PASSTHROUGH = ("seed", "stop", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
                          "top_k", *DRY_FIELDS, "policy", "threshold", "steps", "factor", "tokens_per_step", *POLICY_FIELDS,
-                         "block_size", "small_block_size", "multi_block_threshold", *REFERENCE_SWITCHES, "ignore_eos",
-                         "min_tokens",
-                         *UNIFORM_FIELDS, "regex", "choice", "grammar", "diffusing")
+                         "block_size", "small_block_size", "multi_block_threshold", *REFERENCE_SWITCHES, *EDIT_FIELDS,
+                         "ignore_eos", "min_tokens", *UNIFORM_FIELDS, "regex", "choice", "grammar", "diffusing")
 
 
 class ResponsesRequest(RequestModel):
