@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 
+from benchlib import heldout
 from unmask.engine.infill import build_infill
 from unmask.engine.llm import LLM
 from unmask.engine.params import GenerationParams
-from unmask.evaluation import evaluate, function_tasks, infill_tasks, next_line_tasks
-from unmask.train.corpus import read_documents
-from unmask.train.sft import read_jsonl
+from unmask.evaluation import evaluate
 
 SETTINGS = {"ordered": True, "any_order": False}
 
@@ -38,21 +37,15 @@ def fim_empties(llm: LLM, records: list[dict], ordered: bool, max_tokens: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="src/unmask/assets/unmask-tiny")
-    ap.add_argument("--heldout", default="data/corpus/heldout.jsonl")
-    ap.add_argument("--sft-heldout", default="data/sft/heldout.jsonl")
-    ap.add_argument("--limit", type=int, default=200)
+    heldout.add_args(ap)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=Path("docs/bench/ordered-stops.json"))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype="float32", device="cpu")
-    docs = list(read_documents(Path(args.heldout)))
-    records = [r for _, r in read_jsonl(args.sft_heldout)[0]]
+    llm, records, task_sets = heldout.load(args)
     fims = [r for r in records if r.get("kind") == "fim"]
-    task_sets = [infill_tasks(records, args.limit), next_line_tasks(docs, args.limit), function_tasks(docs, args.limit)]
     rows: dict[str, dict[str, list]] = {name: {} for name in SETTINGS}
     for _ in range(args.rounds):
         for name, ordered in SETTINGS.items():   # interleaved: A B A B

@@ -1,0 +1,44 @@
+"""Editing committed tokens (docs/decoding.md, "Editing committed tokens") against the same threshold without
+edits, on the model card's held-out tasks: quality and tokens per forward, threshold by threshold.
+
+The claim to test (issue 35): a model that may fix its mistakes can commit earlier, at a lower threshold, for
+the same quality. Each threshold runs plain and with `edit_threshold` (LLaDA2.1's joint decoding), in one
+process, interleaved. Greedy, float32; one JSON document out.
+
+    .venv/bin/python bench/edit_policies.py --model src/unmask/assets/unmask-tiny --json docs/bench/edit-policies.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchlib import heldout
+from unmask.evaluation import evaluate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    heldout.add_args(ap)
+    ap.add_argument("--thresholds", default="0.9,0.7,0.5")
+    ap.add_argument("--edit-threshold", type=float, default=0.9)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    llm, _, task_sets = heldout.load(args)
+    rows = []
+    for tau in (float(t) for t in args.thresholds.split(",")):
+        for edit in (None, args.edit_threshold):
+            for tasks in task_sets:
+                r = evaluate(llm, tasks, "threshold_0.9", threshold=tau, edit_threshold=edit)
+                row = {"threshold": tau, "edit_threshold": edit, "task": r.task, "n": r.n, "exact": r.accuracy,
+                       "similarity": r.edit_similarity, "valid": r.valid,
+                       "tokens_per_forward": r.tokens_per_forward, "seconds": r.seconds}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"model": args.model, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
