@@ -387,7 +387,10 @@ def test_diffusing_frames_are_marked_and_not_billed(client):
             seen_prefix_ok &= frame["text"].startswith(content)
     assert any(f.diffusing["masked"] > 0 for f in frames)
     assert seen_prefix_ok and content == plain.choices[0].message.content
-    assert frames[-1].diffusing == {"index": 0, "text": content, "masked": 0}   # the finished text closes the view
+    last = frames[-1].diffusing
+    assert {k: last[k] for k in ("index", "text", "masked")} == {"index": 0, "text": content, "masked": 0}
+    counts = [f.diffusing["forwards"] for f in frames]   # one frame per step the choice took part in
+    assert all(b > a for a, b in zip(counts, counts[1:])) and counts[-1] >= len(frames)
     assert chunks[-1].usage == plain.usage
 
 

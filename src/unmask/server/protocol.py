@@ -458,11 +458,12 @@ class DiffusingFrame(ResponseModel):
     index: int
     text: str
     masked: int
+    forwards: int | None = None  # forwards this choice has taken part in so far, prefill included
     # with edit_threshold / remask_budget: committed tokens replaced / remasked so far (left out when neither is on)
     edits: int | None = None
     remasks: int | None = None
 
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"edits", "remasks"})
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"forwards", "edits", "remasks"})
 
 
 class ChatCompletionChunk(ResponseModel):

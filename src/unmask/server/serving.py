@@ -420,7 +420,7 @@ class OpenAIServing:
                         revised = ({"edits": out.edits, "remasks": out.remasks}
                                    if out.edits or out.remasks or out.edited else {})
                         yield fmt.frame(fmt.diffusing(DiffusingFrame(index=index, **self._render(out.snapshot),
-                                                                     **revised)))
+                                                                     forwards=out.forwards, **revised)))
             for chunk in fmt.closing(states, self._usage(prompt_tokens, states), include_usage):
                 yield fmt.frame(chunk)
             self.metrics.e2e.observe(time.perf_counter() - t0)

@@ -274,7 +274,7 @@ async function stream(path, body, parts, onText) {
     await readSSE(resp, (chunk) => {
       if (chunk.error) throw new Error(chunk.error.message || "error");
       if (chunk.diffusing && chunk.diffusing.index === 0) {
-        s.frames++;
+        s.frames = chunk.diffusing.forwards ?? s.frames + 1;  // the server's count, prefill included
         renderFrame(parts.frame, chunk.diffusing.text, s.prevFrame);
         parts.frame.dataset.masked = String(chunk.diffusing.masked);
         s.prevFrame = chunk.diffusing.text;
