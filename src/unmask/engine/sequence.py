@@ -20,7 +20,7 @@ from unmask.decoding import BlockState, decide
 from unmask.decoding.commit_filter import CONFIG_KEY, CommitFilter
 from unmask.decoding.dry import dry_penalty
 from unmask.decoding.edits import block_settled, edit_rows, own_token_probs, remask_rows
-from unmask.decoding.policies import LEARNED
+from unmask.decoding.policies import LEARNED, Decision
 from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
 from unmask.decoding.sampling import propose, top_logprobs
 from unmask.decoding.targets import decode_window, defer_late_stops, first_stop, masked_in
@@ -339,13 +339,7 @@ class Sequence:
             return self._apply_constrained(plan, logits, offsets)
         if self.revise is not None:
             return self._apply_revising(plan, logits)
-        forced_first = self.traits.ar_first_token and self.block.step == 0 and int(offsets[0]) == 0
-        d = decide(self.policy, logits, offsets, self.block, self.sampling, self.generator)
-        commit = d.commit.clone()
-        if forced_first:
-            commit[0] = True
-        if self.params.ordered_stops:
-            commit = defer_late_stops(commit, d.tokens, plan.targets, self.final_end, self.stop_tensor)
+        d, commit = self._choose(logits, plan.targets, self.final_end)
         pos = plan.targets[commit]
         self.seq[pos] = d.tokens[commit]
         if self.adjuster is not None:
@@ -358,6 +352,19 @@ class Sequence:
             self.stats.denoise_steps += 1
         return self._advance()
 
+    def _choose(self, logits: Tensor, targets: Tensor, first_hole: int) -> tuple[Decision, Tensor]:
+        """The policy's decision over the masked `targets` and the commit mask it leads to: the first token forced
+        where the family writes it autoregressively, stop tokens deferred right of `first_hole` (ordered_stops)."""
+        offsets = targets - self.block_start
+        forced_first = self.traits.ar_first_token and self.block.step == 0 and int(offsets[0]) == 0  # before decide
+        d = decide(self.policy, logits, offsets, self.block, self.sampling, self.generator)  # (which steps the block)
+        commit = d.commit.clone()
+        if forced_first:
+            commit[0] = True
+        if self.params.ordered_stops:
+            commit = defer_late_stops(commit, d.tokens, targets, first_hole, self.stop_tensor)
+        return d, commit
+
     def _apply_revising(self, plan: StepPlan, logits: Tensor) -> list[int]:
         """A step with edits or remasking (unmask.decoding.edits): the policy commits among the masked rows as
         usual; the filled rows may be replaced (edits) or put back to mask (remasks); the block's tokens become
@@ -369,14 +376,7 @@ class Sequence:
         had_masks = m_targets.numel() > 0
         commit = torch.zeros(0, dtype=torch.bool)
         if had_masks:
-            offsets = m_targets - self.block_start
-            forced_first = self.traits.ar_first_token and self.block.step == 0 and int(offsets[0]) == 0
-            d = decide(self.policy, m_logits, offsets, self.block, self.sampling, self.generator)
-            commit = d.commit.clone()
-            if forced_first:
-                commit[0] = True
-            if self.params.ordered_stops:
-                commit = defer_late_stops(commit, d.tokens, m_targets, int(m_targets[0]), self.stop_tensor)
+            d, commit = self._choose(m_logits, m_targets, int(m_targets[0]))
         current = self.seq[f_targets]
         replace_ = remask = torch.zeros(f_targets.numel(), dtype=torch.bool)
         if f_targets.numel():
