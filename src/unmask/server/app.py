@@ -34,6 +34,8 @@ from unmask.server.protocol import (APIError, ChatCompletionRequest, CompletionR
                                     FIMCompletionRequest, TokenizeRequest)
 from unmask.server.protocol_responses import ResponsesRequest
 from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
+from unmask.store import DEFAULT_MAX_FILE_BYTES, LazyStore
+from unmask.store import routes as file_routes
 from unmask.web.routes import router as page_router
 
 logger = logging.getLogger("unmask.server")
@@ -55,6 +57,8 @@ class ServerArgs:
     dtype: str | None = None
     device: str = "cpu"
     drain_timeout: float = 30.0
+    data_dir: Path | None = None         # files and batches (unmask.store); None: a temporary directory
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
 
 def load_serving(app: FastAPI, args: ServerArgs) -> None:
@@ -258,6 +262,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
         s = app.state.serving
         if s is not None:  # uvicorn has already waited for open requests; let the engine finish too
             await asyncio.to_thread(s.engine.shutdown, True, args.drain_timeout)
+        app.state.store.close()
 
     app = FastAPI(title="unmask", lifespan=lifespan)
     app.state.serving = None
@@ -266,13 +271,16 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     app.state.load_error = None
     app.state.metrics = Metrics()
     app.state.on_fatal = on_fatal
+    app.state.store = LazyStore(args.data_dir, args.max_file_bytes)
     app.include_router(router)
+    app.include_router(file_routes.router)  # /v1/files (src/unmask/store/)
     app.include_router(page_router)  # the playground at / (src/unmask/web/)
     openapi.install(app)
     install_error_handlers(app)
     # the last added middleware runs first: CORS (answers preflights), then the key, then admission (429 before
     # the body is read), then the size
-    app.add_middleware(BodyLimitMiddleware, limit=args.max_body_bytes, metrics=app.state.metrics)
+    app.add_middleware(BodyLimitMiddleware, limit=args.max_body_bytes, metrics=app.state.metrics,
+                       route_limits=file_routes.body_limits(args.max_file_bytes))
     app.add_middleware(AdmissionGate, metrics=app.state.metrics,
                        admission=lambda: app.state.serving.admission if app.state.serving is not None else None)
     app.add_middleware(APIKeyMiddleware, keys=args.api_keys, metrics=app.state.metrics)

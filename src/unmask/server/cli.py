@@ -57,6 +57,17 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+def _data_dir(given: Path | None) -> Path:
+    from unmask.store import default_data_dir
+
+    path = given if given is not None else default_data_dir()
+    try:  # an unwritable directory fails here, in one line, rather than at the first upload
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _fail(f"cannot create the data directory {path}: {e.strerror}")
+    return path
+
+
 def serve(
     model: Optional[Path] = typer.Option(None, "--model", "-m", envvar="UNMASK_MODEL",
                                          help="Model directory (default: the built-in unmask-tiny)."),
@@ -92,6 +103,11 @@ def serve(
                                        "(e.g. /unmask); the OpenAPI document and the playground at / follow it."),
     drain_timeout: float = typer.Option(30.0, min=0, envvar="UNMASK_DRAIN_TIMEOUT",
                                         help="On shutdown, seconds to let running requests finish."),
+    data_dir: Optional[Path] = typer.Option(None, envvar="UNMASK_DATA_DIR",
+                                            help="Directory of the files and batches database (default: "
+                                                 "$XDG_DATA_HOME/unmask, else ~/.local/share/unmask)."),
+    max_file_bytes: int = typer.Option(512 * 2**20, min=1, envvar="UNMASK_MAX_FILE_BYTES",
+                                       help="Largest file accepted by POST /v1/files."),
     log_level: str = typer.Option("info", envvar="UNMASK_LOG_LEVEL",
                                   help="critical | error | warning | info | debug | trace."),
 ):
@@ -146,7 +162,8 @@ def serve(
                       max_num_seqs=max_num_seqs, max_queue=max_queue, max_body_bytes=max_body_bytes,
                       max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
                       force_include_usage=force_include_usage, chat_template=template, dtype=dtype,
-                      device=device, drain_timeout=drain_timeout)
+                      device=device, drain_timeout=drain_timeout, max_file_bytes=max_file_bytes,
+                      data_dir=_data_dir(data_dir))
     app = create_app(args)
     server = _server_class(uvicorn)(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                                    timeout_graceful_shutdown=drain_timeout + ABORT_GRACE_S,

@@ -26,6 +26,7 @@ from unmask.server.protocol import (ERROR_TYPES, ChatCompletionResponse, Complet
                                     EditCompletionResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse)
 from unmask.server.protocol_responses import ResponseObject
 from unmask.server.security import OPEN_PATHS
+from unmask.store.protocol import FileDeleted, FileList, FileObject
 
 REF = "#/components/schemas/{model}"
 HEALTH = {"type": "object", "required": ["status"],
@@ -39,6 +40,7 @@ class Operation:
     errors: tuple[int, ...] = ()     # besides 401 and 413
     stream: bool = False             # with `stream: true` the 200 is text/event-stream
     text: bool = False               # the 200 is Prometheus text
+    binary: bool = False             # the 200 is raw bytes (a file's content)
     summary: str = ""
 
 
@@ -76,10 +78,16 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/health", "get"): Operation("getHealth", None, (503,), summary="200 ready, 503 loading or engine dead"),
     ("/health", "head"): Operation("headHealth", None, (503,), summary="Status code only"),
     ("/metrics", "get"): Operation("getMetrics", None, text=True, summary="Prometheus metrics"),
+    ("/v1/files", "post"): Operation("createFile", FileObject, (400,), summary="Upload a file (multipart/form-data)"),
+    ("/v1/files", "get"): Operation("listFiles", FileList, (400, 404), summary="Files, newest first"),
+    ("/v1/files/{file_id}", "get"): Operation("retrieveFile", FileObject, (404,), summary="One file's metadata"),
+    ("/v1/files/{file_id}", "delete"): Operation("deleteFile", FileDeleted, (404,), summary="Delete a file"),
+    ("/v1/files/{file_id}/content", "get"): Operation("downloadFile", None, (404,), binary=True,
+                                                      summary="A file's bytes"),
 }
 
 ERROR_DESCRIPTIONS = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Not found",
-                      413: "Request body over --max-body-bytes", 429: "Server busy: retry after Retry-After seconds",
+                      413: "Request body over --max-body-bytes (uploads: --max-file-bytes)", 429: "Server busy: retry after Retry-After seconds",
                       503: "Model loading, engine dead or shutting down"}
 ERROR_HEADERS = {
     401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
@@ -95,6 +103,9 @@ def _ok(op: Operation, refs: dict[type[BaseModel], dict], path: str) -> dict[str
     if op.text:
         return {"description": "Prometheus text exposition format",
                 "content": {"text/plain": {"schema": {"type": "string"}}}}
+    if op.binary:
+        return {"description": "The file's bytes",
+                "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
     if path == "/health":
         return {"description": "Ready", "content": _json(HEALTH)}
     content = _json(refs[op.body] if op.body else {})
@@ -140,7 +151,7 @@ def build(app: FastAPI) -> dict[str, Any]:
             if op.summary:
                 operation["summary"] = op.summary
             statuses = sorted({*op.errors, 413} | ({401} if path not in OPEN_PATHS else set()))
-            ok = {"200": _ok(op, refs, path)} if op.body or op.text or path == "/health" else {}  # else never 200
+            ok = {"200": _ok(op, refs, path)} if op.body or op.text or op.binary or path == "/health" else {}  # else never 200
             operation["responses"] = {**ok, **{str(s): _error(s, path, refs[ErrorResponse]) for s in statuses}}
     return doc
 

@@ -59,23 +59,28 @@ class BodyLimitMiddleware:
     """Refuses request bodies over `limit` bytes with a 413 that names the limit.
 
     A declared Content-Length is checked before reading; a chunked body is read (up to the limit)
-    and replayed to the app.
+    and replayed to the app. `route_limits` gives paths their own (limit, message): file uploads
+    are bounded by --max-file-bytes, not --max-body-bytes.
     """
 
-    def __init__(self, app: ASGIApp, limit: int, metrics: Metrics):
+    def __init__(self, app: ASGIApp, limit: int, metrics: Metrics,
+                 route_limits: dict[str, tuple[int, str]] | None = None):
         self.app, self.limit, self.metrics = app, limit, metrics
+        self.route_limits = route_limits or {}
 
-    def _error(self) -> APIError:
-        return APIError(413, f"request body is larger than this server's limit of {self.limit} bytes "
-                             "(--max-body-bytes)", code="request_too_large")
+    def _limit(self, scope: Scope) -> tuple[int, str]:
+        return self.route_limits.get(route_path(scope)) or (
+            self.limit, f"request body is larger than this server's limit of {self.limit} bytes (--max-body-bytes)")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit, message = self._limit(scope)
+        error = APIError(413, message, code="request_too_large")
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
-            if not length.isdigit() or int(length) > self.limit:
-                return await send_error(self._error(), scope, receive, send, self.metrics)
+            if not length.isdigit() or int(length) > limit:
+                return await send_error(error, scope, receive, send, self.metrics)
             return await self.app(scope, receive, send)
         if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             return await self.app(scope, receive, send)
@@ -87,8 +92,8 @@ class BodyLimitMiddleware:
             if message["type"] != "http.request":
                 break
             size += len(message.get("body", b""))
-            if size > self.limit:
-                return await send_error(self._error(), scope, receive, send, self.metrics)
+            if size > limit:
+                return await send_error(error, scope, receive, send, self.metrics)
             if not message.get("more_body", False):
                 break
 

@@ -1,0 +1,73 @@
+"""The embedded SQLite database under a data directory: WAL mode, one connection per thread.
+
+sqlite3 connections are not shared between threads; each thread (the event loop's, the thread pool's, a
+test's) gets its own, opened on first use. WAL lets readers run beside the one writer, and `busy_timeout`
+makes a writer that finds the database locked wait instead of failing. Writes that must happen together go
+through `transaction()` (BEGIN IMMEDIATE: the write lock is taken up front, so two transactions never
+deadlock upgrading a read lock).
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from unmask.store.schema import migrate
+
+DB_NAME = "unmask.db"
+BUSY_TIMEOUT_MS = 30_000
+
+
+def default_data_dir() -> Path:
+    """UNMASK_DATA_DIR, else $XDG_DATA_HOME/unmask, else ~/.local/share/unmask."""
+    if os.environ.get("UNMASK_DATA_DIR"):
+        return Path(os.environ["UNMASK_DATA_DIR"]).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "unmask"
+
+
+class Database:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        migrate(self.conn)
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        """This thread's connection (autocommit: a statement outside `transaction()` commits at once)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                                   timeout=BUSY_TIMEOUT_MS / 1000)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: a commit survives the process dying
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            self._local.conn = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+        self._local = threading.local()
