@@ -34,6 +34,7 @@ from unmask.server.protocol import (APIError, ChatCompletionRequest, CompletionR
                                     FIMCompletionRequest, TokenizeRequest)
 from unmask.server.protocol_responses import ResponsesRequest
 from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
+from unmask.retrieval import routes as retrieval
 from unmask.store import DEFAULT_MAX_FILE_BYTES, LazyStore
 from unmask.store import routes as file_routes
 from unmask.web.routes import router as page_router
@@ -57,6 +58,7 @@ class ServerArgs:
     dtype: str | None = None
     device: str = "cpu"
     drain_timeout: float = 30.0
+    embedding_model: str | None = None   # a directory, "off", or None: the packaged default (unmask.retrieval)
     data_dir: Path | None = None         # files and batches (unmask.store); None: a temporary directory
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
@@ -191,6 +193,8 @@ async def health(request: Request) -> Response:
     if state.serving is None or not state.serving.engine.is_alive:
         status = "error" if state.load_error or state.serving is not None else "loading"
         return JSONResponse({"status": status}, status_code=503)
+    if retrieval.loading(state):   # the embedding model too (src/unmask/retrieval/)
+        return JSONResponse({"status": "loading"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
@@ -258,6 +262,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         threading.Thread(target=load_serving, args=(app, args), name="unmask-load", daemon=True).start()
+        retrieval.start(app, args.embedding_model)
         yield
         s = app.state.serving
         if s is not None:  # uvicorn has already waited for open requests; let the engine finish too
@@ -273,6 +278,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     app.state.on_fatal = on_fatal
     app.state.store = LazyStore(args.data_dir, args.max_file_bytes)
     app.include_router(router)
+    app.include_router(retrieval.router)  # embeddings (src/unmask/retrieval/)
     app.include_router(file_routes.router)  # /v1/files (src/unmask/store/)
     app.include_router(page_router)  # the playground at / (src/unmask/web/)
     openapi.install(app)

@@ -108,6 +108,9 @@ def serve(
                                                  "$XDG_DATA_HOME/unmask, else ~/.local/share/unmask)."),
     max_file_bytes: int = typer.Option(512 * 2**20, min=1, envvar="UNMASK_MAX_FILE_BYTES",
                                        help="Largest file accepted by POST /v1/files."),
+    embedding_model: Optional[str] = typer.Option(None, envvar="UNMASK_EMBEDDING_MODEL",
+                                                  help="Sentence-transformers directory served by /v1/embeddings "
+                                                       "(default: the packaged all-MiniLM-L6-v2; 'off': none)."),
     log_level: str = typer.Option("info", envvar="UNMASK_LOG_LEVEL",
                                   help="critical | error | warning | info | debug | trace."),
 ):
@@ -157,6 +160,8 @@ def serve(
             _fail(f"the chat template {chat_template} does not parse: {e.message} (line {e.lineno})")
     logging.basicConfig(level=logging.DEBUG if log_level.lower() == "trace" else log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
+    if embedding_model not in (None, "off") and not Path(embedding_model).is_dir():
+        _fail(f"embedding model directory {embedding_model} does not exist")
     args = ServerArgs(model=model, served_model_name=served_model_name or default_served_name(model),
                       api_keys=list(api_key), cors_origins=list(cors_origin),
                       max_num_seqs=max_num_seqs, max_queue=max_queue, max_body_bytes=max_body_bytes,
@@ -164,6 +169,7 @@ def serve(
                       force_include_usage=force_include_usage, chat_template=template, dtype=dtype,
                       device=device, drain_timeout=drain_timeout, max_file_bytes=max_file_bytes,
                       data_dir=_data_dir(data_dir))
+    args.embedding_model = embedding_model
     app = create_app(args)
     server = _server_class(uvicorn)(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                                    timeout_graceful_shutdown=drain_timeout + ABORT_GRACE_S,

@@ -24,6 +24,7 @@ from pydantic.json_schema import models_json_schema
 
 from unmask.server.protocol import (ERROR_TYPES, ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
                                     EditCompletionResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse)
+from unmask.retrieval.embeddings import EmbeddingResponse
 from unmask.server.protocol_responses import ResponseObject
 from unmask.server.security import OPEN_PATHS
 from unmask.store.protocol import FileDeleted, FileList, FileObject
@@ -78,6 +79,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/health", "get"): Operation("getHealth", None, (503,), summary="200 ready, 503 loading or engine dead"),
     ("/health", "head"): Operation("headHealth", None, (503,), summary="Status code only"),
     ("/metrics", "get"): Operation("getMetrics", None, text=True, summary="Prometheus metrics"),
+    ("/v1/embeddings", "post"): Operation("createEmbedding", EmbeddingResponse, (400, 404, 503),
+                                          summary="Embed strings or token arrays"),
     ("/v1/files", "post"): Operation("createFile", FileObject, (400,), summary="Upload a file (multipart/form-data)"),
     ("/v1/files", "get"): Operation("listFiles", FileList, (400, 404), summary="Files, newest first"),
     ("/v1/files/{file_id}", "get"): Operation("retrieveFile", FileObject, (404,), summary="One file's metadata"),

@@ -1,0 +1,92 @@
+"""Routes of the retrieval API, mounted by server/app.py, and the loader of what they serve.
+
+The embedding model loads in its own thread at startup (as the generation model does): until it is ready the
+routes answer 503 and so does /health, and a server started with `--embedding-model off` answers 404 on
+/v1/embeddings.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+
+from unmask.errors import UnmaskError
+from unmask.retrieval.embeddings import EmbeddingRequest, embed
+from unmask.retrieval.encoder import DEFAULT_ENCODER_NAME, SentenceEncoder, default_encoder_path
+from unmask.server.protocol import APIError
+
+logger = logging.getLogger("unmask.retrieval")
+OFF = "off"
+
+
+@dataclass
+class RetrievalState:
+    encoder_path: Path | None          # None: embeddings are off
+    encoder_name: str
+    encoder: SentenceEncoder | None = None
+    load_error: str | None = None
+
+
+def resolve_encoder(option: str | None) -> tuple[Path | None, str]:
+    """`--embedding-model`: a directory, `off`, or unset (the packaged all-MiniLM-L6-v2 when installed)."""
+    if option == OFF:
+        return None, ""
+    if option is None:
+        path = default_encoder_path()
+        return path, DEFAULT_ENCODER_NAME
+    path = Path(option)
+    return path, path.resolve().name
+
+
+def load_encoder(state: RetrievalState) -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        t0 = time.perf_counter()
+        state.encoder = SentenceEncoder.load(state.encoder_path, state.encoder_name)
+        logger.info("embedding model %s loaded in %.1f s (%d dimensions)", state.encoder_name,
+                    time.perf_counter() - t0, state.encoder.dimension)
+    except Exception as e:  # noqa: BLE001 - the generation routes keep serving; /v1/embeddings reports it
+        state.load_error = str(e) if isinstance(e, UnmaskError) else f"{type(e).__name__}: {e}"
+        logger.error("cannot load the embedding model: %s", state.load_error)
+
+
+def start(app: FastAPI, embedding_model: str | None) -> None:
+    path, name = resolve_encoder(embedding_model)
+    app.state.retrieval = state = RetrievalState(encoder_path=path, encoder_name=name)
+    if path is not None:
+        threading.Thread(target=load_encoder, args=(state,), name="unmask-load-embedder", daemon=True).start()
+
+
+def loading(app_state) -> bool:
+    """Whether the embedding model is still loading (/health answers 503 until it is not)."""
+    state: RetrievalState | None = getattr(app_state, "retrieval", None)
+    return state is not None and state.encoder_path is not None and state.encoder is None and not state.load_error
+
+
+def encoder(request: Request) -> SentenceEncoder:
+    state: RetrievalState = request.app.state.retrieval
+    if state.encoder_path is None:
+        raise APIError(404, "this server serves no embedding model (started with --embedding-model off)",
+                       code="model_not_found")
+    if state.load_error:
+        raise APIError(503, f"the embedding model failed to load: {state.load_error}", code="model_load_failed")
+    if state.encoder is None:
+        raise APIError(503, "the embedding model is still loading; retry shortly", code="model_loading")
+    return state.encoder
+
+
+router = APIRouter()
+
+
+@router.post("/v1/embeddings")
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    result = await asyncio.to_thread(embed, body, encoder(request))
+    return Response(result.model_dump_json(), media_type="application/json")
