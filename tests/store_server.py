@@ -58,3 +58,9 @@ def start_app(data_dir: Path | None, **server_args) -> LiveApp:
         except httpx.TransportError:
             time.sleep(0.05)
     return LiveApp(url, app, server, thread)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

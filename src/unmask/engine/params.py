@@ -17,6 +17,7 @@ POLICY_KNOBS = frozenset(f.name for f in fields(PolicyConfig)) - {"name"}  # wha
 MULTI_BLOCK_POLICIES = ("threshold", "credit", "factor", "entropy_bounded", "topk")
 
 CacheMode = Literal["auto", "none", "prefix", "dual"]
+INTERACTIVE_PRIORITY, BATCH_PRIORITY = 0, 1
 
 
 @dataclass
@@ -78,6 +79,9 @@ class GenerationParams:
     uniform_draws: str = "reference"           # "reference": the reference's random stream; "lean": only used draws
     # structured output (unmask.structured): the output must match this grammar, enforced while decoding
     structured: StructuredSpec | None = None
+    # scheduling: a waiting request with a lower value gets a free slot first (FIFO within a value); the server's
+    # batch runner submits at BATCH_PRIORITY so that interactive requests (0) overtake its queued lines
+    priority: int = 0
     # infilling (unmask.engine.infill), bidirectional families: tokens after the generated span, visible
     # at every step, and candidate span lengths probed in one batched forward (None: the span is max_tokens)
     suffix_ids: list[int] = field(default_factory=list)

@@ -28,9 +28,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _next_waiting(self) -> Sequence:
+        """The waiting request to admit: the lowest `priority`, the earliest among equals."""
+        first = self.waiting[0]
+        best = min(self.waiting, key=lambda s: s.params.priority)  # min keeps the first of equal keys
+        if best is first:
+            return self.waiting.popleft()
+        self.waiting.remove(best)
+        return best
+
     def schedule(self) -> list[StepPlan]:
         while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
+            seq = self._next_waiting()
             seq.status = Status.RUNNING
             self.running.append(seq)
         budget = self.max_batch_tokens

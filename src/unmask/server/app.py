@@ -37,6 +37,8 @@ from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
 from unmask.retrieval import routes as retrieval
 from unmask.store import DEFAULT_MAX_FILE_BYTES, LazyStore
 from unmask.store import routes as file_routes
+from unmask.batch import routes as batch_routes
+from unmask.batch.runner import BatchRunner
 from unmask.web.routes import router as page_router
 
 logger = logging.getLogger("unmask.server")
@@ -61,6 +63,7 @@ class ServerArgs:
     embedding_model: str | None = None   # a directory, "off", or None: the packaged default (unmask.retrieval)
     data_dir: Path | None = None         # files and batches (unmask.store); None: a temporary directory
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    batch_max_inflight: int = 0          # batch lines decoded at once (0: a quarter of max_num_seqs, at least 1)
 
 
 def load_serving(app: FastAPI, args: ServerArgs) -> None:
@@ -263,7 +266,9 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     async def lifespan(app: FastAPI):
         threading.Thread(target=load_serving, args=(app, args), name="unmask-load", daemon=True).start()
         retrieval.start(app, args.embedding_model)
+        app.state.batches.start()   # resumes the batches a crash or a restart left active (unmask.batch)
         yield
+        await app.state.batches.stop()   # lines in flight are not saved: they run again after a restart
         s = app.state.serving
         if s is not None:  # uvicorn has already waited for open requests; let the engine finish too
             await asyncio.to_thread(s.engine.shutdown, True, args.drain_timeout)
@@ -280,6 +285,9 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     app.include_router(router)
     app.include_router(retrieval.router)  # embeddings (src/unmask/retrieval/)
     app.include_router(file_routes.router)  # /v1/files (src/unmask/store/)
+    app.include_router(batch_routes.router)  # /v1/batches (src/unmask/batch/)
+    app.state.batches = BatchRunner(app, app.state.store, args.batch_max_inflight or args.max_num_seqs // 4,
+                                    args.max_body_bytes)
     app.include_router(page_router)  # the playground at / (src/unmask/web/)
     openapi.install(app)
     install_error_handlers(app)

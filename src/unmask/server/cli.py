@@ -111,6 +111,9 @@ def serve(
     embedding_model: Optional[str] = typer.Option(None, envvar="UNMASK_EMBEDDING_MODEL",
                                                   help="Sentence-transformers directory served by /v1/embeddings "
                                                        "(default: the packaged all-MiniLM-L6-v2; 'off': none)."),
+    batch_max_inflight: int = typer.Option(0, min=0, envvar="UNMASK_BATCH_MAX_INFLIGHT",
+                                           help="Batch API lines decoded at once, below interactive requests "
+                                                "(0: a quarter of --max-num-seqs, at least 1)."),
     log_level: str = typer.Option("info", envvar="UNMASK_LOG_LEVEL",
                                   help="critical | error | warning | info | debug | trace."),
 ):
@@ -168,7 +171,7 @@ def serve(
                       max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
                       force_include_usage=force_include_usage, chat_template=template, dtype=dtype,
                       device=device, drain_timeout=drain_timeout, max_file_bytes=max_file_bytes,
-                      data_dir=_data_dir(data_dir))
+                      data_dir=_data_dir(data_dir), batch_max_inflight=batch_max_inflight)
     args.embedding_model = embedding_model
     app = create_app(args)
     server = _server_class(uvicorn)(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),

@@ -28,6 +28,7 @@ from unmask.retrieval.embeddings import EmbeddingResponse
 from unmask.server.protocol_responses import ResponseObject
 from unmask.server.security import OPEN_PATHS
 from unmask.store.protocol import FileDeleted, FileList, FileObject
+from unmask.batch.protocol import BatchList, BatchObject
 
 REF = "#/components/schemas/{model}"
 HEALTH = {"type": "object", "required": ["status"],
@@ -87,6 +88,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/v1/files/{file_id}", "delete"): Operation("deleteFile", FileDeleted, (404,), summary="Delete a file"),
     ("/v1/files/{file_id}/content", "get"): Operation("downloadFile", None, (404,), binary=True,
                                                       summary="A file's bytes"),
+    ("/v1/batches", "post"): Operation("createBatch", BatchObject, (400, 404), summary="Start a batch from a file"),
+    ("/v1/batches", "get"): Operation("listBatches", BatchList, (400, 404), summary="Batches, newest first"),
+    ("/v1/batches/{batch_id}", "get"): Operation("retrieveBatch", BatchObject, (404,), summary="One batch"),
+    ("/v1/batches/{batch_id}/cancel", "post"): Operation("cancelBatch", BatchObject, (400, 404),
+                                                         summary="Stop starting lines; keep the finished ones"),
 }
 
 ERROR_DESCRIPTIONS = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Not found",

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from itertools import groupby
 
@@ -24,7 +25,7 @@ from pydantic import BaseModel
 from unmask.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from unmask.engine.llm import LLM
 from unmask.engine.outputs import StepOutput
-from unmask.engine.params import GenerationParams, sampling_defaults
+from unmask.engine.params import INTERACTIVE_PRIORITY, GenerationParams, sampling_defaults
 from unmask.errors import InvalidRequestError, UnmaskError
 from unmask.server import chat_history, logsafe
 from unmask.server.admission import Admission
@@ -47,6 +48,9 @@ MASK_PLACEHOLDER = "░"       # one per masked position in `diffusing` frames
 DISCONNECT_POLL_S = 0.1      # how often a non-streamed request checks that its client is still there
 
 Disconnected = Callable[[], Awaitable[bool]]
+# the engine priority of the requests submitted from this context: the batch runner (unmask.batch) sets
+# BATCH_PRIORITY in its tasks, so its lines run through this same code below interactive requests
+request_priority: ContextVar[int] = ContextVar("unmask_request_priority", default=INTERACTIVE_PRIORITY)
 
 
 @dataclass
@@ -278,7 +282,8 @@ class OpenAIServing:
                 try:
                     params = GenerationParams(max_tokens=max_tokens, seed=seed, logprobs=logprobs,
                                               top_logprobs=top_k if logprobs else 0,
-                                              snapshots=req.diffusing and req.stream, **kw)
+                                              snapshots=req.diffusing and req.stream,
+                                              priority=request_priority.get(), **kw)
                 except InvalidRequestError as e:
                     raise APIError(400, str(e), param=e.param) from None
                 index = p * req.n + j

@@ -1,0 +1,197 @@
+"""The server's batch runner: one asyncio task on the server's event loop that works through the active batches
+in the store, oldest first, and resumes any that a crash or a restart left active.
+
+Per batch: validating (read the input file, `lines.validate`), in_progress (the lines without a saved result, at
+most `max_inflight` at a time, each through the online route in this process at batch priority; each result is
+saved as it finishes), finalizing (output and error files written from the saved results), then completed. A
+cancel stops new lines at once, aborts those in flight and keeps the finished ones; the lines that never ran go
+to the error file as batch_cancelled (batch_expired past the completion window), so that every custom_id is in
+exactly one of the two files.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from unmask.batch.execute import RouteCaller, served
+from unmask.batch.jobs import BatchJobs, result_record, unrun_record
+from unmask.batch.lines import BatchLine, ValidationIssue, parse_lines, validate
+from unmask.store import FileNotFound, LazyStore
+
+logger = logging.getLogger("unmask.batch")
+
+RETRY_S = 0.5            # a line the server answered 429 (busy) or 503 (engine not running) is tried again after this
+IDLE_WAKE_S = 1.0        # an idle runner looks for work at least this often (expiry, batches from another process)
+OUTPUT_MAX_BYTES = 2**40  # output files are the server's own: not bounded by --max-file-bytes
+
+
+class BatchRunner:
+    def __init__(self, app, store: LazyStore, max_inflight: int, max_line_bytes: int):
+        self.app, self.lazy_store = app, store
+        self.max_inflight, self.max_line_bytes = max(1, max_inflight), max_line_bytes
+        self.caller = RouteCaller(app)
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._current: str | None = None
+        self._in_flight: set[asyncio.Task] = set()
+        self._halt = False   # the current batch was cancelled: start no more lines
+
+    @property
+    def jobs(self) -> BatchJobs:
+        return BatchJobs(self.lazy_store.get().db)
+
+    # ------------------------------------------------------------------ control (event loop)
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._main(), name="unmask-batches")
+
+    async def stop(self) -> None:
+        """Shutdown: in-flight lines are aborted unsaved (they run again after a restart)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def notify(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def notify_threadsafe(self) -> None:
+        """notify() from a thread-pool route."""
+        loop = self._task.get_loop() if self._task is not None else None
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.notify)
+
+    def cancel(self, batch_id: str) -> dict:
+        batch = self.jobs.update(batch_id, "cancelling", only_from=("validating", "in_progress"))
+        if batch is None:
+            return self.jobs.get(batch_id)
+        if batch_id == self._current:
+            self._halt = True
+            for task in self._in_flight:
+                task.cancel()
+        self.notify()
+        return self.jobs.get(batch_id)
+
+    # ------------------------------------------------------------------ the loop
+    async def _main(self) -> None:
+        while self.app.state.serving is None:   # lines need the model; batches can be created before it loads
+            if self.app.state.load_error:
+                return
+            await asyncio.sleep(0.1)
+        while True:
+            if self.lazy_store.exists:
+                for batch_id in self.jobs.active():
+                    try:
+                        await self._process(batch_id)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:  # noqa: BLE001 - one batch's failure must not stop the others
+                        logger.exception("batch %s failed", batch_id)
+                        self.jobs.update(batch_id, "failed", errors={"object": "list", "data": [
+                            {"code": "server_error", "message": "internal server error", "param": None,
+                             "line": None}]})
+            try:
+                await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+
+    async def _process(self, batch_id: str) -> None:
+        self._current, self._halt = batch_id, False
+        try:
+            batch = self.jobs.get(batch_id)
+            lines = await asyncio.to_thread(self._read_lines, batch)
+            if isinstance(lines, ValidationIssue):
+                self.jobs.fail_validation(batch_id, [lines])
+                return
+            if batch["status"] == "validating":
+                issues = validate(lines, self.app.state.serving.cfg.model_name)
+                if not served(self.app, batch["endpoint"]):
+                    issues.insert(0, ValidationIssue("unsupported_endpoint", f"this server does not serve "
+                                                                             f"{batch['endpoint']}", param="endpoint"))
+                if issues:
+                    self.jobs.fail_validation(batch_id, issues)
+                    return
+                counts = {"total": len(lines), "completed": 0, "failed": 0}
+                # None: cancelled while validating (then finalized as cancelled below)
+                self.jobs.update(batch_id, "in_progress", only_from=("validating",), request_counts=counts,
+                                 model=self.app.state.serving.cfg.model_name)
+            if self.jobs.get(batch_id)["status"] == "in_progress":
+                await self._run_lines(batch, lines)
+            status = self.jobs.get(batch_id)["status"]
+            if status == "cancelling":
+                await self._finalize(batch_id, lines, "cancelled", "batch_cancelled",
+                                     "the batch was cancelled before this request ran")
+            elif status == "in_progress" and time.time() >= batch["expires_at"]:
+                await self._finalize(batch_id, lines, "expired", "batch_expired",
+                                     "this request could not be executed before the completion window expired")
+            elif status in ("in_progress", "finalizing"):
+                self.jobs.update(batch_id, "finalizing", only_from=("in_progress",))
+                await self._finalize(batch_id, lines, "completed")
+        finally:
+            self._current, self._in_flight = None, set()
+
+    def _read_lines(self, batch: dict) -> list[BatchLine] | ValidationIssue:
+        try:
+            data = self.lazy_store.get().files.read_bytes(batch["input_file_id"])
+        except (FileNotFound, FileNotFoundError):
+            return ValidationIssue("input_file_missing", f"the input file {batch['input_file_id']!r} was deleted "
+                                                         "before the batch finished", param="input_file_id")
+        return parse_lines(data.splitlines(), batch["endpoint"], self.max_line_bytes)
+
+    async def _run_lines(self, batch: dict, lines: list[BatchLine]) -> None:
+        jobs, batch_id = self.jobs, batch["id"]
+        finished = jobs.finished_lines(batch_id)
+        for line in lines:
+            if self._halt or time.time() >= batch["expires_at"]:
+                break
+            if line.index in finished:
+                continue
+            if line.error is not None:   # fails alone, without the engine
+                result = await self.caller.run(line)
+                jobs.save_result(batch_id, line, False, result_record(line, result))
+                continue
+            while len(self._in_flight) >= self.max_inflight:
+                done, _ = await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_COMPLETED)
+                self._in_flight -= done
+            task = asyncio.create_task(self._run_line(batch_id, line))
+            self._in_flight.add(task)
+        if self._in_flight:
+            await asyncio.wait(self._in_flight)
+
+    async def _run_line(self, batch_id: str, line: BatchLine) -> None:
+        while True:
+            result = await self.caller.run(line)
+            if result.status_code not in (429, 503):
+                break
+            await asyncio.sleep(RETRY_S)   # busy or restarting engine: not this line's failure
+        self.jobs.save_result(batch_id, line, result.ok, result_record(line, result))
+
+    async def _finalize(self, batch_id: str, lines: list[BatchLine], status: str, unrun_code: str | None = None,
+                        unrun_message: str = "") -> None:
+        """Write the output and error files from the saved results (in input order), then the final status."""
+        jobs = self.jobs
+        saved = {r.line: r for r in jobs.results(batch_id)}
+        output, errors = [], []
+        for line in lines:
+            record = saved.get(line.index)
+            if record is not None:
+                (output if record.ok else errors).append(record.record)
+            elif unrun_code is not None:
+                errors.append(unrun_record(line, unrun_code, unrun_message))
+            else:
+                raise RuntimeError(f"batch {batch_id}: line {line.number} has no result at finalization")
+        files = self.lazy_store.get().files
+
+        def write(records: list[dict], kind: str) -> str | None:
+            if not records:
+                return None
+            data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+            return files.create(data, f"{batch_id}_{kind}.jsonl", "batch_output", max_bytes=OUTPUT_MAX_BYTES).id
+
+        output_id = await asyncio.to_thread(write, output, "output")
+        error_id = await asyncio.to_thread(write, errors, "error")
+        jobs.update(batch_id, status, output_file_id=output_id, error_file_id=error_id,
+                    request_counts={"total": len(lines), "completed": len(output), "failed": len(errors)})

@@ -1,0 +1,43 @@
+"""Request priority in the engine's scheduler: a waiting interactive request (priority 0) is admitted before
+batch requests (BATCH_PRIORITY) that were queued earlier; within a priority, first come first served."""
+from __future__ import annotations
+
+from unmask.engine.llm import LLM
+from unmask.engine.params import BATCH_PRIORITY, GenerationParams
+
+
+def admission_order(engine, arrivals: dict[int, list[tuple[str, int]]]) -> list[str]:
+    """Run the engine to completion; `arrivals[step]` = requests (name, priority) added before that step.
+    Returns names in the order they first ran."""
+    names, order, step = {}, [], 0
+    while arrivals or engine.has_unfinished():
+        for name, priority in arrivals.pop(step, []):
+            seq = engine.add_request([5, 6, 7, 8], GenerationParams(max_tokens=8, priority=priority))
+            names[seq.request_id] = name
+        engine.step()
+        for seq in engine.scheduler.running:
+            if names[seq.request_id] not in order:
+                order.append(names[seq.request_id])
+        step += 1
+    return order
+
+
+def test_interactive_request_overtakes_a_full_batch_queue(family_dirs):
+    engine = LLM(family_dirs["sdar"], max_num_seqs=2).engine
+    batch = [(f"b{i}", BATCH_PRIORITY) for i in range(6)]
+    order = admission_order(engine, {0: batch, 1: [("chat", 0)]})
+    # b0, b1 took the two slots at step 0; the chat request, queued behind b2..b5, gets the next free slot
+    assert order[:2] == ["b0", "b1"] and order[2] == "chat", order
+    assert order[3:] == ["b2", "b3", "b4", "b5"]
+
+
+def test_equal_priorities_are_first_come_first_served(family_dirs):
+    engine = LLM(family_dirs["sdar"], max_num_seqs=2).engine
+    order = admission_order(engine, {0: [(f"r{i}", 0) for i in range(5)], 2: [("late", 0)]})
+    assert order == ["r0", "r1", "r2", "r3", "r4", "late"]
+
+
+def test_waiting_interactive_requests_come_first_at_admission(family_dirs):
+    engine = LLM(family_dirs["sdar"], max_num_seqs=2).engine
+    order = admission_order(engine, {0: [("b0", BATCH_PRIORITY), ("b1", BATCH_PRIORITY), ("chat", 0)]})
+    assert order[:2] == ["chat", "b0"] and order[2] == "b1"
