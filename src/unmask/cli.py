@@ -470,11 +470,12 @@ def bench(
 
 def _register_optional_commands() -> None:
     # command modules import their heavy dependencies (fastapi, the trainer) inside the command body
+    from unmask.batch import cli as batch_cli
     from unmask.loadtest import cli as loadtest_cli
     from unmask.train import cli as train_cli
 
     for command in (train_cli.train, train_cli.finetune, train_cli.distill, train_cli.calibrate,
-                    loadtest_cli.loadtest):
+                    loadtest_cli.loadtest, batch_cli.batch):
         app.command()(command)
     try:
         from unmask.server import cli as server_cli
