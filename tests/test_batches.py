@@ -238,3 +238,33 @@ def test_batch_survives_kill_9_and_every_custom_id_lands_once(tmp_path):
     assert [r["custom_id"] for r in output] == [f"k{i}" for i in range(n)]   # each once, in input order
     assert all(r["response"]["status_code"] == 200 for r in output)
     assert done.request_counts.model_dump() == {"total": n, "completed": n, "failed": 0}
+
+
+def test_embeddings_batch_runs_on_the_embedding_model(client):
+    name = client.models.list().data[0].id   # the language model: not the embedding model's name
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "all-MiniLM-L6-v2", "input": text}} for i, text in enumerate(["open a file", "os"])]
+    batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/embeddings",
+                                  completion_window="24h")
+    done = wait_for(client, batch.id, ("completed", "failed"))
+    assert done.status == "completed" and done.model == "all-MiniLM-L6-v2", done
+    out = records(client, done.output_file_id)
+    assert [r["custom_id"] for r in out] == ["e0", "e1"]
+    assert [len(r["response"]["body"]["data"][0]["embedding"]) for r in out] == [384, 384]
+    wrong = [{**lines[0], "body": {"model": name, "input": "x"}}]
+    failed = wait_for(client, client.batches.create(input_file_id=upload(client, wrong), endpoint="/v1/embeddings",
+                                                    completion_window="24h").id, ("completed", "failed"))
+    assert failed.status == "failed" and failed.errors.data[0].code == "model_not_found"
+
+
+def test_a_batch_past_its_window_expires_with_every_line_in_the_error_file(client, monkeypatch):
+    from unmask.batch import jobs
+
+    monkeypatch.setitem(jobs.COMPLETION_WINDOW_S, "24h", -1)   # this batch's window ended before it started
+    batch = client.batches.create(input_file_id=upload(client, [chat_line("x"), chat_line("y")]),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_for(client, batch.id, ("expired", "completed", "failed"))
+    assert done.status == "expired" and done.expired_at and done.output_file_id is None
+    errors = records(client, done.error_file_id)
+    assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [("x", "batch_expired"), ("y", "batch_expired")]
+    assert done.request_counts.model_dump() == {"total": 2, "completed": 0, "failed": 2}

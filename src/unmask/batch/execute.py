@@ -42,6 +42,14 @@ def served(app, url: str) -> bool:
     return any(route.matches(scope)[0] is Match.FULL for route in app.router.routes)
 
 
+def served_model(app, endpoint: str) -> str:
+    """The model id a batch's lines must name: the embedding model's on /v1/embeddings, else the served model's."""
+    if endpoint == "/v1/embeddings":
+        retrieval = getattr(app.state, "retrieval", None)
+        return getattr(retrieval, "encoder_name", "")
+    return app.state.serving.cfg.model_name
+
+
 class RouteCaller:
     def __init__(self, app):
         self.app = app

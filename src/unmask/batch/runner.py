@@ -15,7 +15,7 @@ import json
 import logging
 import time
 
-from unmask.batch.execute import RouteCaller, served
+from unmask.batch.execute import RouteCaller, served, served_model
 from unmask.batch.jobs import BatchJobs, result_record, unrun_record
 from unmask.batch.lines import BatchLine, ValidationIssue, parse_lines, validate
 from unmask.store import FileNotFound, LazyStore
@@ -107,7 +107,8 @@ class BatchRunner:
                 self.jobs.fail_validation(batch_id, [lines])
                 return
             if batch["status"] == "validating":
-                issues = validate(lines, self.app.state.serving.cfg.model_name)
+                model = served_model(self.app, batch["endpoint"])
+                issues = validate(lines, model)
                 if not served(self.app, batch["endpoint"]):
                     issues.insert(0, ValidationIssue("unsupported_endpoint", f"this server does not serve "
                                                                              f"{batch['endpoint']}", param="endpoint"))
@@ -117,7 +118,7 @@ class BatchRunner:
                 counts = {"total": len(lines), "completed": 0, "failed": 0}
                 # None: cancelled while validating (then finalized as cancelled below)
                 self.jobs.update(batch_id, "in_progress", only_from=("validating",), request_counts=counts,
-                                 model=self.app.state.serving.cfg.model_name)
+                                 model=model)
             if self.jobs.get(batch_id)["status"] == "in_progress":
                 await self._run_lines(batch, lines)
             status = self.jobs.get(batch_id)["status"]
