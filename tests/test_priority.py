@@ -1,5 +1,6 @@
 """Request priority in the engine's scheduler: a waiting interactive request (priority 0) is admitted before
-batch requests (BATCH_PRIORITY) that were queued earlier; within a priority, first come first served."""
+batch requests (BATCH_PRIORITY) that were queued earlier; within a priority, first come first served; running
+batch requests sit out the steps while an interactive one runs, and decode the same tokens after."""
 from __future__ import annotations
 
 from unmask.engine.llm import LLM
@@ -41,3 +42,25 @@ def test_waiting_interactive_requests_come_first_at_admission(family_dirs):
     engine = LLM(family_dirs["sdar"], max_num_seqs=2).engine
     order = admission_order(engine, {0: [("b0", BATCH_PRIORITY), ("b1", BATCH_PRIORITY), ("chat", 0)]})
     assert order[:2] == ["chat", "b0"] and order[2] == "b1"
+
+
+def test_running_batch_requests_pause_while_an_interactive_one_runs(family_dirs):
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    batch_params = GenerationParams(max_tokens=24, priority=BATCH_PRIORITY)
+    reference = LLM(family_dirs["sdar"], max_num_seqs=4).engine
+    ref_seqs = [reference.add_request(p, batch_params) for p in prompts]
+    reference.run_to_completion()
+
+    engine = LLM(family_dirs["sdar"], max_num_seqs=4).engine
+    seqs = [engine.add_request(p, batch_params) for p in prompts]
+    engine.step()
+    engine.step()
+    forwards = [s.stats.forwards for s in seqs]
+    chat = engine.add_request([12, 13, 14], GenerationParams(max_tokens=16))
+    while chat.finish_reason is None:
+        engine.step()
+        assert [s.stats.forwards for s in seqs] == forwards   # paused: not in the interactive request's forwards
+    assert chat.stats.forwards > 0 and all(s.finish_reason is None for s in seqs)
+    engine.run_to_completion()
+    # a pause changes nothing in what a batch request decodes
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in ref_seqs]

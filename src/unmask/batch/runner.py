@@ -27,6 +27,12 @@ IDLE_WAKE_S = 1.0        # an idle runner looks for work at least this often (ex
 OUTPUT_MAX_BYTES = 2**40  # output files are the server's own: not bounded by --max-file-bytes
 
 
+def default_batch_inflight(max_num_seqs: int) -> int:
+    """Batch lines in flight by default: three quarters of the engine's slots, so that an interactive request
+    finds a free slot at once (the engine then pauses the batch lines while it runs: scheduler.py)."""
+    return max(1, max_num_seqs - max(1, max_num_seqs // 4))
+
+
 class BatchRunner:
     def __init__(self, app, store: LazyStore, max_inflight: int, max_line_bytes: int):
         self.app, self.lazy_store = app, store

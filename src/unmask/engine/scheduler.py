@@ -44,7 +44,12 @@ class Scheduler:
             self.running.append(seq)
         budget = self.max_batch_tokens
         plans = []
+        # a running request waits while a more urgent one runs (its state is kept, it resumes after): an
+        # interactive request's steps then cost what they cost on an idle engine, however many batch lines run
+        urgent = min((seq.params.priority for seq in self.running), default=0)
         for seq in self.running:
+            if seq.params.priority > urgent:
+                continue
             planned = seq.plan(max(budget, seq.B))
             for plan in planned if isinstance(planned, list) else [planned]:  # infill probes feed several canvases
                 budget -= plan.segment.length

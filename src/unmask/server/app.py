@@ -38,7 +38,7 @@ from unmask.retrieval import routes as retrieval
 from unmask.store import DEFAULT_MAX_FILE_BYTES, LazyStore
 from unmask.store import routes as file_routes
 from unmask.batch import routes as batch_routes
-from unmask.batch.runner import BatchRunner
+from unmask.batch.runner import BatchRunner, default_batch_inflight
 from unmask.web.routes import router as page_router
 
 logger = logging.getLogger("unmask.server")
@@ -63,7 +63,7 @@ class ServerArgs:
     embedding_model: str | None = None   # a directory, "off", or None: the packaged default (unmask.retrieval)
     data_dir: Path | None = None         # files and batches (unmask.store); None: a temporary directory
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
-    batch_max_inflight: int = 0          # batch lines decoded at once (0: a quarter of max_num_seqs, at least 1)
+    batch_max_inflight: int = 0          # batch lines decoded at once (0: default_batch_inflight(max_num_seqs))
 
 
 def load_serving(app: FastAPI, args: ServerArgs) -> None:
@@ -286,7 +286,8 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     app.include_router(retrieval.router)  # embeddings (src/unmask/retrieval/)
     app.include_router(file_routes.router)  # /v1/files (src/unmask/store/)
     app.include_router(batch_routes.router)  # /v1/batches (src/unmask/batch/)
-    app.state.batches = BatchRunner(app, app.state.store, args.batch_max_inflight or args.max_num_seqs // 4,
+    app.state.batches = BatchRunner(app, app.state.store,
+                                    args.batch_max_inflight or default_batch_inflight(args.max_num_seqs),
                                     args.max_body_bytes)
     app.include_router(page_router)  # the playground at / (src/unmask/web/)
     openapi.install(app)
