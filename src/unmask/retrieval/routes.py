@@ -2,7 +2,7 @@
 
 The embedding model loads in its own thread at startup (as the generation model does): until it is ready the
 routes answer 503 and so does /health, and a server started with `--embedding-model off` answers 404 on
-/v1/embeddings.
+/v1/embeddings and the vector store routes (vector_store_routes.py, included in `router`).
 """
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from unmask.errors import UnmaskError
+from unmask.retrieval import vector_store_routes
 from unmask.retrieval.embeddings import EmbeddingRequest, embed
 from unmask.retrieval.encoder import DEFAULT_ENCODER_NAME, SentenceEncoder, default_encoder_path
+from unmask.retrieval.vector_stores import VectorStores
 from unmask.server.protocol import APIError
 
 logger = logging.getLogger("unmask.retrieval")
@@ -29,7 +31,9 @@ OFF = "off"
 class RetrievalState:
     encoder_path: Path | None          # None: embeddings are off
     encoder_name: str
+    vector_store_url: str | None = None   # --vector-store (None: SQLite under the data directory)
     encoder: SentenceEncoder | None = None
+    vector_stores: VectorStores | None = None
     load_error: str | None = None
 
 
@@ -44,31 +48,44 @@ def resolve_encoder(option: str | None) -> tuple[Path | None, str]:
     return path, path.resolve().name
 
 
-def load_encoder(state: RetrievalState) -> None:
+def load(state: RetrievalState, file_store) -> None:
+    """Loader thread: the embedding model, then the vector stores (their ingestion resumes)."""
     try:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         t0 = time.perf_counter()
-        state.encoder = SentenceEncoder.load(state.encoder_path, state.encoder_name)
+        encoder = SentenceEncoder.load(state.encoder_path, state.encoder_name)
         logger.info("embedding model %s loaded in %.1f s (%d dimensions)", state.encoder_name,
-                    time.perf_counter() - t0, state.encoder.dimension)
+                    time.perf_counter() - t0, encoder.dimension)
+        store = file_store.get()
+        vector_stores = VectorStores.open(store.root, encoder, store.files, state.vector_store_url)
+        vector_stores.start()
+        state.encoder, state.vector_stores = encoder, vector_stores
     except Exception as e:  # noqa: BLE001 - the generation routes keep serving; /v1/embeddings reports it
         state.load_error = str(e) if isinstance(e, UnmaskError) else f"{type(e).__name__}: {e}"
         logger.error("cannot load the embedding model: %s", state.load_error)
 
 
-def start(app: FastAPI, embedding_model: str | None) -> None:
+def start(app: FastAPI, embedding_model: str | None, vector_store_url: str | None = None) -> None:
     path, name = resolve_encoder(embedding_model)
-    app.state.retrieval = state = RetrievalState(encoder_path=path, encoder_name=name)
+    app.state.retrieval = state = RetrievalState(encoder_path=path, encoder_name=name,
+                                                 vector_store_url=vector_store_url)
     if path is not None:
-        threading.Thread(target=load_encoder, args=(state,), name="unmask-load-embedder", daemon=True).start()
+        threading.Thread(target=load, args=(state, app.state.store), name="unmask-load-retrieval",
+                         daemon=True).start()
+
+
+def stop(app: FastAPI) -> None:
+    state: RetrievalState | None = getattr(app.state, "retrieval", None)
+    if state is not None and state.vector_stores is not None:
+        state.vector_stores.stop()
 
 
 def loading(app_state) -> bool:
     """Whether the embedding model is still loading (/health answers 503 until it is not)."""
     state: RetrievalState | None = getattr(app_state, "retrieval", None)
-    return state is not None and state.encoder_path is not None and state.encoder is None and not state.load_error
+    return state is not None and state.encoder_path is not None and state.vector_stores is None and not state.load_error
 
 
 def encoder(request: Request) -> SentenceEncoder:
@@ -78,12 +95,13 @@ def encoder(request: Request) -> SentenceEncoder:
                        code="model_not_found")
     if state.load_error:
         raise APIError(503, f"the embedding model failed to load: {state.load_error}", code="model_load_failed")
-    if state.encoder is None:
+    if state.vector_stores is None:   # published with the encoder, once both are ready
         raise APIError(503, "the embedding model is still loading; retry shortly", code="model_loading")
     return state.encoder
 
 
 router = APIRouter()
+router.include_router(vector_store_routes.router)
 
 
 @router.post("/v1/embeddings")

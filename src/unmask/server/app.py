@@ -13,7 +13,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +21,12 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Match
 
 from unmask.errors import UnmaskError
 from unmask.server import logsafe, openapi
@@ -61,6 +63,7 @@ class ServerArgs:
     device: str = "cpu"
     drain_timeout: float = 30.0
     embedding_model: str | None = None   # a directory, "off", or None: the packaged default (unmask.retrieval)
+    vector_store: str | None = None      # postgresql://... for the vector stores' chunks; None: SQLite
     data_dir: Path | None = None         # files and batches (unmask.store); None: a temporary directory
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     batch_max_inflight: int = 0          # batch lines decoded at once (0: default_batch_inflight(max_num_seqs))
@@ -225,6 +228,13 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {err['msg']}", param=param)
 
 
+def _leaf_routes(router) -> Iterator:
+    """Every route, through included routers (FastAPI wraps each in a route holding `original_router`)."""
+    for route in router.routes:
+        inner = getattr(route, "original_router", None)
+        yield from (_leaf_routes(inner) if inner is not None else (route,))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> Response:
         if exc.status != 499:
@@ -243,8 +253,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         headers = dict(exc.headers or {})
-        if exc.status_code == 405:   # Starlette names the route's methods in Allow (an unordered set)
-            headers["Allow"] = ", ".join(sorted(m.strip() for m in headers.get("Allow", "").split(",") if m.strip()))
+        if exc.status_code == 405:   # Starlette's Allow names only the first matching route's methods; a path
+            # served by several routes (GET and POST /v1/files) allows all of theirs
+            methods = {m.strip() for m in headers.get("Allow", "").split(",") if m.strip()}
+            for route in _leaf_routes(request.app.router):
+                if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE:
+                    methods |= route.methods
+            headers["Allow"] = ", ".join(sorted(methods))
             return await api_error(request, APIError(
                 405, f"method {request.method} is not allowed here; allowed: {headers['Allow']}",
                 code="method_not_allowed", headers=headers))
@@ -265,9 +280,10 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         threading.Thread(target=load_serving, args=(app, args), name="unmask-load", daemon=True).start()
-        retrieval.start(app, args.embedding_model)
+        retrieval.start(app, args.embedding_model, args.vector_store)
         app.state.batches.start()   # resumes the batches a crash or a restart left active (unmask.batch)
         yield
+        await asyncio.to_thread(retrieval.stop, app)   # the ingestion worker; unfinished files resume later
         await app.state.batches.stop()   # lines in flight are not saved: they run again after a restart
         s = app.state.serving
         if s is not None:  # uvicorn has already waited for open requests; let the engine finish too

@@ -113,7 +113,10 @@ def serve(
                                                        "(default: the packaged all-MiniLM-L6-v2; 'off': none)."),
     batch_max_inflight: int = typer.Option(0, min=0, envvar="UNMASK_BATCH_MAX_INFLIGHT",
                                            help="Batch API lines decoded at once, below interactive requests "
-                                                "(0: a quarter of --max-num-seqs, at least 1)."),
+                                                "(0: three quarters of --max-num-seqs, at least 1)."),
+    vector_store: Optional[str] = typer.Option(None, envvar="UNMASK_VECTOR_STORE",
+                                               help="postgresql://user@host:port/db (pgvector 0.8+) for the vector "
+                                                    "stores' chunks (default: SQLite in the data directory)."),
     log_level: str = typer.Option("info", envvar="UNMASK_LOG_LEVEL",
                                   help="critical | error | warning | info | debug | trace."),
 ):
@@ -163,6 +166,8 @@ def serve(
             _fail(f"the chat template {chat_template} does not parse: {e.message} (line {e.lineno})")
     logging.basicConfig(level=logging.DEBUG if log_level.lower() == "trace" else log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
+    if vector_store is not None and not vector_store.startswith(("postgresql://", "postgres://")):
+        _fail(f"--vector-store must be a postgresql:// URL, got {vector_store!r}")
     if embedding_model not in (None, "off") and not Path(embedding_model).is_dir():
         _fail(f"embedding model directory {embedding_model} does not exist")
     args = ServerArgs(model=model, served_model_name=served_model_name or default_served_name(model),
@@ -172,7 +177,7 @@ def serve(
                       force_include_usage=force_include_usage, chat_template=template, dtype=dtype,
                       device=device, drain_timeout=drain_timeout, max_file_bytes=max_file_bytes,
                       data_dir=_data_dir(data_dir), batch_max_inflight=batch_max_inflight)
-    args.embedding_model = embedding_model
+    args.embedding_model, args.vector_store = embedding_model, vector_store
     app = create_app(args)
     server = _server_class(uvicorn)(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                                    timeout_graceful_shutdown=drain_timeout + ABORT_GRACE_S,

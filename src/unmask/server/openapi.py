@@ -25,6 +25,8 @@ from pydantic.json_schema import models_json_schema
 from unmask.server.protocol import (ERROR_TYPES, ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
                                     EditCompletionResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse)
 from unmask.retrieval.embeddings import EmbeddingResponse
+from unmask.retrieval.protocol import (Deleted, FileBatchObject, SearchResultsPage, VectorStoreFileList,
+                                       VectorStoreFileObject, VectorStoreList, VectorStoreObject)
 from unmask.server.protocol_responses import ResponseObject
 from unmask.server.security import OPEN_PATHS
 from unmask.store.protocol import FileDeleted, FileList, FileObject
@@ -53,6 +55,11 @@ SSE_EVENT = {"type": "object", "description": "Server-sent events: `data:` lines
                             "retry": {"type": "integer"}},
              "required": ["data"]}
 GENERATE = (400, 404, 429, 503)      # generation routes: bad input, unknown model, queue full, loading / dead
+RETRIEVAL = (400, 404, 503)          # embeddings and vector stores: bad input, unknown id, loading
+VS = "/v1/vector_stores"
+VS_ID = VS + "/{vector_store_id}"
+VS_FILE = VS_ID + "/files/{file_id}"
+VS_BATCH = VS_ID + "/file_batches/{batch_id}"
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/v1/chat/completions", "post"): Operation("createChatCompletion", ChatCompletionResponse, GENERATE, True,
                                                 summary="Chat completion, streamed or not"),
@@ -82,6 +89,32 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/metrics", "get"): Operation("getMetrics", None, text=True, summary="Prometheus metrics"),
     ("/v1/embeddings", "post"): Operation("createEmbedding", EmbeddingResponse, (400, 404, 503),
                                           summary="Embed strings or token arrays"),
+    # vector stores (unmask.retrieval): 404 for unknown ids (and with --embedding-model off), 503 while loading
+    (VS, "post"): Operation("createVectorStore", VectorStoreObject, RETRIEVAL, summary="Create a vector store"),
+    (VS, "get"): Operation("listVectorStores", VectorStoreList, RETRIEVAL, summary="Vector stores"),
+    (VS_ID, "get"): Operation("getVectorStore", VectorStoreObject, RETRIEVAL, summary="One vector store"),
+    (VS_ID, "post"): Operation("modifyVectorStore", VectorStoreObject, RETRIEVAL,
+                               summary="Rename, set metadata or expiry"),
+    (VS_ID, "delete"): Operation("deleteVectorStore", Deleted, RETRIEVAL,
+                                 summary="Delete a vector store (not its files)"),
+    (VS_ID + "/files", "post"): Operation("createVectorStoreFile", VectorStoreFileObject, RETRIEVAL,
+                                          summary="Attach a file (ingested in the background)"),
+    (VS_ID + "/files", "get"): Operation("listVectorStoreFiles", VectorStoreFileList, RETRIEVAL,
+                                         summary="A vector store's files"),
+    (VS_FILE, "get"): Operation("getVectorStoreFile", VectorStoreFileObject, RETRIEVAL, summary="One file's status"),
+    (VS_FILE, "post"): Operation("updateVectorStoreFileAttributes", VectorStoreFileObject, RETRIEVAL,
+                                 summary="Replace a file's attributes"),
+    (VS_FILE, "delete"): Operation("deleteVectorStoreFile", Deleted, RETRIEVAL,
+                                   summary="Detach a file (the file itself stays)"),
+    (VS_ID + "/file_batches", "post"): Operation("createVectorStoreFileBatch", FileBatchObject, RETRIEVAL,
+                                                 summary="Attach several files"),
+    (VS_BATCH, "get"): Operation("getVectorStoreFileBatch", FileBatchObject, RETRIEVAL, summary="One batch's status"),
+    (VS_BATCH + "/cancel", "post"): Operation("cancelVectorStoreFileBatch", FileBatchObject, RETRIEVAL,
+                                              summary="Cancel the batch's files not yet done"),
+    (VS_BATCH + "/files", "get"): Operation("listFilesInVectorStoreBatch", VectorStoreFileList, RETRIEVAL,
+                                            summary="A batch's files"),
+    (VS_ID + "/search", "post"): Operation("searchVectorStore", SearchResultsPage, RETRIEVAL,
+                                           summary="Hybrid, keyword or vector search"),
     ("/v1/files", "post"): Operation("createFile", FileObject, (400,), summary="Upload a file (multipart/form-data)"),
     ("/v1/files", "get"): Operation("listFiles", FileList, (400, 404), summary="Files, newest first"),
     ("/v1/files/{file_id}", "get"): Operation("retrieveFile", FileObject, (404,), summary="One file's metadata"),
