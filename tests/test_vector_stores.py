@@ -46,13 +46,19 @@ def _start(tmp, backend: str, data_dir, request):
     return Server(model, tmp / f"log-{time.monotonic_ns()}.txt", *flags).wait_ready(), flags
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
-def served(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"vs-{request.param}")
+def start_with_docs(request, tmp_path_factory, prefix: str):
+    """A server on the backend `request.param`, with DOCS uploaded: (server, client, {filename: file id})."""
+    tmp = tmp_path_factory.mktemp(f"{prefix}-{request.param}")
     server, _ = _start(tmp, request.param, tmp / "data", request)
     client = server.client()
     file_ids = {name: client.files.create(file=(name, io.BytesIO(text.encode())), purpose="assistants").id
                 for name, text in DOCS.items()}
+    return server, client, file_ids
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def served(request, tmp_path_factory):
+    server, client, file_ids = start_with_docs(request, tmp_path_factory, "vs")
     yield server, client, file_ids, request.param
     server.stop()
 

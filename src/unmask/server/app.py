@@ -141,7 +141,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     serving(request)  # 503 while loading
-    return respond(await request.app.state.responses.create(body, request.is_disconnected))
+    return respond(await request.app.state.responses.create(body, request.is_disconnected,
+                                                            request.app.state.retrieval))  # for file_search
 
 
 @router.api_route("/v1/responses/{response_id:path}", methods=["GET", "DELETE", "POST"])

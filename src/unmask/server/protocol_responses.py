@@ -96,6 +96,16 @@ class ResponseFunctionCallItem(ResponseModel):
     arguments: str
 
 
+class ResponseFileSearchCallItem(ResponseModel):
+    """The file_search tool's call (unmask.retrieval.file_search); `results` only when `include` asks for them."""
+
+    id: str
+    type: Literal["file_search_call"] = "file_search_call"
+    status: Literal["in_progress", "searching", "completed", "incomplete", "failed"]
+    queries: list[str]
+    results: list[dict[str, Any]] | None = None
+
+
 class ResponseUsage(ResponseModel):
     input_tokens: int
     input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
@@ -114,7 +124,7 @@ class ResponseObject(ResponseModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[ResponseMessageItem | ResponseFunctionCallItem]
+    output: list[ResponseMessageItem | ResponseFunctionCallItem | ResponseFileSearchCallItem]
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None

@@ -11,6 +11,8 @@ response.in_progress, output_item.added / content_part.added / output_text.delta
 output_item.done per item, function_call_arguments.delta / .done, then response.completed (or
 response.incomplete when max_output_tokens cut it); an error mid-stream is an `error` event, then
 response.failed. Nothing is stored: previous_response_id, conversation and background are 400s.
+A `file_search` tool is run by the server before generation (unmask.retrieval.file_search): its excerpts join
+the instructions, its `file_search_call` item comes first and the message cites the files it was given.
 """
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ from pydantic import BaseModel, ValidationError
 from unmask.engine.outputs import StepOutput
 from unmask.engine.params import GenerationParams
 from unmask.server.protocol import APIError, ChatCompletionRequest, DiffusingFrame, TokenLogprob, Usage
-from unmask.server.protocol_responses import (ResponseFunctionCallItem, ResponseMessageItem, ResponseObject,
-                                              ResponseOutputText, ResponsesRequest, ResponseUsage)
+from unmask.retrieval import file_search
+from unmask.server.protocol_responses import (ResponseFileSearchCallItem, ResponseFunctionCallItem,
+                                              ResponseMessageItem, ResponseObject, ResponseOutputText,
+                                              ResponsesRequest, ResponseUsage)
 from unmask.server.serving import ChatFormat, ChoiceState, Disconnected, OpenAIServing, log_ignored_fields
 from unmask.structured.tools import ToolParser, parse_tool_calls
 from unmask.tokenizer import IncrementalDecoder
@@ -178,21 +182,34 @@ class ResponsesServing:
     def __init__(self, serving: OpenAIServing):
         self.s = serving
 
-    async def create(self, req: ResponsesRequest, is_disconnected: Disconnected | None = None):
+    async def create(self, req: ResponsesRequest, is_disconnected: Disconnected | None = None, retrieval=None):
         t0 = time.perf_counter()
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported")
+        tools, search = file_search.split_tools(req.tools)   # file_search runs here, before the model writes
+        asked = req if search is None else req.model_copy(update={"tools": tools})
+        chat, plan, prompts, jobs = self._jobs(asked)
+        log_ignored_fields(req)
+        if search is not None:
+            await file_search.run(search, retrieval, input_messages(req.input, req.instructions))
+            reserve = req.max_output_tokens or min(self.s.cfg.default_max_tokens, self.s.spec.max_context // 2)
+            budget = self.s.spec.max_context - len(prompts[0]) - reserve - 16
+            context = file_search.fit(search, lambda text: len(self.s.tok.encode(text)), budget)
+            if context:
+                instructions = f"{req.instructions}\n\n{context}" if req.instructions else context
+                chat, plan, prompts, jobs = self._jobs(asked.model_copy(update={"instructions": instructions}))
+        fmt = ResponsesFormat(self.s, req, chat, plan, search)
+        return await self.s._run(fmt, jobs, chat, prompts, is_disconnected, t0)
+
+    def _jobs(self, req: ResponsesRequest):
         chat = to_chat_request(req)
         self.s._validate(chat)
-        log_ignored_fields(req)
         try:
-            plan, prompts, jobs = self.s.chat_jobs(chat, param="input")
+            return chat, *self.s.chat_jobs(chat, param="input")
         except APIError as e:
             e.param = responses_param(e.param)
             raise
-        fmt = ResponsesFormat(self.s, req, chat, plan)
-        return await self.s._run(fmt, jobs, chat, prompts, is_disconnected, t0)
 
 
 class ResponsesFormat(ChatFormat):
@@ -200,9 +217,13 @@ class ResponsesFormat(ChatFormat):
 
     id_prefix = "resp"
 
-    def __init__(self, serving: OpenAIServing, req: ResponsesRequest, chat: ChatCompletionRequest, plan):
+    def __init__(self, serving: OpenAIServing, req: ResponsesRequest, chat: ChatCompletionRequest, plan,
+                 search: file_search.FileSearch | None = None):
         super().__init__(serving, chat, plan)
         self.req = req
+        self.search = search   # the file_search call made before generation (its item comes first)
+        self.search_results = file_search.INCLUDE_RESULTS in (req.include or [])
+        self.cited = False     # file_citation annotations go on the first message
         # the sampling the request ran with, echoed where it named none (as OpenAI echoes its defaults)
         engine_defaults = {f.name: f.default for f in fields(GenerationParams) if f.name in ("temperature", "top_p")}
         used = {**engine_defaults, **serving.chat_defaults, **chat.generation_kwargs()}
@@ -210,7 +231,7 @@ class ResponsesFormat(ChatFormat):
         self.id = _item_id("resp")  # OpenAI's ids: resp_..., msg_..., fc_...
         self.created_at = int(time.time())
         self.seq = 0
-        self.items: list[ResponseMessageItem | ResponseFunctionCallItem] = []
+        self.items: list[ResponseMessageItem | ResponseFunctionCallItem | ResponseFileSearchCallItem] = []
         self.open: list[int] = []          # output indices of items still in progress (streaming)
         self.message: int | None = None    # the message item that text deltas go to
         self.calls: dict[int, int] = {}    # parser call index -> output index
@@ -271,6 +292,11 @@ class ResponsesFormat(ChatFormat):
                 message = None
         if not output:  # nothing was written: one empty message
             output.append(ResponseMessageItem(id=_item_id("msg"), status="completed", content=[ResponseOutputText(text="")]))
+        if self.search is not None:
+            cited = next((i for i in output if isinstance(i, ResponseMessageItem)), None)
+            if cited is not None:
+                cited.content[0].annotations = self.search.annotations(len(cited.content[0].text))
+            output.insert(0, ResponseFileSearchCallItem(**self.search.item(self.search_results)))
         first = next((i for i in output if isinstance(i, ResponseMessageItem)), None)
         if first is not None:
             first.content[0].logprobs = logprobs
@@ -290,8 +316,17 @@ class ResponsesFormat(ChatFormat):
 
     def opening(self, indices: list[int]) -> list[dict]:
         snapshot = self._response("in_progress", [])
-        return [self._event("response.created", response=snapshot),
-                self._event("response.in_progress", response=snapshot)]
+        events = [self._event("response.created", response=snapshot),
+                  self._event("response.in_progress", response=snapshot)]
+        if self.search is not None:   # the search is already done: its item's events come first, in order
+            item = ResponseFileSearchCallItem(**self.search.item(False, "in_progress"))
+            self.items.append(item)
+            events.append(self._event("response.output_item.added", output_index=0, item=item))
+            for stage in ("in_progress", "searching", "completed"):
+                events.append(self._event(f"response.file_search_call.{stage}", output_index=0, item_id=item.id))
+            self.items[0] = ResponseFileSearchCallItem(**self.search.item(self.search_results))
+            events.append(self._event("response.output_item.done", output_index=0, item=self.items[0]))
+        return events
 
     def chunks(self, index: int, st: ChoiceState, out: StepOutput) -> list[dict]:
         events: list[dict] = []
@@ -364,6 +399,13 @@ class ResponsesFormat(ChatFormat):
             item = self.items[index]
             if isinstance(item, ResponseMessageItem):
                 part = item.content[0]
+                if self.search is not None and not self.cited:
+                    self.cited = True
+                    part.annotations = self.search.annotations(len(part.text))
+                    for n, note in enumerate(part.annotations):
+                        events.append(self._event("response.output_text.annotation.added", item_id=item.id,
+                                                  output_index=index, content_index=0, annotation_index=n,
+                                                  annotation=note))
                 events.append(self._event("response.output_text.done", item_id=item.id, output_index=index,
                                           content_index=0, text=part.text,
                                           logprobs=[lp.model_dump() for lp in part.logprobs]))
