@@ -106,3 +106,36 @@ def test_results_are_cut_to_the_token_budget():
     assert fit(search, words, budget=3) == "" and search.used == 0 and search.annotations(0) == []
     with pytest.raises(APIError, match="at most one file_search"):
         split_tools([{"type": "file_search", "vector_store_ids": ["a"]}] * 2)
+
+
+# ---------------------------------------------------------------------------------------- chat completions
+def test_chat_completions_with_file_search(served):
+    server, client, store_id, ids = served
+    messages = [{"role": "user", "content": QUESTION}]
+    plain = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4},
+                       timeout=60).json()
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "messages": messages, "max_tokens": 4, "n": 2, "tools": [_tool(store_id, max_num_results=2)]}).json()
+    for choice in r["choices"]:
+        notes = choice["message"]["annotations"]
+        assert notes[0] == {"type": "file_citation", "index": len(choice["message"]["content"] or ""),
+                            "file_id": ids["json.md"], "filename": "json.md"} and len(notes) == 2
+    assert r["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 20
+    assert "annotations" not in plain["choices"][0]["message"]
+    sdk = client.chat.completions.create(model=r["model"], messages=messages, max_tokens=4,
+                                         tools=[_tool(store_id, max_num_results=1)])
+    assert sdk.choices[0].message.to_dict()["annotations"][0]["file_id"] == ids["json.md"]
+
+
+def test_chat_stream_cites_on_the_finishing_delta(served):
+    server, client, store_id, ids = served
+    stream = client.chat.completions.create(model=client.models.list().data[0].id,
+                                            messages=[{"role": "user", "content": QUESTION}], max_tokens=6,
+                                            stream=True, tools=[_tool(store_id, max_num_results=1)])
+    chunks = [c.to_dict() for c in stream]
+    finishing = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    assert len(finishing) == 1
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert finishing[0]["choices"][0]["delta"]["annotations"] == [
+        {"type": "file_citation", "index": len(text), "file_id": ids["json.md"], "filename": "json.md"}]
+    assert all("annotations" not in c["choices"][0]["delta"] for c in chunks if c not in finishing and c["choices"])

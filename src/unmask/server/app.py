@@ -36,6 +36,7 @@ from unmask.server.protocol import (APIError, ChatCompletionRequest, CompletionR
                                     FIMCompletionRequest, TokenizeRequest)
 from unmask.server.protocol_responses import ResponsesRequest
 from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
+from unmask.retrieval import file_search_chat
 from unmask.retrieval import routes as retrieval
 from unmask.store import DEFAULT_MAX_FILE_BYTES, LazyStore
 from unmask.store import routes as file_routes
@@ -135,7 +136,8 @@ def respond(result: BaseModel | AsyncIterator[str]) -> Response:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    return respond(await serving(request).chat(body, request.is_disconnected))
+    return respond(await file_search_chat.chat(serving(request), body, request.app.state.retrieval,
+                                               request.is_disconnected))   # plain chat without a file_search tool
 
 
 @router.post("/v1/responses")

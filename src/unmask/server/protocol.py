@@ -396,10 +396,11 @@ class ToolCall(ResponseModel):
 
 
 class AssistantMessage(ResponseModel):
-    _omit_if_none = frozenset({"tool_calls"})
+    _omit_if_none = frozenset({"tool_calls", "annotations"})
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    annotations: list[dict[str, Any]] | None = None   # file_citation, with a file_search tool (unmask.retrieval)
 
 
 class ChatChoice(ResponseModel):
