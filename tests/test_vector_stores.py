@@ -87,7 +87,10 @@ def test_openai_client_end_to_end(served):
     assert 0 < result.score <= 1
     got = client.vector_stores.retrieve(store.id)
     assert got.file_counts.completed == 1 and got.usage_bytes == vs_file.usage_bytes
-    assert client.vector_stores.update(store.id, name="renamed", metadata={"k": "v"}).name == "renamed"
+    updated = client.vector_stores.update(store.id, name="renamed", metadata={"k": "v"},
+                                          expires_after={"anchor": "last_active_at", "days": 2})
+    assert (updated.name, updated.metadata, updated.status) == ("renamed", {"k": "v"}, "completed")
+    assert updated.expires_at == updated.last_active_at + 2 * 86400
     assert client.vector_stores.delete(store.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.vector_stores.retrieve(store.id)
@@ -135,6 +138,7 @@ def test_search_modes_filters_and_threshold(served):
                                                                              "chunk_overlap_tokens": 0}}},
      400, "between 100 and 4096"),
     ("/v1/vector_stores", {"name": 5}, 400, "name"),
+    ("/v1/vector_stores", {"expires_after": {"anchor": "last_active_at", "days": 0}}, 400, "expires_after.days"),
 ])
 def test_bad_requests_are_openai_errors(served, path, body, status, fragment):
     server = served[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from unmask.server.protocol import RequestModel
 
@@ -13,7 +13,7 @@ Scalar = str | int | float | bool
 
 class ExpiresAfter(RequestModel):
     anchor: Literal["last_active_at"]
-    days: int
+    days: int = Field(ge=1, le=365)   # OpenAI's bounds
 
 
 class CreateVectorStore(RequestModel):
