@@ -268,3 +268,16 @@ def test_a_batch_past_its_window_expires_with_every_line_in_the_error_file(clien
     errors = records(client, done.error_file_id)
     assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [("x", "batch_expired"), ("y", "batch_expired")]
     assert done.request_counts.model_dump() == {"total": 2, "completed": 0, "failed": 2}
+
+
+def test_a_batch_whose_input_file_is_deleted_fails_and_never_hangs(client, live):
+    from unmask.batch.jobs import BatchJobs
+
+    file_id = upload(client, [chat_line("a"), chat_line("b")])
+    client.files.delete(file_id)
+    jobs = BatchJobs(live.app.state.store.get().db)
+    # as a crash could leave it: cancelling, its input file deleted meanwhile (validating would fail the same way)
+    batch = jobs.create(file_id, "/v1/chat/completions", "24h", None, None)
+    jobs.update(batch["id"], "cancelling")
+    done = wait_for(client, batch["id"], ("failed", "cancelled"))
+    assert done.status == "failed" and done.errors.data[0].code == "input_file_missing"

@@ -16,7 +16,7 @@ import logging
 import time
 
 from unmask.batch.execute import RouteCaller, served, served_model
-from unmask.batch.jobs import BatchJobs, result_record, unrun_record
+from unmask.batch.jobs import ACTIVE, BatchJobs, result_record, unrun_record
 from unmask.batch.lines import BatchLine, ValidationIssue, parse_lines, validate
 from unmask.store import FileNotFound, LazyStore
 
@@ -109,8 +109,9 @@ class BatchRunner:
         try:
             batch = self.jobs.get(batch_id)
             lines = await asyncio.to_thread(self._read_lines, batch)
-            if isinstance(lines, ValidationIssue):
-                self.jobs.fail_validation(batch_id, [lines])
+            if isinstance(lines, ValidationIssue):   # the input file is gone: nothing left to run or finalize from
+                self.jobs.update(batch_id, "failed", only_from=ACTIVE,
+                                 errors={"object": "list", "data": [lines.to_api()]})
                 return
             if batch["status"] == "validating":
                 model = served_model(self.app, batch["endpoint"])
