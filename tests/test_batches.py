@@ -281,3 +281,30 @@ def test_a_batch_whose_input_file_is_deleted_fails_and_never_hangs(client, live)
     jobs.update(batch["id"], "cancelling")
     done = wait_for(client, batch["id"], ("failed", "cancelled"))
     assert done.status == "failed" and done.errors.data[0].code == "input_file_missing"
+
+
+def test_batch_lines_reach_the_engine_at_batch_priority(client, live, monkeypatch):
+    from unmask.engine.params import BATCH_PRIORITY
+
+    engine = live.app.state.serving.engine.engine
+    seen: list[tuple[int, int]] = []   # (priority, prompt length) of every engine request
+    original = engine.add_request
+
+    def recording(prompt_ids, params=None, request_id=None):
+        seen.append((params.priority, len(prompt_ids)))
+        return original(prompt_ids, params, request_id)
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    lines = [chat_line("chat"),
+             {"custom_id": "text", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "def f(x):", "max_tokens": 4}},
+             {"custom_id": "fim", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "def f(x):\n    return ", "suffix": "\n", "max_tokens": 4}}]
+    for endpoint in ("/v1/chat/completions", "/v1/completions"):
+        mine = [x for x in lines if x["url"] == endpoint]
+        done = wait_for(client, client.batches.create(input_file_id=upload(client, mine), endpoint=endpoint,
+                                                      completion_window="24h").id, ("completed", "failed"))
+        assert done.request_counts.completed == len(mine), done
+    assert [p for p, _ in seen] == [BATCH_PRIORITY] * 3
+    client.chat.completions.create(**chat_line("online")["body"])
+    assert seen[-1][0] == 0   # an online request keeps the interactive priority

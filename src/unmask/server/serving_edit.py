@@ -25,7 +25,7 @@ from unmask.errors import ContextLengthError, InvalidRequestError
 from unmask.server.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, CompletionRequest, Delta, EditCompletionResponse,
                                     EditRequest, Usage)
-from unmask.server.serving import CompletionFormat, Disconnected, Job, OpenAIServing, sse
+from unmask.server.serving import CompletionFormat, Disconnected, Job, OpenAIServing, request_priority, sse
 from unmask.structured import StructuredSpec, from_request
 
 FIM_DEFAULT_MAX_TOKENS = 256     # a FIM request without max_tokens (also capped by --default-max-tokens)
@@ -112,7 +112,7 @@ class EditServing:
 
     def _params(self, ip: InfillPrompt, lengths: list[int] | None, **kw) -> GenerationParams:
         try:
-            params = infill_params(ip, GenerationParams(**kw), lengths)
+            params = infill_params(ip, GenerationParams(priority=request_priority.get(), **kw), lengths)
             self.engine.check_request(ip.prompt_ids, params)  # a 400 now rather than an error frame mid-stream
         except InvalidRequestError as e:
             raise _bad(e) from None
