@@ -86,6 +86,10 @@ def test_chat_batch_writes_output_and_error_files_as_openai(client, live):
         assert r["response"]["body"]["object"] == "chat.completion"
     # greedy: the batch line's answer is the online endpoint's
     assert output[0]["response"]["body"]["choices"][0]["message"]["content"] == online.choices[0].message.content
+    usages = [r["response"]["body"]["usage"] for r in output]
+    assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in usages) > 0
+    assert done.usage.output_tokens == sum(u["completion_tokens"] for u in usages) > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
 
     errors = {r["custom_id"]: r for r in records(client, done.error_file_id)}
     assert set(errors) == {None, "wrong-url", "bad-temperature"}

@@ -41,6 +41,18 @@ def result_record(line: BatchLine, result: LineResult) -> dict:
             "error": None}
 
 
+def batch_usage(records: list[dict]) -> dict:
+    """OpenAI's Batch `usage`: the tokens of the successful requests, summed over the endpoints' usage shapes
+    (prompt/completion tokens of chat and completions and embeddings, input/output tokens of responses)."""
+    tokens_in = tokens_out = 0
+    for record in records:
+        usage = ((record.get("response") or {}).get("body") or {}).get("usage") or {}
+        tokens_in += usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0
+        tokens_out += usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0
+    return {"input_tokens": tokens_in, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": tokens_out,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": tokens_in + tokens_out}
+
+
 def unrun_record(line: BatchLine, code: str, message: str) -> dict:
     """An error file line for a request that never ran (the batch was cancelled or expired first)."""
     return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id, "response": None,

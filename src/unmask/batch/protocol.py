@@ -50,6 +50,14 @@ class BatchRequestCounts(BaseModel):
     failed: int
 
 
+class BatchUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
 class BatchObject(BaseModel):
     id: str
     object: Literal["batch"] = "batch"
@@ -72,6 +80,7 @@ class BatchObject(BaseModel):
     cancelled_at: int | None = None
     request_counts: BatchRequestCounts
     metadata: dict[str, str] | None = None
+    usage: BatchUsage | None = None   # once the batch has finished
 
 
 class BatchList(BaseModel):

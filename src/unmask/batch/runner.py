@@ -16,7 +16,7 @@ import logging
 import time
 
 from unmask.batch.execute import RouteCaller, served, served_model
-from unmask.batch.jobs import ACTIVE, BatchJobs, result_record, unrun_record
+from unmask.batch.jobs import ACTIVE, BatchJobs, batch_usage, result_record, unrun_record
 from unmask.batch.lines import BatchLine, ValidationIssue, parse_lines, validate
 from unmask.store import FileNotFound, LazyStore
 
@@ -202,4 +202,5 @@ class BatchRunner:
         output_id = await asyncio.to_thread(write, output, "output")
         error_id = await asyncio.to_thread(write, errors, "error")
         jobs.update(batch_id, status, output_file_id=output_id, error_file_id=error_id,
-                    request_counts={"total": len(lines), "completed": len(output), "failed": len(errors)})
+                    request_counts={"total": len(lines), "completed": len(output), "failed": len(errors)},
+                    usage=batch_usage(output))
