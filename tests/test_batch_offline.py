@@ -92,3 +92,13 @@ def test_cli_reports_counts_and_rate(tmp_path):
     assert result.exit_code == 0, result.output
     assert "1 succeeded, 1 failed, 0 already in" in result.output and "requests/s" in result.output
     assert [r["custom_id"] for r in read(tmp_path / "out.jsonl")] == ["a", "b"]
+
+
+def test_embeddings_lines_load_the_embedding_model(tmp_path):
+    write(tmp_path / "in.jsonl", [{"custom_id": "e", "method": "POST", "url": "/v1/embeddings",
+                                   "body": {"model": "all-MiniLM-L6-v2", "input": "open a file"}}, chat("c", "Hi.")])
+    summary = run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", max_num_seqs=2, progress=False)
+    assert (summary.succeeded, summary.failed) == (2, 0)
+    embedded, chatted = read(tmp_path / "out.jsonl")
+    assert len(embedded["response"]["body"]["data"][0]["embedding"]) == 384
+    assert chatted["response"]["body"]["object"] == "chat.completion"

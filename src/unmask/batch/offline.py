@@ -107,12 +107,13 @@ def load_app(model: Path | None, max_num_seqs: int, dtype: str | None, device: s
     load_serving(app, args)
     if app.state.load_error:
         raise BatchInputError(app.state.load_error)
-    if need_embeddings:
-        from unmask.retrieval import routes as retrieval
+    from unmask.retrieval import routes as retrieval
 
-        retrieval.start(app, None)
-        while retrieval.loading(app.state):
-            time.sleep(0.05)
+    # the routes read the retrieval state (embeddings, file_search): the embedding model loads only when a line
+    # needs it
+    retrieval.start(app, None if need_embeddings else "off")
+    while retrieval.loading(app.state):
+        time.sleep(0.05)
     return app
 
 
