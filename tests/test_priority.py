@@ -64,3 +64,17 @@ def test_running_batch_requests_pause_while_an_interactive_one_runs(family_dirs)
     engine.run_to_completion()
     # a pause changes nothing in what a batch request decodes
     assert [s.output_ids for s in seqs] == [s.output_ids for s in ref_seqs]
+
+
+def test_background_slots_keep_slots_free_for_interactive_requests(family_dirs):
+    engine = LLM(family_dirs["sdar"], max_num_seqs=4).engine
+    engine.scheduler.background_slots = 2
+    batch = [engine.add_request([5, 6, 7, i], GenerationParams(max_tokens=8, priority=BATCH_PRIORITY))
+             for i in range(8, 14)]
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == [s.request_id for s in batch[:2]]
+    chat = engine.add_request([12, 13, 14], GenerationParams(max_tokens=8))
+    engine.step()
+    assert chat in engine.scheduler.running and len(engine.scheduler.running) == 3
+    engine.run_to_completion()
+    assert all(s.finish_reason == "length" for s in batch + [chat])

@@ -1,9 +1,9 @@
 """The server's batch runner: one asyncio task on the server's event loop that works through the active batches
 in the store, oldest first, and resumes any that a crash or a restart left active.
 
-Per batch: validating (read the input file, `lines.validate`), in_progress (the lines without a saved result, at
-most `max_inflight` at a time, each through the online route in this process at batch priority; each result is
-saved as it finishes), finalizing (output and error files written from the saved results), then completed. A
+Per batch: validating (read the input file, `lines.validate`), in_progress (the lines without a saved result,
+each through the online route in this process at batch priority, at most `max_running` in engine slots and as
+many queued; each result is saved as it finishes), finalizing (output and error files written from the saved results), then completed. A
 cancel stops new lines at once, aborts those in flight and keeps the finished ones; the lines that never ran go
 to the error file as batch_cancelled (batch_expired past the completion window), so that every custom_id is in
 exactly one of the two files.
@@ -28,15 +28,18 @@ OUTPUT_MAX_BYTES = 2**40  # output files are the server's own: not bounded by --
 
 
 def default_batch_inflight(max_num_seqs: int) -> int:
-    """Batch lines in flight by default: three quarters of the engine's slots, so that an interactive request
-    finds a free slot at once (the engine then pauses the batch lines while it runs: scheduler.py)."""
+    """Engine slots batch lines may hold by default: three quarters, so that an interactive request finds a free
+    slot at once (the engine then pauses the batch lines while it runs: scheduler.py)."""
     return max(1, max_num_seqs - max(1, max_num_seqs // 4))
 
 
 class BatchRunner:
-    def __init__(self, app, store: LazyStore, max_inflight: int, max_line_bytes: int):
+    def __init__(self, app, store: LazyStore, max_running: int, max_line_bytes: int):
+        """`max_running`: engine slots batch lines may hold (the scheduler's background_slots); as many more
+        lines wait in the engine's queue, so that a slot a line frees is refilled in the same step."""
         self.app, self.lazy_store = app, store
-        self.max_inflight, self.max_line_bytes = max(1, max_inflight), max_line_bytes
+        self.max_running, self.max_line_bytes = max(1, max_running), max_line_bytes
+        self.max_inflight = 2 * self.max_running
         self.caller = RouteCaller(app)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -86,6 +89,7 @@ class BatchRunner:
             if self.app.state.load_error:
                 return
             await asyncio.sleep(0.1)
+        self.app.state.serving.llm.engine.scheduler.background_slots = self.max_running
         while True:
             if self.lazy_store.exists:
                 for batch_id in self.jobs.active():

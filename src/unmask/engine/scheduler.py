@@ -12,6 +12,9 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # slots requests of a priority above 0 (batch lines) may hold at once; None: all. The rest stay free for
+        # interactive requests, which then start at once however many batch lines are queued
+        self.background_slots: int | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -28,10 +31,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _next_waiting(self) -> Sequence:
-        """The waiting request to admit: the lowest `priority`, the earliest among equals."""
+    def _next_waiting(self) -> Sequence | None:
+        """The waiting request to admit: the lowest `priority`, the earliest among equals (None: only background
+        requests wait and they hold their `background_slots` already)."""
         first = self.waiting[0]
         best = min(self.waiting, key=lambda s: s.params.priority)  # min keeps the first of equal keys
+        if best.params.priority > 0 and self.background_slots is not None and self.background_slots <= sum(
+                seq.params.priority > 0 for seq in self.running):
+            return None
         if best is first:
             return self.waiting.popleft()
         self.waiting.remove(best)
@@ -40,6 +47,8 @@ class Scheduler:
     def schedule(self) -> list[StepPlan]:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
+            if seq is None:
+                break
             seq.status = Status.RUNNING
             self.running.append(seq)
         budget = self.max_batch_tokens
