@@ -33,8 +33,12 @@ class Variant:
     llm: object | None = None        # the LLM this variant decodes with (None: the section's model)
 
 
-def unmask_variants(block_size: int, bidirectional: bool, learned: bool = False) -> list[Variant]:
-    """Every policy; with `learned` (the model has a commit filter, `unmask calibrate`) the learned rule too."""
+def unmask_variants(block_size: int, bidirectional: bool, learned: bool = False,
+                    speculative: bool = False) -> list[Variant]:
+    """Every policy; with `learned` (the model has a commit filter, `unmask calibrate`) the learned rule too; with
+    `speculative` (a causal-context model, engine/speculative.py) self-speculative decoding, its output exactly
+    the model's own next-token decoding (`next_token_greedy`, block size 1), with one draft block or one per
+    outcome."""
     base = [
         ("one_token_per_forward", "one token per forward (AR-equivalent)", dict(policy="topk", tokens_per_step=1)),
         ("low_confidence_2", "low-confidence, 2 tokens/step", dict(policy="low_confidence", steps=max(1, block_size // 2))),
@@ -49,6 +53,14 @@ def unmask_variants(block_size: int, bidirectional: bool, learned: bool = False)
     if learned:
         base += [(f"learned_{t}", f"learned commit filter, p(final) >= {t}", dict(policy="learned", threshold=t))
                  for t in (0.9, 0.8)]
+    if speculative:
+        base += [
+            ("next_token_greedy", "next-token rows, one token per forward (block 1)",
+             dict(policy="topk", tokens_per_step=1, block_size=1)),
+            ("speculative", "self-speculative, one draft block", dict(policy="speculative")),
+            ("speculative_all", "self-speculative, a draft block per outcome",
+             dict(policy="speculative", draft_all_outcomes=True)),
+        ]
     if not bidirectional:  # block-causal: the exact cache is always on, there is no cache switch
         return [Variant(n, lbl, knobs) for n, lbl, knobs in base]
     out = []
@@ -68,7 +80,13 @@ def model_variants(llm, block_size: int, group: str) -> list[Variant]:
                         prefix_cache_bytes=0)
     learned = llm.engine.traits.commit_filter is not None
     return [Variant(f"{group}:{v.name}", f"{group}: {v.label}", v.engine, group=group, llm=llm)
-            for v in unmask_variants(block_size, False, learned)]
+            for v in unmask_variants(block_size, False, learned, speculative=speculative_model(llm))]
+
+
+def speculative_model(llm) -> bool:
+    """Whether the `speculative` policy runs on this model (a block-causal model with a causal context)."""
+    t = llm.engine.traits
+    return t.attention == "block_causal" and t.shift and t.causal_context and llm.spec.family.sequence_class is None
 
 
 def load_tasks(llm, corpus: Path, sft_heldout: Path, n_next_line: int, n_infill: int) -> tuple[list, dict]:

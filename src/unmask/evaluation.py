@@ -259,6 +259,10 @@ POLICIES = {
     "threshold_0.7": dict(policy="threshold", threshold=0.7),
     "learned_0.9": dict(policy="learned", threshold=0.9),   # models with a commit filter (`unmask calibrate`)
     "learned_0.8": dict(policy="learned", threshold=0.8),
+    # causal-context models (the built-in family): the next-token rows alone, and drafts they verify
+    "next_token_greedy": dict(policy="topk", tokens_per_step=1, block_size=1),
+    "speculative": dict(policy="speculative"),
+    "speculative_all": dict(policy="speculative", draft_all_outcomes=True),
 }
 
 

@@ -42,9 +42,9 @@ class PolicyConfig:
     commit_filter: CommitFilter | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.name not in POLICIES and self.name != LEARNED:
+        if self.name not in POLICIES and self.name not in (LEARNED, SPECULATIVE):
             raise ValueError(f"name: unknown decoding policy {self.name!r}; valid: "
-                             f"{', '.join(sorted([*POLICIES, LEARNED]))}")
+                             f"{', '.join(sorted([*POLICIES, LEARNED, SPECULATIVE]))}")
         _check(0 < self.threshold <= 1, "threshold", "in (0, 1]", self.threshold)
         _check(self.factor > 0, "factor", "> 0", self.factor)
         _check(self.steps is None or self.steps >= 1, "steps", ">= 1 or None", self.steps)
@@ -94,6 +94,9 @@ class Decision:
 
 
 LEARNED = "learned"  # the commit filter's rule: it reads the rows' positions, which the other rules do not
+# drafts verified by the next-token rows of the same forward (decoding/speculative.py, engine/speculative.py): not a
+# rule over masked rows, so `decide` never sees it
+SPECULATIVE = "speculative"
 NEEDS_ENTROPY = frozenset({"entropy", "entropy_bounded", LEARNED})
 Rule = Callable[[PolicyConfig, Proposal, BlockState, torch.Generator | None], Tensor]
 

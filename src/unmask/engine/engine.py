@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from unmask.decoding.dry import breaker_mask
-from unmask.decoding.policies import LEARNED
+from unmask.decoding.policies import LEARNED, SPECULATIVE
 from unmask.engine.detokenizer import TextStream
 from unmask.engine.outputs import StepOutput
 from unmask.engine.params import GenerationParams
@@ -92,6 +92,10 @@ class Engine:
                 raise InvalidRequestError("policy 'learned' needs a commit filter fitted to the model (`unmask "
                                           f"calibrate -m DIR`); {self.spec.family.name} model "
                                           f"{self.spec.path.name} has none", "policy")
+        if params.policy == SPECULATIVE:
+            from unmask.engine.speculative import check_speculative
+
+            check_speculative(params, self.traits, self.spec.family.sequence_class)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
         if params.dry_multiplier and self.spec.family.sequence_class is not None:
@@ -110,6 +114,10 @@ class Engine:
         params = params or GenerationParams()
         self.check_request(prompt_ids, params)
         seq_class = self.spec.family.sequence_class or Sequence
+        if params.policy == SPECULATIVE:
+            from unmask.engine.speculative import SpeculativeSequence
+
+            seq_class = SpeculativeSequence
         if params.infill_lengths and params.structured is None:
             from unmask.engine.infill import InfillSequence  # probes the candidate span lengths first
 

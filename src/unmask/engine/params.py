@@ -46,6 +46,9 @@ class GenerationParams:
     full_last_block: bool | None = None  # decode the last block at full size, cut the output at max_tokens after
     ordered_stops: bool | None = None    # commit a stop token only at the first undecided position (targets.py)
     multi_block_threshold: float | None = None  # D2F / d3LLM: decode the next block too once this share is committed
+    # policy "speculative" (engine/speculative.py): a draft block for every number of drafts the verifier may keep,
+    # not only for all of them (more tokens per forward, a wider forward); None: off
+    draft_all_outcomes: bool | None = None
     # revising committed tokens of the active block (unmask.decoding.edits); all None: off, the tokens as before
     edit_threshold: float | None = None       # LLaDA2.1 token-to-token edits: replace when p(new token) > this
     max_post_edit_steps: int | None = None    # edit-only steps once the block is full (None: 16, SGLang's default)

@@ -81,6 +81,8 @@ class ModelRunner:
         for seg in batch.segments:
             if seg.block_ids is not None:
                 seg.block_ids = seg.block_ids.to(dev)
+            if seg.attend is not None:
+                seg.attend = seg.attend.to(dev)
         batch.prepare()
         rows, counts, offset = [], [], 0
         for p in plans:

@@ -82,6 +82,9 @@ class Segment:
     suffix: int = 0                 # cached tokens after the segment that stay visible
     cache: KVCache | None = None
     block_ids: Tensor | None = None  # [length] long; None = all in one block (bidirectional)
+    # [length, length] bool: which of the segment's own tokens each one sees, when block ids cannot say it (draft
+    # blocks of a self-speculative step share positions and must not see each other); overrides block_ids
+    attend: Tensor | None = None
     inner: Tensor | None = None      # filled by prepare(): [length, length] bool, None = no masking
     extra: dict | None = None        # family-specific per-request inputs (e.g. a decoder mode flag)
 
@@ -97,7 +100,9 @@ class Segment:
             if self.start > self.cache.length and self.start > 0:
                 raise ValueError(f"segment starts at {self.start} but the cache holds {self.cache.length}")
         self.inner = None
-        if self.block_ids is not None:
+        if self.attend is not None:
+            self.inner = self.attend
+        elif self.block_ids is not None:
             b = self.block_ids
             inner = b[None, :] <= b[:, None]
             self.inner = None if bool(inner.all()) else inner
@@ -230,7 +235,7 @@ def _attend_split(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | 
 
 def _attend_chunked(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor:
     lq, lk = q.shape[1], k.shape[1]
-    if (seg.inner is not None and can_split_on(q) and not seg.suffix and seg.start > 0
+    if (seg.inner is not None and seg.attend is None and can_split_on(q) and not seg.suffix and seg.start > 0
             and seg.start * lq >= SPLIT_MIN_ELEMENTS):
         return _attend_split(q, k, v, seg, scale)
     if seg.inner is None or lq * lk <= MAX_MASK_ELEMENTS:

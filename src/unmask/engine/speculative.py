@@ -1,0 +1,174 @@
+"""Self-speculative decoding (policy `speculative`): draft in diffusion, accept autoregressively, one forward a step.
+
+For block-causal models with a causal context (committed text read token-causally, every clean row a trained
+next-token predictor: the built-in family). Each forward feeds, after the exact cache:
+
+    T  committed tokens not yet cached (the last one at least: its row predicts the next token)   token-causal
+    D  the drafts of the last step, d_0..d_{k-1}, at the next k positions                           token-causal
+    M  draft blocks of K masks: block j starts where the token after j kept drafts will go, sees
+       T and d_0..d_{j-1}, and itself bidirectionally (j = k only, or every j with `all outcomes`)
+
+The rows of T's last token and of D are the verifier (decoding.speculative.verify): they keep a prefix of D and
+add one token of their own, so a step writes 1 to k + 1 tokens, exactly those one-token-per-forward next-token
+decoding writes. Block j's rows 0..K-2 are the next step's drafts (row i predicts the token after position i:
+the shifted families' rule), used when j drafts were kept; without a block for that outcome the next step has
+no drafts and writes one token. The K/V of T and of the kept drafts are exact and stay; the rest are scratch
+that the next step overwrites (`cached` moves back to the first position whose K/V are not exact).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from unmask.decoding.logit_adjust import ban_early_stops
+from unmask.decoding.speculative import draw, processed_probs, verify
+from unmask.engine.sequence import Sequence, StepPlan
+from unmask.errors import InvalidRequestError
+from unmask.models.attention import Segment
+
+
+def check_speculative(params, traits, family_class) -> None:
+    """InvalidRequestError unless a request for the `speculative` policy can run on this model as asked."""
+    def bad(msg: str, param: str = "policy"):
+        raise InvalidRequestError(msg, param)
+
+    if not (traits.attention == "block_causal" and traits.shift and traits.causal_context and family_class is None):
+        bad(f"policy 'speculative' verifies drafts with the model's next-token rows: it needs a block-causal model "
+            f"with a causal context trained with a next-token loss (the built-in family), not {traits.family}")
+    unsupported = [name for name, on in (
+        ("response_format", params.structured is not None),
+        ("edit_threshold", params.edit_config().active),
+        ("multi_block_threshold", params.multi_block_threshold is not None),
+        ("small_block_size", params.small_block_size is not None),
+        ("dry_multiplier", bool(params.dry_multiplier)),
+        ("logit_bias / penalties", params.logit_adjust().active),
+    ) if on]
+    if unsupported:
+        bad(f"policy 'speculative' cannot be combined with {unsupported[0]} (use another policy)", "policy")
+
+
+def draft_layout(n_committed: int, n_drafts: int, block_lengths: list[int], outcomes: list[int]) -> Tensor:
+    """[L, L] bool: which of the step's own tokens each one sees. T (n_committed) and D (n_drafts) are token-causal;
+    the draft block for outcome j sees T, the first j drafts and itself."""
+    n_clean = n_committed + n_drafts
+    L = n_clean + sum(block_lengths)
+    attend = torch.zeros(L, L, dtype=torch.bool)
+    attend[:n_clean, :n_clean] = torch.ones(n_clean, n_clean, dtype=torch.bool).tril()
+    s = n_clean
+    for j, k in zip(outcomes, block_lengths):
+        attend[s:s + k, :n_committed + j] = True
+        attend[s:s + k, s:s + k] = True
+        s += k
+    return attend
+
+
+class SpeculativeSequence(Sequence):
+    """A request decoded by the `speculative` policy (module docstring). The canvas holds the committed text and
+    masks after it; the drafts live beside it until the verifier keeps them."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.sub = self.multi = None          # the draft block is the unit: no sub-blocks, no second open block
+        self.block_end = self.canvas_end      # `_advance` then only extends the committed prefix
+        self.K = self.B
+        self.all_outcomes = bool(self.params.draft_all_outcomes)
+        self.drafts = torch.empty(0, dtype=torch.long)
+        self.draft_probs: Tensor | None = None  # [k, V] the distributions drafts were drawn from (sampling only)
+        self._blocks: dict[int, tuple[int, int]] = {}  # outcome j -> (first logit row of its drafts, count)
+        self.drafted = 0   # drafts offered to the verifier, and kept: the acceptance rate in stats
+        self.kept = 0
+
+    @property
+    def prefill_limit(self) -> int:
+        """The last committed token is fed with the drafts (its row predicts the first one): whole prompt blocks
+        before it may come from the prefix cache or a write-only chunk."""
+        return max(0, (self.P - 1) // self.B * self.B)
+
+    def plan(self, token_budget: int) -> StepPlan:
+        f, c = self.final_end, self.cached
+        pending = f - c
+        if pending > token_budget:  # chunked prefill: whole blocks, write only, never the last committed token
+            n = min(max(self.B, token_budget // self.B * self.B), (f - 1 - c) // self.B * self.B)
+            if n > 0:
+                attend = torch.ones(n, n, dtype=torch.bool).tril()
+                seg = Segment(start=c, length=n, write=n, cache=self.cache, attend=attend)
+                empty = torch.empty(0, dtype=torch.long)
+                return StepPlan(self, self.seq[c:c + n], torch.arange(c, c + n), seg, empty, empty)
+        k = min(int(self.drafts.numel()), self.end - f - 1)  # the verifier's own token must fit before the end
+        drafts = self.drafts[:k]
+        outcomes = list(range(k + 1)) if self.all_outcomes else [k]
+        lengths = [min(self.K, self.end - (f + j)) for j in outcomes]
+        n_clean = pending + k
+        ids = [self.seq[c:f], drafts] + [torch.full((n,), self.traits.mask_id, dtype=torch.long) for n in lengths]
+        pos = [torch.arange(c, f + k)] + [torch.arange(f + j, f + j + n) for j, n in zip(outcomes, lengths)]
+        rows = [torch.arange(pending - 1, n_clean)]   # verifier rows: targets f .. f + k
+        targets = [torch.arange(f, f + k + 1)]
+        self._blocks, s, r = {}, n_clean, k + 1
+        for j, n in zip(outcomes, lengths):
+            m = max(0, min(n - 1, self.end - (f + j) - 1))  # row i predicts position f + j + i + 1
+            rows.append(torch.arange(s, s + m))
+            targets.append(torch.arange(f + j + 1, f + j + 1 + m))
+            self._blocks[j] = (r, m)
+            s, r = s + n, r + m
+        seg = Segment(start=c, length=s, write=n_clean, cache=self.cache,
+                      attend=draft_layout(pending, k, lengths, outcomes))
+        self._k = k
+        return StepPlan(self, torch.cat(ids), torch.cat(pos), seg, torch.cat(rows), torch.cat(targets))
+
+    def after_forward(self, plan: StepPlan) -> None:
+        self.stats.forwards += 1
+        seg = plan.segment
+        self.stats.prefill_tokens += max(0, min(seg.start + seg.write, self.P) - seg.start)
+        if plan.targets.numel() == 0:  # a write-only prefill chunk
+            self.cached = seg.start + seg.write
+
+    def apply(self, plan: StepPlan, logits: Tensor) -> list[int]:
+        if plan.targets.numel() == 0:
+            return []
+        f, k = self.final_end, self._k
+        logits[:, self.traits.mask_id] = float("-inf")
+        ban_early_stops(logits, plan.targets - self.P, self.params.min_tokens, self.stops)
+        greedy = self.sampling.greedy
+        verifier = logits[:k + 1]
+        verdict = verify(self.drafts[:k], None if greedy or k == 0 else self.draft_probs[:k],
+                         processed_probs(verifier, self.sampling), greedy, self.generator)
+        a = verdict.accepted
+        n = min(a + 1, self.end - f)
+        tokens = verdict.tokens[:n].cpu()
+        self.seq[f:f + n] = tokens
+        self.drafted, self.kept = self.drafted + k, self.kept + a
+        self._record_outputs(torch.arange(f, f + n), tokens, verifier[:n])
+        self.stats.denoise_steps += 1
+        # exact K/V: the committed tokens fed and the drafts kept; the verifier's own token is fed next step
+        self.cached = f + a
+        if self.cache is not None:
+            self.cache.length = min(self.cache.length, self.cached)
+        self._next_drafts(logits, a)
+        return self._advance()
+
+    def _record_outputs(self, pos: Tensor, tokens: Tensor, rows: Tensor) -> None:
+        """Logprobs and top alternatives of the written tokens under the verifier's distribution."""
+        if self.logprobs is None and self.top is None:
+            return
+        if self.logprobs is not None:
+            if self.sampling.greedy:
+                lp = torch.log_softmax(rows.float(), dim=-1)
+            else:
+                lp = processed_probs(rows, self.sampling).clamp_min(1e-30).log()
+            self.logprobs[pos - self.P] = lp.gather(1, tokens[:, None].to(lp.device)).squeeze(1).cpu()
+        if self.top is not None:
+            self.top.record(pos - self.P, rows, self.sampling.temperature)
+
+    def _next_drafts(self, logits: Tensor, accepted: int) -> None:
+        block = self._blocks.get(accepted)
+        if block is None or block[1] == 0:
+            self.drafts, self.draft_probs = torch.empty(0, dtype=torch.long), None
+            return
+        r, m = block
+        q = processed_probs(logits[r:r + m], self.sampling)
+        self.drafts = draw(q, self.generator).cpu() if not self.sampling.greedy else q.argmax(-1).cpu()
+        self.draft_probs = None if self.sampling.greedy else q
+
+    def snapshot(self) -> list[int]:
+        """The committed output and the drafts waiting for the verifier."""
+        return self.output_ids + self.drafts[:max(0, self.end - self.final_end)].tolist()
