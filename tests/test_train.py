@@ -248,6 +248,25 @@ def test_suffix_masks_are_block_tails_at_the_drawn_rate():
         Objective(mask_id=3, suffix_fraction=0.5)  # no blocks
 
 
+def test_full_blocks_are_masked_whole_with_weight_one():
+    """full_block_fraction 1: every eligible position masked, p = 1 (the draft block of policy speculative sees
+    nothing of itself); 0 draws what the objective drew before; 0.5 masks about half the blocks whole."""
+    lm = torch.ones(64, 32, dtype=torch.bool)
+    base = Objective(mask_id=3, block_sizes=(8,), shift=True, causal_context=True)
+    n = draw_noise(replace(base, full_block_fraction=1.0), lm, torch.Generator().manual_seed(0))
+    want = torch.ones(64, 32, dtype=torch.bool)
+    want[:, 0] = False  # shifted: position 0 has no predictor
+    assert torch.equal(n.masked, want) and bool((n.p == 1).all())
+    same = draw_noise(replace(base, full_block_fraction=0.0), lm, torch.Generator().manual_seed(0))
+    assert torch.equal(same.masked, draw_noise(base, lm, torch.Generator().manual_seed(0)).masked)
+    half = draw_noise(replace(base, full_block_fraction=0.5), lm, torch.Generator().manual_seed(1))
+    whole = half.masked.view(64, 4, 8)[:, 1:].all(-1)
+    assert 0.4 < whole.float().mean() < 0.7  # chosen blocks, plus iid blocks that happen to be all masked
+    assert bool((half.p.view(64, 4, 8)[:, 1:][whole.logical_not()] < 1).all())
+    with pytest.raises(ValueError, match="full_block_fraction"):
+        Objective(mask_id=3, full_block_fraction=0.5)  # no blocks
+
+
 def test_causal_objective_is_next_token_cross_entropy():
     """objective 'causal': every eligible token j >= 1 scored from row j-1 of a left-to-right pass, weight 1."""
     from unmask.models.transformer import CAUSAL

@@ -49,6 +49,8 @@ CONTEXT_HELP = ("Block diffusion from a causal base (--init-from) whose committe
                 "and fine-tuning follow.")
 SUFFIX_HELP = ("Share of blocks whose masked positions are the block's tail (a clean prefix, as decoding that "
                "commits left to right sees it) instead of an independent draw; block diffusion only.")
+FULL_BLOCK_HELP = ("Share of blocks masked whole: the draft block of policy speculative sees nothing of itself "
+                   "(docs/decoding.md); block diffusion only.")
 NEXT_TOKEN_HELP = "With a causal context: weight of the next-token loss on the clean rows (0: off)."
 COMPILE_HELP = ("torch.compile each transformer block: 1.2-1.5x faster steps measured on CPU, after ~45 s of "
                 "compiling (needs a C++ compiler).")
@@ -76,6 +78,7 @@ def train(
     causal_context: bool = typer.Option(False, "--causal-context", help=CONTEXT_HELP),
     next_token_weight: float = typer.Option(1.0, min=0.0, help=NEXT_TOKEN_HELP),
     suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
+    full_block_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=FULL_BLOCK_HELP),
 ):
     """Pre-train a masked block-diffusion model from scratch (multi-process: launch with torchrun)."""
     from unmask.errors import UnmaskError
@@ -91,7 +94,7 @@ def train(
             fail(f"--objective must be diffusion or causal, got {objective!r}")
         cfg.objective = objective
         cfg.causal_context, cfg.next_token_weight = causal_context, next_token_weight
-        cfg.suffix_fraction = suffix_fraction
+        cfg.suffix_fraction, cfg.full_block_fraction = suffix_fraction, full_block_fraction
         if tokenizer is None:
             tokenizer = init_from if init_from is not None and (init_from / "tokenizer.json").is_file() \
                 else Path("data/tokenizer")
@@ -121,6 +124,7 @@ def finetune(
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help=BF16_HELP, show_default=False),
     next_token_weight: float = typer.Option(1.0, min=0.0, help=NEXT_TOKEN_HELP + " Models without one ignore it."),
     suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
+    full_block_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=FULL_BLOCK_HELP),
 ):
     """Supervised fine-tuning on chat JSONL (loss on assistant tokens only)."""
     from unmask.errors import UnmaskError
@@ -132,6 +136,7 @@ def finetune(
         cfg.sft_pack = pack
         cfg.compile, cfg.bf16 = compile, bf16
         cfg.next_token_weight, cfg.suffix_fraction = next_token_weight, suffix_fraction
+        cfg.full_block_fraction = full_block_fraction
         cfg.mix_fraction = _mix_fraction(mix_text, mix_fraction)
         with plain_warnings():
             res = run_finetune(cfg, model, data, eval_path=eval_data, mix_text=mix_text)
@@ -158,6 +163,9 @@ def distill(
     teacher_policy: str = typer.Option("topk", help="The teacher's decoding policy (default topk with "
                                        "--teacher-tokens-per-step 1: one token per forward)."),
     teacher_tokens_per_step: int = typer.Option(1), teacher_threshold: float = typer.Option(0.9),
+    teacher_block_size: Optional[int] = typer.Option(None, help="The teacher's block size (default: its own; 1 "
+                                                     "with a causal-context model: its next-token decoding, what "
+                                                     "policy speculative outputs)."),
     teacher_dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     confidence_weight: float = typer.Option(2.0, min=0.0, help="Certainty forcing: weight of the entropy of the "
                                             "masked predictions the model already gets right (0: plain distillation)."),
@@ -174,6 +182,7 @@ def distill(
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help=BF16_HELP, show_default=False),
     next_token_weight: float = typer.Option(1.0, min=0.0, help=NEXT_TOKEN_HELP + " Models without one ignore it."),
     suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
+    full_block_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=FULL_BLOCK_HELP),
 ):
     """Distil a model for parallel decoding: train it on a teacher's answers (self-distillation by default) with
     certainty forcing, so it commits more tokens per forward (docs/training.md, "Distillation")."""
@@ -186,7 +195,7 @@ def distill(
     try:
         traj = TrajectoryConfig(prompts=prompts, chat_fraction=chat_fraction, max_tokens=answer_tokens,
                                 policy=teacher_policy, tokens_per_step=teacher_tokens_per_step,
-                                threshold=teacher_threshold, seed=seed)
+                                threshold=teacher_threshold, block_size=teacher_block_size, seed=seed)
         traj.params()  # the policy and its settings are checked before the run starts
     except ValueError as e:
         fail(str(e))
@@ -195,7 +204,7 @@ def distill(
                             lora_rank=lora_rank, block_sizes=block_sizes, overwrite=overwrite)
         cfg.compile, cfg.bf16 = compile, bf16
         cfg.confidence_weight, cfg.next_token_weight = confidence_weight, next_token_weight
-        cfg.suffix_fraction = suffix_fraction
+        cfg.suffix_fraction, cfg.full_block_fraction = suffix_fraction, full_block_fraction
         cfg.mix_fraction = _mix_fraction(mix_text, mix_fraction)
         with plain_warnings():
             res = run_distill(cfg, model, traj, text=text, chat=chat, teacher_dir=teacher, teacher_dtype=teacher_dtype,

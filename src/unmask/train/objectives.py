@@ -59,6 +59,9 @@ class Objective:
     # share of blocks whose masked set is the block's last ceil(t B) positions instead of an iid draw: the
     # clean-prefix, masked-suffix pattern that left-to-right-leaning decoding (threshold, credit) meets
     suffix_fraction: float = 0.0
+    # share of blocks masked whole (t = 1): the draft block of self-speculative decoding reads nothing of itself
+    # (TiDAR trains its draft region fully masked for the same reason; engine/speculative.py)
+    full_block_fraction: float = 0.0
     # certainty forcing (dParallel, czg1225/dParallel): plus this weight times the entropy of the prediction at
     # every masked position the model already gets right, so confidence rises on many positions at once
     confidence_weight: float = 0.0
@@ -70,6 +73,10 @@ class Objective:
             raise ValueError(f"suffix_fraction must be in [0, 1], got {self.suffix_fraction}")
         if self.suffix_fraction and (self.block_sizes is None or not self.t_per_block):
             raise ValueError("suffix_fraction shapes each block's mask: it needs block_sizes and t_per_block")
+        if not 0.0 <= self.full_block_fraction <= 1.0:
+            raise ValueError(f"full_block_fraction must be in [0, 1], got {self.full_block_fraction}")
+        if self.full_block_fraction and (self.block_sizes is None or not self.t_per_block):
+            raise ValueError("full_block_fraction masks whole blocks: it needs block_sizes and t_per_block")
         if self.next_token_weight and not self.causal_context:
             raise ValueError("next_token_weight scores the clean stream's next-token rows: it needs causal_context")
         if self.causal and (not self.shift or self.block_sizes is not None):
@@ -154,6 +161,10 @@ def draw_noise(obj: Objective, loss_mask: Tensor, gen: torch.Generator) -> Noise
         offset = torch.arange(L) % bs
         tail = offset >= bs - torch.ceil(p * bs)
         masked = torch.where(suffix, tail, masked)
+    if obj.full_block_fraction:  # drawn after the rest, so runs without it keep their noise
+        full = (torch.rand(B, per_row, generator=gen) < obj.full_block_fraction).repeat_interleave(bs, dim=1)[:, :L]
+        masked = masked | full
+        p = torch.where(full, torch.ones_like(p), p)
     eligible = loss_eligible(loss_mask.cpu(), obj.shift)
     return Noise(bs, masked & eligible, p)
 

@@ -46,7 +46,8 @@ class TrainDivergedError(UnmaskError):
 # settings a resumed run must share with the checkpoint for its batches and noise to line up; the model itself
 # is compared by its architecture (_check_resume), since `cfg.model` only describes a fresh model
 _RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "sft_pack", "mix_fraction",
-                "objective", "causal_context", "next_token_weight", "suffix_fraction", "confidence_weight")
+                "objective", "causal_context", "next_token_weight", "suffix_fraction", "confidence_weight",
+                "full_block_fraction")
 ON_ERROR = ("raise", "skip")
 # what an earlier run leaves in out_dir: a new run without resume or overwrite must not replace it
 _RUN_FILES = (CHECKPOINT, "model", "adapter")
@@ -93,6 +94,7 @@ class TrainConfig:
     causal_context: bool = False
     next_token_weight: float = 1.0
     suffix_fraction: float = 0.0       # block diffusion: share of blocks masked as a tail (objectives.py)
+    full_block_fraction: float = 0.0   # block diffusion: share of blocks masked whole (objectives.py)
     confidence_weight: float = 0.0     # certainty forcing: entropy of right masked predictions (objectives.py)
     model: ModelShape = field(default_factory=ModelShape)  # fresh pre-training model only
 
@@ -124,6 +126,8 @@ class TrainConfig:
             raise TrainConfigError(f"objective must be 'diffusion' or 'causal', got {self.objective!r}")
         if not 0.0 <= self.suffix_fraction <= 1.0:
             raise TrainConfigError(f"suffix_fraction must be in [0, 1], got {self.suffix_fraction}")
+        if not 0.0 <= self.full_block_fraction <= 1.0:
+            raise TrainConfigError(f"full_block_fraction must be in [0, 1], got {self.full_block_fraction}")
         if self.next_token_weight < 0:
             raise TrainConfigError(f"next_token_weight must be >= 0, got {self.next_token_weight}")
         if not (math.isfinite(self.confidence_weight) and self.confidence_weight >= 0):
@@ -172,9 +176,11 @@ def _describe(obj: Objective) -> str:
                                       if obj.next_token_weight else "")
     if obj.suffix_fraction:
         kind += f", {obj.suffix_fraction:.0%} of blocks masked as a tail"
+    if obj.full_block_fraction:
+        kind += f", {obj.full_block_fraction:.0%} of blocks masked whole"
     if obj.confidence_weight:
         kind += f", certainty forcing x{obj.confidence_weight:g}"
-    if obj.next_token_weight or obj.suffix_fraction or obj.confidence_weight:
+    if obj.next_token_weight or obj.suffix_fraction or obj.confidence_weight or obj.full_block_fraction:
         kind += " (eval: diffusion loss, independent masks)"
     return kind
 
@@ -364,7 +370,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         ctx.barrier()
 
     # the diffusion loss alone, under independent masks: comparable across recipes
-    eval_obj = replace(obj, next_token_weight=0.0, suffix_fraction=0.0, confidence_weight=0.0)
+    eval_obj = replace(obj, next_token_weight=0.0, suffix_fraction=0.0, confidence_weight=0.0, full_block_fraction=0.0)
 
     def evaluate() -> float:
         model.eval()
@@ -616,9 +622,12 @@ def _objective(tm: TrainableModel, sizes: tuple[int, ...], cfg: TrainConfig) -> 
         tm.config[tm.family.context_key] = causal_context = True
     if cfg.suffix_fraction and block is None:
         raise TrainConfigError(f"suffix_fraction shapes the masks of blocks; {tm.family.name} is not block-causal")
+    if cfg.full_block_fraction and block is None:
+        raise TrainConfigError(f"full_block_fraction masks whole blocks; {tm.family.name} is not block-causal")
     return Objective(mask_id=tm.mask_id, block_sizes=block, shift=shift, causal_context=causal_context,
                      next_token_weight=cfg.next_token_weight if causal_context else 0.0,
-                     suffix_fraction=cfg.suffix_fraction, confidence_weight=cfg.confidence_weight)
+                     suffix_fraction=cfg.suffix_fraction, confidence_weight=cfg.confidence_weight,
+                     full_block_fraction=cfg.full_block_fraction)
 
 
 def _check_same_tokenizer(tok: Tokenizer, tokenizer_dir: Path, model_dir: Path) -> None:
