@@ -1,9 +1,11 @@
 """Batch pipelines on the built-in model (issue 33): offline `unmask batch` against the server's /v1/batches on
 the same file (items/s), and an interactive request's latency on an idle server against one running a batch.
 
-    python bench/batch_pipeline.py [--lines 200] [--max-tokens 16] [--max-num-seqs 16] [--probes 12]
+    python bench/batch_pipeline.py [--lines 200] [--max-tokens 16] [--max-num-seqs 16] [--probes 12] [--threads 1]
 
-Every request is a short chat line ("Classify: ...") decoded greedy. Both paths run the same route code
+Both sides run as subprocesses with the same OMP_NUM_THREADS (--threads): on 2 cores shared with other jobs,
+two torch threads made `unmask serve` 13x slower than one (1.2 against 16 lines/s, 2026-12-05), which would
+measure the machine, not the pipeline. Every request is a short chat line ("Classify: ...") decoded greedy. Both paths run the same route code
 (unmask.batch.execute); the server path adds SQLite writes, the client's polling and the batch in-flight bound
 (--batch-max-inflight at its default, three quarters of --max-num-seqs). The latency probes are sequential chat
 requests (max_tokens 16) sent first to the idle server, then while a batch of --lines * 4 lines runs. Prints a
@@ -25,9 +27,6 @@ from pathlib import Path
 
 import httpx
 import openai
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from unmask.batch.offline import run  # noqa: E402
 
 WORDS = "apple river stone cloud laptop violin tiger bread candle rocket".split()
 
@@ -89,14 +88,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--probes", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of both subprocesses")
     args = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="bench-batch-"))
     path = write(tmp / "in.jsonl", lines(args.lines, args.max_tokens))
-    result: dict = {"lines": args.lines, "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs}
+    result: dict = {"lines": args.lines, "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
+                    "threads": args.threads}
 
-    summary = run(path, tmp / "out.jsonl", max_num_seqs=args.max_num_seqs, progress=False)
-    result["offline_items_per_s"] = summary.requests_per_s
+    offline = subprocess.run([sys.executable, "-m", "unmask.cli", "batch", str(path), str(tmp / "out.jsonl"),
+                              "--max-num-seqs", str(args.max_num_seqs), "--no-progress"],
+                             capture_output=True, text=True, check=True)
+    # its last line: "N succeeded, ...; R requests/s" (model load excluded, as for the server below)
+    result["offline_items_per_s"] = float(offline.stderr.strip().splitlines()[-1].split("; ")[-1].split()[0])
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
