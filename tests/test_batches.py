@@ -312,3 +312,23 @@ def test_batch_lines_reach_the_engine_at_batch_priority(client, live, monkeypatc
     assert [p for p, _ in seen] == [BATCH_PRIORITY] * 3
     client.chat.completions.create(**chat_line("online")["body"])
     assert seen[-1][0] == 0   # an online request keeps the interactive priority
+
+
+def test_a_running_batch_takes_no_admission_slot(tmp_path):
+    """On a server that admits 2 requests in all, a running batch (2 lines in flight) leaves both to clients."""
+    app = start_app(tmp_path / "data", max_num_seqs=2, max_queue=0, embedding_model="off")
+    try:
+        app.wait_model()
+        client = app.client()
+        batch = client.batches.create(input_file_id=upload(client, [chat_line(f"r{i}", max_tokens=32)
+                                                                    for i in range(30)]),
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        while client.batches.retrieve(batch.id).request_counts.completed < 1:
+            time.sleep(0.05)
+        for i in range(3):   # a 429 here would raise openai.RateLimitError
+            assert client.chat.completions.create(**chat_line("online", f"Hi {i}.")["body"]).choices[0].message
+        assert client.batches.retrieve(batch.id).status == "in_progress"
+        client.batches.cancel(batch.id)
+        wait_for(client, batch.id, ("cancelled",))
+    finally:
+        app.stop()

@@ -334,10 +334,13 @@ class OpenAIServing:
         return fmt.response(states, self._usage(prompt_tokens, states))
 
     def _admit(self, n: int) -> None:
-        self.admission.acquire(n)   # 429 when they do not fit
+        # batch lines are bounded by the batch runner, not counted here: a batch never takes an interactive slot
+        if request_priority.get() == INTERACTIVE_PRIORITY:
+            self.admission.acquire(n)   # 429 when they do not fit
 
     def _release(self, n: int) -> None:
-        self.admission.release(n)
+        if request_priority.get() == INTERACTIVE_PRIORITY:
+            self.admission.release(n)
 
     async def _events(self, jobs: list[Job], t0: float) -> AsyncIterator[tuple[int, StepOutput]]:
         """Every job's engine events as (choice index, event). Closing it early aborts the jobs."""
