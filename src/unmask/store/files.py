@@ -68,6 +68,14 @@ class StoredFile:
                 "status": "processed", "status_details": None}
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _row(row) -> StoredFile:
     return StoredFile(row["id"], row["purpose"], row["filename"], row["bytes"], row["created_at"], row["expires_at"])
 
@@ -98,6 +106,7 @@ class FileStore:
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, self.dir / file_id)
+            _fsync_dir(self.dir)   # the rename itself survives a power loss before the row is written
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
