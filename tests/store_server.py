@@ -43,21 +43,27 @@ def start_app(data_dir: Path | None, **server_args) -> LiveApp:
 
     args = ServerArgs(model=default_model_path(), served_model_name="unmask-tiny", data_dir=data_dir, **server_args)
     app = create_app(args)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="test-store-server", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:   # the socket is up before the model is (files need no model)
-        try:
-            httpx.get(f"{url}/health", timeout=2)
-            break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    wait_health(url, ready=lambda status: True, alive=thread.is_alive, timeout=60)   # files need no model
     return LiveApp(url, app, server, thread)
+
+
+def wait_health(url: str, ready, alive, timeout: float = 120) -> None:
+    """Poll GET /health until `ready(status)` (the socket answering at all counts for some callers)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert alive(), "the server stopped"
+        try:
+            if ready(httpx.get(f"{url}/health", timeout=2).status_code):
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    pytest.fail(f"server at {url} not ready after {timeout} s")
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from store_server import start_app
+from store_server import start_app, wait_health
 
 MODEL = "unmask-tiny"
 
@@ -189,17 +189,8 @@ def serve(data_dir, port: int, log) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    pytest.fail("server not ready")
+def wait_healthy(url: str, proc: subprocess.Popen) -> None:
+    wait_health(url, ready=lambda status: status == 200, alive=lambda: proc.poll() is None)
 
 
 def test_batch_survives_kill_9_and_every_custom_id_lands_once(tmp_path):
