@@ -182,3 +182,16 @@ def test_embeddings_off_is_404():
     routes.start(app, "off")
     r = TestClient(app).post("/v1/embeddings", json={"model": "m", "input": "x"})
     assert r.status_code == 404 and "--embedding-model off" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--embedding-model", "/nonexistent/embedder"), "error: embedding model directory /nonexistent/embedder does not"),
+    (("--vector-store", "mysql://db"), "error: --vector-store must be a postgresql:// URL, got 'mysql://db'"),
+])
+def test_serve_refuses_bad_retrieval_flags_before_binding(args, message):
+    from typer.testing import CliRunner
+
+    from unmask.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--port", "1", *args])
+    assert r.exit_code == 1 and message in r.stderr, r.stderr
