@@ -6,7 +6,7 @@ some stores or files filters inside the index scan with pgvector's iterative sca
 relaxed_order`), so a selective filter still returns enough rows; results are then re-sorted exactly.
 Keywords are Postgres full-text search: a stored `tsvector` (`english` configuration) under a GIN index, the
 query's words ORed, ranked by `ts_rank_cd(..., 32)` (rank / (rank + 1)). That is not BM25: Postgres has no
-BM25, and the two keyword rankings differ (docs/retrieval.md).
+BM25, and `ts_rank_cd` weighs no word by its rarity, which costs recall (docs/benchmarks.md, issue 32 section).
 
 One connection per thread, autocommit; the table name carries the dimension, so two embedders never share one.
 """

@@ -1,0 +1,188 @@
+"""Retrieval quality on documents no one here wrote: recall@5 and MRR of keyword (BM25), vector and hybrid search.
+
+The set: every section of the held-out Python documentation files (data/corpus/heldout.jsonl, source `docs`)
+whose title has at least three words and is unique is a question; the query is the section's title, and the
+answer is that section. The index holds every section of every documentation file (held-out and training
+splits: thousands of distractors), with the titles removed from the text, so that a title never matches itself
+word for word. A section counts as found at rank r when one of its chunks is the r-th distinct section in the
+results. This asks "which section is about <topic>?", a fair stand-in for a user's question, but it is not a
+set of real questions: its figures compare the modes and settings here, not the absolute quality a user sees.
+
+    .venv/bin/python bench/retrieval.py [--chunking 800,400 --chunking 200,50] [--backend sqlite|postgres]
+
+Prints a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from unmask.retrieval.chunking import ChunkingStrategy, chunk_text  # noqa: E402
+from unmask.retrieval.encoder import DEFAULT_ENCODER_NAME, SentenceEncoder, default_encoder_path  # noqa: E402
+from unmask.retrieval.index import NewChunk  # noqa: E402
+
+UNDERLINE = re.compile(r"^([=\-~^*+#\"'`])\1{2,}\s*$")
+K = 5
+
+
+def sections(text: str) -> list[tuple[str, str]]:
+    """(title, body) of an RST document's sections: a title line over a line of one repeated punctuation
+    character at least as long (overlines are skipped)."""
+    lines = text.splitlines()
+    heads = [i for i in range(len(lines) - 1)
+             if lines[i].strip() and not UNDERLINE.match(lines[i]) and UNDERLINE.match(lines[i + 1])
+             and len(lines[i + 1].strip()) >= len(lines[i].strip())]
+    out = []
+    for n, i in enumerate(heads):
+        end = heads[n + 1] if n + 1 < len(heads) else len(lines)
+        body = "\n".join(line for line in lines[i + 2:end] if not UNDERLINE.match(line)).strip()
+        out.append((lines[i].strip(), body))
+    return out
+
+
+def load_set() -> tuple[list[dict], list[dict]]:
+    docs = []
+    for split in ("heldout", "train"):
+        for line in (ROOT / "data" / "corpus" / f"{split}.jsonl").open():
+            d = json.loads(line)
+            if d["source"] == "docs":
+                docs += [{"id": f"{d['path']}#{n}", "title": t, "body": b, "heldout": split == "heldout"}
+                         for n, (t, b) in enumerate(sections(d["text"])) if len(b) >= 200]
+    counts = Counter(s["title"].lower() for s in docs)
+    questions = [s for s in docs if s["heldout"] and len(s["title"].split()) >= 3 and counts[s["title"].lower()] == 1]
+    return docs, questions
+
+
+def open_backend(name: str, tmp: Path, dimension: int, pg):
+    if name == "sqlite":
+        from unmask.retrieval.sqlite_index import SQLiteIndex
+
+        return SQLiteIndex(tmp / "chunks.db", dimension)
+    import psycopg
+
+    from unmask.retrieval.pg_index import PostgresIndex
+
+    with psycopg.connect(pg.url, autocommit=True) as c:
+        c.execute(f"DROP TABLE IF EXISTS unmask_chunks_{dimension}")
+    return PostgresIndex(pg.url, dimension)
+
+
+def evaluate(index, encoder, questions, store: str) -> dict:
+    out = {}
+    qvecs = encoder.encode_texts([q["title"] for q in questions]).vectors
+    for mode in ("keyword", "vector", "hybrid"):
+        hits, rr, times = 0, 0.0, []
+        for q, v in zip(questions, qvecs):
+            t = time.perf_counter()
+            found = index.search([store], q["title"], v, 50, mode)
+            times.append(time.perf_counter() - t)
+            ranked = list(dict.fromkeys(h.file_id for h in found))
+            if q["id"] in ranked:
+                rank = ranked.index(q["id"]) + 1
+                hits += rank <= K
+                rr += 1 / rank
+        out[mode] = {"recall@5": hits / len(questions), "mrr": rr / len(questions),
+                     "p50_ms": sorted(times)[len(times) // 2] * 1000}
+    return out
+
+
+WORDS = re.compile(r"[a-z]{4,}")
+
+
+def answers(index, encoder, questions, store: str, count: int, model: str) -> dict:
+    """The built-in model's answers to `count` questions, with the file_search context (the top 3 hybrid results,
+    in the server's format) and without. Support: the share of an answer's words (4+ letters) that occur in the
+    gold section; a crude measure, reported with its baseline (no context) rather than as quality."""
+    from unmask.engine.llm import LLM
+    from unmask.engine.params import GenerationParams
+    from unmask.retrieval.file_search import FileSearch
+
+    llm = LLM(model, dtype="float32", device="cpu")
+    params = GenerationParams(max_tokens=64, policy="threshold", threshold=0.9, temperature=0.0)
+    support = {"without": [], "with": []}
+    for q in questions[:count]:
+        search = FileSearch({}, [store], 3, None, 0.0)
+        hits = index.search([store], q["title"], encoder.encode_texts([q["title"]]).vectors[0], 3, "hybrid")
+        search.results = [{"file_id": h.file_id, "filename": h.file_id, "text": h.text} for h in hits]
+        gold = set(WORDS.findall(q["body"].lower()))
+        for mode, system in (("without", None), ("with", search.context(len(hits)))):
+            question = f"What does the Python documentation say about: {q['title']}?"
+            messages = ([{"role": "system", "content": system}] if system else []) + \
+                [{"role": "user", "content": question}]
+            text = llm.generate([llm.chat_prompt(messages)], params)[0].text
+            words = WORDS.findall(text.lower())
+            support[mode].append(sum(w in gold for w in words) / len(words) if words else 0.0)
+    return {mode: sum(v) / len(v) for mode, v in support.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunking", action="append", help="MAX,OVERLAP tokens (repeatable; default 800,400)")
+    ap.add_argument("--backend", default="sqlite", choices=["sqlite", "postgres"])
+    ap.add_argument("--limit-docs", type=int, default=0, help="index only this many sections (0: all; a quick run)")
+    ap.add_argument("--answers", type=int, default=0, help="also answer this many questions with the built-in model, "
+                    "with and without the retrieved context (first chunking only)")
+    ap.add_argument("--model", default=str(ROOT / "src" / "unmask" / "assets" / "unmask-tiny"))
+    args = ap.parse_args()
+    if args.answers:   # imported first: the engine is needed only at the end
+        import unmask.engine.llm  # noqa: F401
+    encoder = SentenceEncoder.load(default_encoder_path(), DEFAULT_ENCODER_NAME)
+    docs, questions = load_set()
+    if args.limit_docs:
+        keep = {q["id"] for q in questions}
+        docs = [d for d in docs if d["id"] in keep] + [d for d in docs if d["id"] not in keep][:args.limit_docs]
+    print(f"{len(questions)} questions, {len(docs)} sections indexed", flush=True)
+    pg = None
+    if args.backend == "postgres":
+        from pg_server import start_postgres
+
+        pg = start_postgres()
+    rows = []
+    try:
+        for spec in args.chunking or ["800,400"]:
+            size, overlap = map(int, spec.split(","))
+            tmp = Path(tempfile.mkdtemp(prefix="unmask-bench-"))
+            index = open_backend(args.backend, tmp, encoder.dimension, pg)
+            t0, n_chunks = time.perf_counter(), 0
+            for d in docs:
+                _, spans = encoder.token_spans(d["body"])
+                chunks = chunk_text(d["body"], spans, ChunkingStrategy(size, overlap))
+                vectors = encoder.encode_texts([c.text for c in chunks]).vectors
+                index.add("bench", d["id"], [NewChunk(c.index, c.text, v) for c, v in zip(chunks, vectors)])
+                n_chunks += len(chunks)
+            ingest = time.perf_counter() - t0
+            result = evaluate(index, encoder, questions, "bench")
+            if args.answers and spec == (args.chunking or ["800,400"])[0]:
+                support = answers(index, encoder, questions, "bench", args.answers, args.model)
+                rows.append({"chunking": spec, "answers": args.answers, "support": support})
+                print(f"answer support (share of answer words found in the gold section), {args.answers} questions: "
+                      f"without file_search {support['without']:.3f}, with {support['with']:.3f}", flush=True)
+            index.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            for mode, m in result.items():
+                rows.append({"chunking": spec, "backend": args.backend, "mode": mode, **m})
+                print(f"{spec:>8s} {args.backend:8s} {mode:8s} recall@5 {m['recall@5']:.3f}  MRR {m['mrr']:.3f}  "
+                      f"search p50 {m['p50_ms']:.1f} ms", flush=True)
+            print(f"{spec:>8s} ingestion: {n_chunks} chunks in {ingest:.0f} s ({n_chunks / ingest:.1f} chunks/s, "
+                  "embedding included)", flush=True)
+            rows.append({"chunking": spec, "backend": args.backend, "chunks": n_chunks,
+                         "ingest_chunks_per_s": n_chunks / ingest})
+    finally:
+        if pg is not None:
+            pg.stop()
+            shutil.rmtree(pg.root, ignore_errors=True)
+    print(json.dumps({"bench": "retrieval", "questions": len(questions), "sections": len(docs), "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
