@@ -46,10 +46,10 @@ def one_by_one(llm, prompts, **knobs):
     return [llm.generate([p], GenerationParams(max_tokens=40, **knobs))[0] for p in prompts]
 
 
-@pytest.mark.parametrize("all_outcomes", [False, True])
-def test_greedy_output_is_next_token_decoding_in_fewer_forwards(llm, prompts, all_outcomes):
+@pytest.mark.parametrize("all_outcomes,block", [(False, None), (True, None), (False, 4)])
+def test_greedy_output_is_next_token_decoding_in_fewer_forwards(llm, prompts, all_outcomes, block):
     ref = one_by_one(llm, prompts, **AR)
-    got = one_by_one(llm, prompts, policy="speculative", draft_all_outcomes=all_outcomes)
+    got = one_by_one(llm, prompts, policy="speculative", draft_all_outcomes=all_outcomes, block_size=block)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in ref]
     tokens = sum(len(o.token_ids) for o in got)

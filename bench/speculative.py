@@ -1,0 +1,91 @@
+"""Self-speculative decoding (policy `speculative`) against the default policy, the model's own next-token decoding
+and the AR twin, batch 1, interleaved, on the model card's held-out next-line and infill tasks.
+
+Variants per unmask model: `next_token_greedy` (block 1, one token per forward: the output `speculative` must
+reproduce), `threshold_0.9` (the default), `speculative` (one draft block a step), `speculative_all` (a draft
+block per outcome) and `speculative_b4` (draft blocks of 4: a narrower forward, for CPUs); with --distilled the
+same five on a second model of the same tokenizer (e.g. one trained by `unmask distill --teacher-block-size 1
+--full-block-fraction F`); the AR twin through transformers `generate`.
+Rounds rotate the order per task (A B A B); speeds are medians over rounds with min-max, and ratios are taken
+within each round (benchlib.policies.run_section, the suite's policy section).
+
+    .venv/bin/python bench/speculative.py --threads 2 --json docs/bench/speculative-5m.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = [
+    ("next_token_greedy", "next-token rows, one token per forward (block 1)",
+     dict(policy="topk", tokens_per_step=1, block_size=1)),
+    ("threshold_0.9", "threshold 0.9 (default)", dict(policy="threshold", threshold=0.9)),
+    ("speculative", "self-speculative, one draft block", dict(policy="speculative")),
+    ("speculative_all", "self-speculative, a draft block per outcome", dict(policy="speculative",
+                                                                            draft_all_outcomes=True)),
+    ("speculative_b4", "self-speculative, draft blocks of 4", dict(policy="speculative", block_size=4)),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / "bench/models/unmask-tiny-5m")
+    ap.add_argument("--distilled", type=Path, default=None)
+    ap.add_argument("--twin", type=Path, default=ROOT / "bench/models/ar-twin")
+    ap.add_argument("--no-twin", action="store_true")
+    ap.add_argument("--corpus", type=Path, default=ROOT / "data/corpus")
+    ap.add_argument("--sft-heldout", type=Path, default=ROOT / "data/sft/heldout.jsonl")
+    ap.add_argument("--next-line", type=int, default=133)
+    ap.add_argument("--infill", type=int, default=59)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "bench"))
+    from benchlib import policies, twin
+
+    from unmask.engine.llm import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(args.model, dtype="float32", device="cpu")
+    if not policies.speculative_model(llm):
+        sys.exit(f"{args.model} has no causal context: policy speculative does not run on it")
+    variants = [policies.Variant(n, lbl, knobs) for n, lbl, knobs in VARIANTS]
+    if args.distilled is not None:
+        other = LLM(args.distilled, dtype="float32", device="cpu")
+        from unmask.engine.engine import Engine
+
+        other.engine = Engine(other.model, other.spec, other.tokenizer, max_num_seqs=1, prefix_cache_bytes=0)
+        variants += [policies.Variant(f"distilled:{n}", f"distilled: {lbl}", knobs, group="distilled", llm=other)
+                     for n, lbl, knobs in VARIANTS]
+    if not args.no_twin:
+        hf = twin.HFTwin(args.twin, dtype="float32")
+        variants.append(policies.Variant(hf.name, "AR twin, transformers generate (KV cache)", decoder=hf,
+                                         cache="KV (DynamicCache)", group="twin"))
+    tasks, info = policies.load_tasks(llm, args.corpus, args.sft_heldout, args.next_line, args.infill)
+    t0 = time.perf_counter()
+    results = policies.run_section(llm, variants, tasks, args.rounds, lambda m: print(m, flush=True))
+    print(f"{'variant':32} {'acc':>6} {'tok/fwd':>8} {'tok/s':>8} {'x next-token':>13} {'x default':>10}")
+    for n, r in results["variants"].items():
+        tpf, tps = r["tokens_per_forward"]["median"], r["tokens_per_s"]["median"]
+        vs_ar = r["speed_vs_baseline"]["median"]
+        vs_def = r.get("speed_vs_default", {}).get("median")
+        print(f"{n:32} {r['accuracy']:6.1%} {tpf:8.2f} {tps:8.1f} {vs_ar:13.2f} "
+              f"{'' if vs_def is None else f'{vs_def:10.2f}'}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"command": " ".join(sys.argv), "model": str(args.model), "distilled": str(args.distilled),
+               "threads": torch.get_num_threads(), "rounds": args.rounds, "tasks": info,
+               "seconds": time.perf_counter() - t0, "results": results}
+        args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
