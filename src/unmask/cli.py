@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from unmask.cli_util import check_output_file, check_utf8, fail
-from unmask.defaults import DEVICE_HELP, DTYPE_HELP
+from unmask.defaults import DEVICE_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -121,6 +121,7 @@ def generate(
                                           "model's chat_defaults penalties, as a chat request would)."),
     stats: bool = typer.Option(False, help="Print tokens, forwards, tokens per forward and tokens/s."),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
+    kv_cache_dtype: str = typer.Option("auto", help=KV_CACHE_DTYPE_HELP),
     device: str = typer.Option("auto", help=DEVICE_HELP),
 ):
     """Generate text for one prompt and print it."""
@@ -142,7 +143,7 @@ def generate(
                      dry_sequence_breakers=_breakers(dry_sequence_breaker))
         _params(**knobs)  # bad flags fail before the model loads
         check_utf8(prompt, "the prompt")
-        llm = LLM(model, dtype=dtype, device=device)
+        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
         params = _params(**_with_model_defaults(llm, knobs, chat=chat))  # --chat: a chat answer, as the server's
         ids = llm.chat_prompt([{"role": "user", "content": prompt}]) if chat else llm.encode(prompt)
         if not ids:
@@ -237,6 +238,8 @@ def evaluate_cmd(
     chat_limit: int = typer.Option(200, help="Held-out chat records for the chat-ending rate (0: skip)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
+    kv_cache_dtype: str = typer.Option("auto", help="Also the masked-token loss read through a KV cache of this "
+                                       "dtype (bfloat16 | float32; block-causal families): what the cache dtype costs."),
 ):
     """Held-out masked-token loss, next-line completion, single-line infill exact match and function-body
     continuation (valid Python so far, repetition), per policy; the share of held-out chat answers that
@@ -281,6 +284,14 @@ def evaluate_cmd(
                    "block_size": bs, "penalties": penalties, "sampling": sampling,
                    "masked_token_loss": masked_token_loss(llm, docs, bs), "tasks": []}
         typer.echo(f"masked-token loss (block {bs}): {results['masked_token_loss']:.3f}")
+        if kv_cache_dtype != "auto":
+            from unmask.engine.memory import resolve_kv_cache_dtype
+            from unmask.evaluation_cache import cached_masked_token_loss
+
+            cached = cached_masked_token_loss(llm, docs, bs, resolve_kv_cache_dtype(kv_cache_dtype))
+            results["cached_masked_token_loss"] = {"kv_cache_dtype": kv_cache_dtype, "loss": cached}
+            typer.echo(f"masked-token loss through a {kv_cache_dtype} KV cache: {cached:.5f} (the same rows and "
+                       f"noise: {results['masked_token_loss']:.5f} without a cache)")
         results["next_token_loss"] = next_token_loss(llm, docs)
         if results["next_token_loss"] is not None:
             typer.echo(f"next-token loss (causal attention): {results['next_token_loss']:.3f}")

@@ -11,3 +11,5 @@ def default_model_path() -> Path:
 DEVICE_HELP = "auto | cpu | cuda[:N] (default: UNMASK_DEVICE, else auto: cuda when available, else cpu)."
 DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (default: UNMASK_DTYPE, else auto: bfloat16 where the device "
               "computes it natively, i.e. CUDA or a CPU with AVX512-BF16 / AMX, float32 elsewhere).")
+KV_CACHE_DTYPE_HELP = ("auto | bfloat16 | float32: the KV cache's dtype (default auto: the weights'); bfloat16 halves "
+                       "a float32 cache's memory per token, attention reads it back in the compute dtype.")

@@ -23,3 +23,7 @@ class InvalidRequestError(UnmaskError, ValueError):
 
 class ContextLengthError(InvalidRequestError):
     """Prompt plus requested tokens exceed the model's context."""
+
+
+class MemoryLimitError(ContextLengthError):
+    """Prompt plus requested tokens need more KV cache than the memory free now holds (unmask.engine.memory)."""

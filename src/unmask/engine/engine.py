@@ -5,8 +5,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from unmask.decoding.dry import breaker_mask
 from unmask.decoding.policies import LEARNED, SPECULATIVE
+from unmask.engine import memory
 from unmask.engine.detokenizer import TextStream
 from unmask.engine.outputs import StepOutput
 from unmask.engine.params import GenerationParams
@@ -14,7 +17,7 @@ from unmask.engine.prefix_cache import PrefixCache, block_keys
 from unmask.engine.runner import ModelRunner
 from unmask.engine.scheduler import Scheduler
 from unmask.engine.sequence import ModelTraits, Sequence
-from unmask.errors import ContextLengthError, InvalidRequestError
+from unmask.errors import ContextLengthError, InvalidRequestError, MemoryLimitError
 from unmask.models.loader import ModelSpec
 from unmask.models.transformer import DiffusionTransformer
 from unmask.tokenizer import Tokenizer
@@ -36,8 +39,11 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: DiffusionTransformer, spec: ModelSpec, tokenizer: Tokenizer | None = None,
-                 max_num_seqs: int = 64, max_batch_tokens: int = 4096, prefix_cache_bytes: int = 256 << 20):
+                 max_num_seqs: int = 64, max_batch_tokens: int = 4096, prefix_cache_bytes: int = 256 << 20,
+                 kv_cache_dtype: torch.dtype | None = None):
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
+        self.kv_cache_dtype = kv_cache_dtype  # None: the weights' dtype
+        self.kv_bytes_per_token = model.new_cache(capacity=0, dtype=kv_cache_dtype).bytes_per_token()
         self.runner = ModelRunner(model)
         self.scheduler = Scheduler(max_num_seqs, max_batch_tokens)
         self.traits = ModelTraits(
@@ -80,6 +86,7 @@ class Engine:
             raise ContextLengthError(
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}){suffix} is {total} tokens, "
                 f"over this model's context of {self.traits.max_context}", "max_tokens")
+        self._check_memory(len(prompt_ids), params)
         block_causal = self.traits.attention == "block_causal" and self.spec.family.sequence_class is None
         params.check_model(self.traits.block_size, block_causal, self.traits.causal_context, self.spec.family.name)
         self.traits.check_canvas(len(prompt_ids), params)  # full_last_block: the whole last block must fit
@@ -109,6 +116,21 @@ class Engine:
         if params.structured is not None:
             self.structured_backend().compile(params.structured)  # 400 for what it cannot enforce
 
+    def _check_memory(self, n_prompt: int, params: GenerationParams) -> None:
+        """Refuses a request whose KV cache would not fit in the memory free now (bidirectional families without
+        a cache keep none); the message names how many tokens would."""
+        if self.traits.attention == "bidirectional" and (params.cache not in ("prefix", "dual") or params.suffix_ids):
+            return
+        total = n_prompt + params.max_tokens + len(params.suffix_ids)
+        room = memory.budget(self.kv_bytes_per_token, self.model.lm_head.weight.device)
+        if total > room.tokens:
+            dtype = str(self.kv_cache_dtype or self.model.lm_head.weight.dtype).removeprefix("torch.")
+            raise MemoryLimitError(
+                f"prompt ({n_prompt} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{memory.mib(total * self.kv_bytes_per_token)} of {dtype} KV cache, more than the "
+                f"{memory.mib(room.available)} of memory free now allows: at most {room.tokens} tokens "
+                f"(prompt plus max_tokens) would fit", "max_tokens")
+
     def add_request(self, prompt_ids: list[int], params: GenerationParams | None = None,
                     request_id: str | None = None) -> Sequence:
         params = params or GenerationParams()
@@ -137,7 +159,7 @@ class Engine:
             seq.dry_breakers = self.dry_breakers(seq.dry.breakers)
         if not (seq.bidirectional and seq.cache_mode == "none"):
             total = len(prompt_ids) + params.max_tokens + len(params.suffix_ids)
-            seq.cache = self.model.new_cache(capacity=min(total, 4096), max_capacity=total)
+            seq.cache = self.model.new_cache(capacity=min(total, 4096), max_capacity=total, dtype=self.kv_cache_dtype)
         if self.prefix_cache is not None:
             keys = block_keys(seq.prompt_ids[:seq.block_start], seq.B)
             seq.cached = self.prefix_cache.load(keys[:seq.prefill_limit // seq.B], seq.cache, seq.B)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from unmask.defaults import default_model_path
 from unmask.engine.engine import Engine
+from unmask.engine.memory import resolve_kv_cache_dtype
 from unmask.engine.outputs import RequestOutput, StepOutput
 from unmask.engine.params import GenerationParams
 from unmask.errors import InvalidRequestError, ModelLoadError
@@ -17,13 +18,15 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str | None = None, device: str = "auto",
-                 max_num_seqs: int = 64, max_batch_tokens: int = 4096, chat_template: str | None = None):
+                 max_num_seqs: int = 64, max_batch_tokens: int = 4096, chat_template: str | None = None,
+                 kv_cache_dtype: str | None = None):
         if model is None and not default_model_path().is_dir():
             raise ModelLoadError(f"the built-in model is not installed at {default_model_path()}; pass --model DIR")
         path = Path(model) if model is not None else default_model_path()
         self.model, self.spec = load_model(path, dtype=dtype, device=device)
         self.tokenizer = Tokenizer(self.spec.path, chat_template=chat_template)
-        self.engine = Engine(self.model, self.spec, self.tokenizer, max_num_seqs, max_batch_tokens)
+        self.engine = Engine(self.model, self.spec, self.tokenizer, max_num_seqs, max_batch_tokens,
+                             kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype))
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, (list, tuple)):

@@ -73,6 +73,11 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def bytes_per_token(self) -> int:
+        """K and V of one more position over the layers that keep every position (the cache's growth rate)."""
+        per = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * h * d * per for i, (h, d) in enumerate(self.shapes) if self._absolute(i))
+
 
 @dataclass
 class Segment:
@@ -264,6 +269,8 @@ def ragged_attention(q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch, lay
             cache.k[layer][:, span] = ks
             cache.v[layer][:, span] = vs
             ks, vs = cache.k[layer][:, : seg.num_keys], cache.v[layer][:, : seg.num_keys]
+            if ks.dtype != qs.dtype:  # a cache kept in another dtype (--kv-cache-dtype): attend in the compute dtype
+                ks, vs = ks.to(qs.dtype), vs.to(qs.dtype)
         outs.append(_attend_chunked(qs, ks, vs, seg, scale).transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 

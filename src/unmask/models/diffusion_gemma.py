@@ -365,6 +365,8 @@ class GemmaAttention(nn.Module):
             ck[:, seg.start - off:hi - off] = k
             cv[:, seg.start - off:hi - off] = v
             k, v = ck[:, lo - off:hi - off], cv[:, lo - off:hi - off]
+            if k.dtype != q.dtype:  # a cache kept in another dtype (--kv-cache-dtype)
+                k, v = k.to(q.dtype), v.to(q.dtype)
         if isinstance(mask, LongEncoder):
             return self._long_encoder(q, k, v, seg.start, lo, mask)
         return attend(q, k, v, mask)
@@ -671,10 +673,11 @@ class DiffusionGemmaLM(nn.Module):
         cap = self.cfg.softcap
         return torch.tanh(out / cap) * cap if cap else out
 
-    def new_cache(self, capacity: int = 256, max_capacity: int | None = None) -> "GemmaKVCache":
+    def new_cache(self, capacity: int = 256, max_capacity: int | None = None,
+                  dtype: torch.dtype | None = None) -> "GemmaKVCache":
         a, p = self.cfg, self.lm_head.weight
         return GemmaKVCache(list(zip(a.kv_heads, a.head_dims)), [t == SLIDING for t in a.layer_types],
-                            a.sliding_window, p.dtype, p.device, capacity, max_capacity)
+                            a.sliding_window, dtype or p.dtype, p.device, capacity, max_capacity)
 
 
 class GemmaKVCache(KVCache):

@@ -158,7 +158,10 @@ class DiffusionTransformer(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden).float()
 
-    def new_cache(self, capacity: int = 256, max_capacity: int | None = None) -> KVCache:
+    def new_cache(self, capacity: int = 256, max_capacity: int | None = None,
+                  dtype: torch.dtype | None = None) -> KVCache:
+        """dtype: the cache's (None: the weights'); attention reads it back in the compute dtype."""
         c = self.cfg
         p = self.lm_head.weight
-        return KVCache([(c.num_kv_heads, c.head_dim)] * c.num_layers, p.dtype, p.device, capacity, max_capacity)
+        return KVCache([(c.num_kv_heads, c.head_dim)] * c.num_layers, dtype or p.dtype, p.device, capacity,
+                       max_capacity)

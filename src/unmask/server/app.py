@@ -61,6 +61,7 @@ class ServerArgs:
     force_include_usage: bool = False
     chat_template: str | None = None     # template text (read from --chat-template FILE by the CLI)
     dtype: str | None = None
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     drain_timeout: float = 30.0
     embedding_model: str | None = None   # a directory, "off", or None: the packaged default (unmask.retrieval)
@@ -82,7 +83,7 @@ def load_serving(app: FastAPI, args: ServerArgs) -> None:
 
         t0 = time.perf_counter()
         llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                  chat_template=args.chat_template)
+                  chat_template=args.chat_template, kv_cache_dtype=args.kv_cache_dtype)
         if llm.tokenizer.has_chat_template:  # load the template's tokenizer now, not in the first chat request
             try:                              # (0.9 s with the built-in model on 2 CPU cores)
                 llm.tokenizer.apply_chat_template([{"role": "user", "content": "warm-up"}])

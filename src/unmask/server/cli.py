@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from unmask.defaults import DEVICE_HELP, DTYPE_HELP
+from unmask.defaults import DEVICE_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's levels
@@ -94,6 +94,7 @@ def serve(
                                              help="End every stream with a usage chunk, asked for or not."),
     dtype: Optional[str] = typer.Option(None, envvar="UNMASK_DTYPE",
                                         help=DTYPE_HELP),
+    kv_cache_dtype: str = typer.Option("auto", envvar="UNMASK_KV_CACHE_DTYPE", help=KV_CACHE_DTYPE_HELP),
     device: str = typer.Option("auto", envvar="UNMASK_DEVICE", help=DEVICE_HELP),
     served_model_name: Optional[str] = typer.Option(None, envvar="UNMASK_SERVED_MODEL_NAME",
                                                     help="Model id in the API (default: the directory name; for a "
@@ -141,6 +142,8 @@ def serve(
 
     if dtype is not None and dtype not in ("auto", *DTYPES):  # checked before the port is bound
         _fail(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+    if kv_cache_dtype not in ("auto", "bfloat16", "float32"):
+        _fail(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose one of auto, bfloat16, float32")
     from unmask.errors import UnmaskError
     from unmask.models.loader import check_device, load_spec, resolve_device
 
@@ -178,6 +181,7 @@ def serve(
                       device=device, drain_timeout=drain_timeout, max_file_bytes=max_file_bytes,
                       data_dir=_data_dir(data_dir), batch_max_inflight=batch_max_inflight)
     args.embedding_model, args.vector_store = embedding_model, vector_store
+    args.kv_cache_dtype = kv_cache_dtype
     app = create_app(args)
     server = _server_class(uvicorn)(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                                    timeout_graceful_shutdown=drain_timeout + ABORT_GRACE_S,

@@ -26,7 +26,7 @@ from unmask.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullEr
 from unmask.engine.llm import LLM
 from unmask.engine.outputs import StepOutput
 from unmask.engine.params import INTERACTIVE_PRIORITY, GenerationParams, sampling_defaults
-from unmask.errors import InvalidRequestError, UnmaskError
+from unmask.errors import ContextLengthError, InvalidRequestError, UnmaskError
 from unmask.server import chat_history, logsafe
 from unmask.server.admission import Admission
 from unmask.server.metrics import Metrics
@@ -109,8 +109,9 @@ def as_api_error(e: Exception) -> APIError:
         return e
     if isinstance(e, QueueFullError):
         return APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
-    if isinstance(e, InvalidRequestError):
-        return APIError(400, str(e), param=e.param)
+    if isinstance(e, InvalidRequestError):  # over the context, or over what memory holds (MemoryLimitError)
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+        return APIError(400, str(e), param=e.param, code=code)
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_dead")
     if isinstance(e, UnmaskError):
