@@ -240,6 +240,12 @@ def evaluate_cmd(
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     kv_cache_dtype: str = typer.Option("auto", help="Also the masked-token loss read through a KV cache of this "
                                        "dtype (bfloat16 | float32; block-causal families): what the cache dtype costs."),
+    needle: bool = typer.Option(False, "--needle", help="Run only the needle in a haystack: a passkey line at "
+                                "each depth of held-out text, at each length; exact match of the value."),
+    needle_lengths: str = typer.Option("1024,4096,16384,65536,131072", help="--needle prompt lengths in tokens."),
+    needle_depths: str = typer.Option("0,0.25,0.5,0.75,1", help="--needle depths, 0 (start) to 1 (end)."),
+    needle_trials: int = typer.Option(2, min=1, help="--needle prompts per length and depth."),
+    needle_policy: str = typer.Option("threshold_0.9", help="--needle decoding policy (one of the eval policies)."),
 ):
     """Held-out masked-token loss, next-line completion, single-line infill exact match and function-body
     continuation (valid Python so far, repetition), per policy; the share of held-out chat answers that
@@ -274,6 +280,8 @@ def evaluate_cmd(
     try:
         llm = LLM(model, dtype=dtype)
         docs = list(read_documents(held))
+        if needle:
+            return _needle(llm, docs, needle_lengths, needle_depths, needle_trials, needle_policy, json_out)
         bs = block_size or llm.spec.block_size
         flags = {"repetition_penalty": repetition_penalty, "frequency_penalty": frequency_penalty,
                  "dry_multiplier": dry_multiplier, "dry_sequence_breakers": _breakers(dry_sequence_breaker)}
@@ -327,6 +335,32 @@ def evaluate_cmd(
                            f"similarity {e.mean_similarity:.2f}{valid}")
     except UnmaskError as e:
         fail(str(e))
+    if json_out:
+        try:
+            json_out.write_text(json.dumps(results, indent=2))
+        except OSError as e:
+            fail(f"cannot write --json {json_out}: {e.strerror}")
+
+
+def _needle(llm, docs, lengths: str, depths: str, trials: int, policy: str, json_out: Optional[Path]) -> None:
+    import json
+
+    from unmask.evaluation import POLICIES
+    from unmask.evaluation_needle import report
+
+    if policy not in POLICIES:
+        fail(f"unknown --needle-policy {policy!r}; choose from {', '.join(POLICIES)}")
+    try:
+        sizes = [int(n) for n in lengths.split(",") if n.strip()]
+        fractions = [float(d) for d in depths.split(",") if d.strip()]
+    except ValueError:
+        fail(f"--needle-lengths takes token counts and --needle-depths fractions, got {lengths!r} and {depths!r}")
+    if not sizes or not fractions or min(sizes) < 32 or not all(0 <= d <= 1 for d in fractions):
+        fail("--needle-lengths must be token counts of at least 32 and --needle-depths fractions in [0, 1]")
+    results = report(llm, docs, sizes, fractions, trials, policy)
+    typer.echo(f"needle in a haystack ({policy}, {trials} per cell; * past the configured context of "
+               f"{results['configured_context']}): accuracy by depth and length")
+    typer.echo(results["table"])
     if json_out:
         try:
             json_out.write_text(json.dumps(results, indent=2))
