@@ -63,7 +63,7 @@ def load_set() -> tuple[list[dict], list[dict]]:
     return docs, questions
 
 
-def open_backend(name: str, tmp: Path, dimension: int, pg):
+def open_backend(name: str, tmp: Path, dimension: int, pg, idf: bool = True):
     if name == "sqlite":
         from unmask.retrieval.sqlite_index import SQLiteIndex
 
@@ -74,7 +74,7 @@ def open_backend(name: str, tmp: Path, dimension: int, pg):
 
     with psycopg.connect(pg.url, autocommit=True) as c:
         c.execute(f"DROP TABLE IF EXISTS unmask_chunks_{dimension}")
-    return PostgresIndex(pg.url, dimension)
+    return PostgresIndex(pg.url, dimension, idf=idf)
 
 
 def evaluate(index, encoder, questions, store: str) -> dict:
@@ -105,30 +105,36 @@ def answers(index, encoder, questions, store: str, count: int, model: str) -> di
     gold section; a crude measure, reported with its baseline (no context) rather than as quality."""
     from unmask.engine.llm import LLM
     from unmask.engine.params import GenerationParams
-    from unmask.retrieval.file_search import FileSearch
+    from unmask.retrieval.file_search import FileSearch, fit
 
     llm = LLM(model, dtype="float32", device="cpu")
     params = GenerationParams(max_tokens=64, policy="threshold", threshold=0.9, temperature=0.0)
     support = {"without": [], "with": []}
+    used: list[int] = []
     for q in questions[:count]:
         search = FileSearch({}, [store], 3, None, 0.0)
         hits = index.search([store], q["title"], encoder.encode_texts([q["title"]]).vectors[0], 3, "hybrid")
         search.results = [{"file_id": h.file_id, "filename": h.file_id, "text": h.text} for h in hits]
         gold = set(WORDS.findall(q["body"].lower()))
-        for mode, system in (("without", None), ("with", search.context(len(hits)))):
-            question = f"What does the Python documentation say about: {q['title']}?"
-            messages = ([{"role": "system", "content": system}] if system else []) + \
-                [{"role": "user", "content": question}]
+        question = [{"role": "user", "content": f"What does the Python documentation say about: {q['title']}?"}]
+        # as the server does: the excerpts that fit the context beside the prompt and the answer's budget
+        budget = llm.spec.max_context - len(llm.chat_prompt(question)) - params.max_tokens - 16
+        context = fit(search, lambda text: len(llm.tokenizer.encode(text)), budget)
+        used.append(search.used)
+        for mode, system in (("without", None), ("with", context)):
+            messages = ([{"role": "system", "content": system}] if system else []) + question
             text = llm.generate([llm.chat_prompt(messages)], params)[0].text
             words = WORDS.findall(text.lower())
             support[mode].append(sum(w in gold for w in words) / len(words) if words else 0.0)
-    return {mode: sum(v) / len(v) for mode, v in support.items()}
+    return {**{mode: sum(v) / len(v) for mode, v in support.items()}, "excerpts_given": sum(used) / len(used)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunking", action="append", help="MAX,OVERLAP tokens (repeatable; default 800,400)")
     ap.add_argument("--backend", default="sqlite", choices=["sqlite", "postgres"])
+    ap.add_argument("--pg-no-idf", action="store_true", help="Postgres keyword ranking without IDF weights (the "
+                    "plain ts_rank_cd it had first)")
     ap.add_argument("--limit-docs", type=int, default=0, help="index only this many sections (0: all; a quick run)")
     ap.add_argument("--answers", type=int, default=0, help="also answer this many questions with the built-in model, "
                     "with and without the retrieved context (first chunking only)")
@@ -152,7 +158,7 @@ def main() -> None:
         for spec in args.chunking or ["800,400"]:
             size, overlap = map(int, spec.split(","))
             tmp = Path(tempfile.mkdtemp(prefix="unmask-bench-"))
-            index = open_backend(args.backend, tmp, encoder.dimension, pg)
+            index = open_backend(args.backend, tmp, encoder.dimension, pg, not args.pg_no_idf)
             t0, n_chunks = time.perf_counter(), 0
             for d in docs:
                 _, spans = encoder.token_spans(d["body"])
@@ -166,7 +172,8 @@ def main() -> None:
                 support = answers(index, encoder, questions, "bench", args.answers, args.model)
                 rows.append({"chunking": spec, "answers": args.answers, "support": support})
                 print(f"answer support (share of answer words found in the gold section), {args.answers} questions: "
-                      f"without file_search {support['without']:.3f}, with {support['with']:.3f}", flush=True)
+                      f"without file_search {support['without']:.3f}, with {support['with']:.3f} "
+                      f"({support['excerpts_given']:.2f} of 3 excerpts fitted on average)", flush=True)
             index.close()
             shutil.rmtree(tmp, ignore_errors=True)
             for mode, m in result.items():

@@ -212,3 +212,29 @@ def test_adding_a_file_again_replaces_its_chunks(index, encoder):
     hits = _search(index, encoder, "second part", "keyword")
     assert (hits[0].file_id, hits[0].chunk_index, hits[0].text) == ("file-zip", 1, "second part")
     assert _search(index, encoder, "extractall", "keyword") == []
+
+
+def test_keyword_queries_with_tsquery_and_fts5_syntax_are_plain_words(index, encoder):
+    _fill(index, encoder)
+    for query in ("it's json's \\\\ a:b & !c | (d) * \"e\"", "NEAR(json dumps)", "json*"):
+        hits = _search(index, encoder, query, "keyword")
+        assert [h.file_id for h in hits][:1] in ([], ["file-json"]), (query, hits)
+    assert _search(index, encoder, "json's serialises", "keyword")[0].file_id == "file-json"
+
+
+def test_postgres_keyword_ranking_weighs_rare_words_more(postgres, encoder):
+    """With IDF, a chunk holding the query's rare word outranks one repeating its common word."""
+    import psycopg
+
+    from unmask.retrieval.pg_index import PostgresIndex
+
+    with psycopg.connect(postgres.url, autocommit=True) as c:
+        c.execute("DROP TABLE IF EXISTS unmask_chunks_384")
+    docs = {f"file-{i}": "module module module functions here" for i in range(8)}
+    docs["file-rare"] = "the zeugma module"
+    for idf, expected in ((True, "file-rare"), (False, "file-0")):
+        idx = PostgresIndex(postgres.url, encoder.dimension, idf=idf)
+        _fill(idx, encoder, "vs_idf" + str(idf), docs)
+        hits = idx.search(["vs_idf" + str(idf)], "module zeugma", None, 3, "keyword")
+        assert hits[0].file_id == expected, (idf, [(h.file_id, h.score) for h in hits])
+        idx.close()

@@ -5,12 +5,15 @@ Vectors are `vector(d)` columns under an HNSW index (cosine distance, `vector_co
 some stores or files filters inside the index scan with pgvector's iterative scans (0.8+, `hnsw.iterative_scan =
 relaxed_order`), so a selective filter still returns enough rows; results are then re-sorted exactly.
 Keywords are Postgres full-text search: a stored `tsvector` (`english` configuration) under a GIN index, the
-query's words ORed, ranked by `ts_rank_cd(..., 32)` (rank / (rank + 1)). That is not BM25: Postgres has no
-BM25, and `ts_rank_cd` weighs no word by its rarity, which costs recall (docs/benchmarks.md, issue 32 section).
+query's lexemes ORed. Postgres has no BM25, and its `ts_rank_cd` weighs no word by its rarity, which cost a third
+of keyword recall on the docs benchmark (docs/benchmarks.md, issue 32 section); so each lexeme's `ts_rank` is
+weighted by its BM25 IDF in the searched stores (`idf=False`: the plain `ts_rank_cd`, kept for comparison).
 
 One connection per thread, autocommit; the table name carries the dimension, so two embedders never share one.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -18,18 +21,23 @@ from unmask.errors import UnmaskError
 from unmask.retrieval.index import ChunkIndex, Connections, NewChunk
 
 
+def _quote(lexeme: str) -> str:
+    """A lexeme as one tsquery operand."""
+    return "'" + lexeme.replace("'", "''").replace("\\", "\\\\") + "'"
+
+
 def _vec(v: np.ndarray) -> str:
     return "[" + ",".join(f"{x:.7g}" for x in np.asarray(v, np.float32)) + "]"
 
 
 class PostgresIndex(ChunkIndex):
-    def __init__(self, url: str, dimension: int):
+    def __init__(self, url: str, dimension: int, idf: bool = True):
         try:
             import psycopg
         except ImportError:
             raise UnmaskError("--vector-store postgresql:// needs the psycopg package (pip install 'psycopg[binary]')")
         self._psycopg = psycopg
-        self.url, self.dimension = url, dimension
+        self.url, self.dimension, self.idf = url, dimension, idf
         self.table = f"unmask_chunks_{dimension}"
         self._conns = Connections(self._connect)
         c = self.conn
@@ -89,11 +97,34 @@ class PostgresIndex(ChunkIndex):
 
     def keyword(self, store_ids, words, limit, file_ids):
         where, args = self._where(store_ids, file_ids)
-        query = " or ".join(words)   # websearch syntax: `or` between words
+        if not self.idf:
+            query = " or ".join(words)   # websearch syntax: `or` between words
+            rows = self.conn.execute(
+                f"SELECT id, ts_rank_cd(tsv, q, 32) AS r FROM {self.table}, websearch_to_tsquery('english', %s) q "
+                f"WHERE tsv @@ q AND {where} ORDER BY r DESC, id LIMIT %s", (query, *args, limit)).fetchall()
+            return [(cid, float(r) / (1 - float(r)) if r < 1 else 1e9) for cid, r in rows]   # back to rank, >= 0
+        # each query lexeme's ts_rank weighted by its BM25 inverse document frequency in the searched stores,
+        # log(1 + (N - df + 0.5) / (df + 0.5)) (Robertson and Zaragoza 2009), so that rare words count more
+        lexemes = [r[0] for r in self.conn.execute(
+            "SELECT DISTINCT unnest(tsvector_to_array(to_tsvector('english', %s)))", (" ".join(words),))][:16]
+        if not lexemes:
+            return []
+        total = self.conn.execute(f"SELECT count(*) FROM {self.table} WHERE {where}", args).fetchone()[0]
+        weights = []
+        for lexeme in lexemes:
+            df = self.conn.execute(f"SELECT count(*) FROM {self.table} WHERE tsv @@ to_tsquery('simple', %s) "
+                                   f"AND {where}", (_quote(lexeme), *args)).fetchone()[0]
+            if df:
+                weights.append((lexeme, math.log(1 + (total - df + 0.5) / (df + 0.5))))
+        if not weights:
+            return []
+        score = " + ".join(f"%s * ts_rank(tsv, to_tsquery('simple', %s), 1)" for _ in weights)
+        params = [x for lexeme, w in weights for x in (w, _quote(lexeme))]
         rows = self.conn.execute(
-            f"SELECT id, ts_rank_cd(tsv, q, 32) AS r FROM {self.table}, websearch_to_tsquery('english', %s) q "
-            f"WHERE tsv @@ q AND {where} ORDER BY r DESC, id LIMIT %s", (query, *args, limit)).fetchall()
-        return [(cid, float(r) / (1 - float(r)) if r < 1 else 1e9) for cid, r in rows]   # back to rank, >= 0
+            f"SELECT id, ({score}) AS r FROM {self.table} WHERE tsv @@ to_tsquery('simple', %s) AND {where} "
+            f"ORDER BY r DESC, id LIMIT %s",
+            (*params, " | ".join(_quote(lexeme) for lexeme, _ in weights), *args, limit)).fetchall()
+        return [(cid, float(r)) for cid, r in rows]
 
     def vector(self, store_ids, query, limit, file_ids):
         where, args = self._where(store_ids, file_ids)
