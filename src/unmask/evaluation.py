@@ -263,6 +263,7 @@ POLICIES = {
     "next_token_greedy": dict(policy="topk", tokens_per_step=1, block_size=1),
     "speculative": dict(policy="speculative"),
     "speculative_all": dict(policy="speculative", draft_all_outcomes=True),
+    "speculative_b4": dict(policy="speculative", block_size=4),
 }
 
 
