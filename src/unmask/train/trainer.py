@@ -45,9 +45,8 @@ class TrainDivergedError(UnmaskError):
 
 # settings a resumed run must share with the checkpoint for its batches and noise to line up; the model itself
 # is compared by its architecture (_check_resume), since `cfg.model` only describes a fresh model
-_RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "sft_pack", "mix_fraction",
-                "objective", "causal_context", "next_token_weight", "suffix_fraction", "confidence_weight",
-                "full_block_fraction")
+_RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "sft_pack", "mix_fraction", "objective",
+                "causal_context", "next_token_weight", "suffix_fraction", "confidence_weight", "full_block_fraction")
 ON_ERROR = ("raise", "skip")
 # what an earlier run leaves in out_dir: a new run without resume or overwrite must not replace it
 _RUN_FILES = (CHECKPOINT, "model", "adapter")
@@ -124,10 +123,9 @@ class TrainConfig:
             raise TrainConfigError("resume continues the run in out_dir and overwrite starts it over: choose one")
         if self.objective not in ("diffusion", "causal"):
             raise TrainConfigError(f"objective must be 'diffusion' or 'causal', got {self.objective!r}")
-        if not 0.0 <= self.suffix_fraction <= 1.0:
-            raise TrainConfigError(f"suffix_fraction must be in [0, 1], got {self.suffix_fraction}")
-        if not 0.0 <= self.full_block_fraction <= 1.0:
-            raise TrainConfigError(f"full_block_fraction must be in [0, 1], got {self.full_block_fraction}")
+        for name in ("suffix_fraction", "full_block_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise TrainConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.next_token_weight < 0:
             raise TrainConfigError(f"next_token_weight must be >= 0, got {self.next_token_weight}")
         if not (math.isfinite(self.confidence_weight) and self.confidence_weight >= 0):
@@ -620,10 +618,9 @@ def _objective(tm: TrainableModel, sizes: tuple[int, ...], cfg: TrainConfig) -> 
                                    f"(unmask, from a causal base); {tm.family.name} "
                                    f"{'is not shifted' if tm.family.context_key and not shift else 'has no such form'}")
         tm.config[tm.family.context_key] = causal_context = True
-    if cfg.suffix_fraction and block is None:
-        raise TrainConfigError(f"suffix_fraction shapes the masks of blocks; {tm.family.name} is not block-causal")
-    if cfg.full_block_fraction and block is None:
-        raise TrainConfigError(f"full_block_fraction masks whole blocks; {tm.family.name} is not block-causal")
+    for name in ("suffix_fraction", "full_block_fraction"):
+        if getattr(cfg, name) and block is None:
+            raise TrainConfigError(f"{name} shapes the masks of blocks; {tm.family.name} is not block-causal")
     return Objective(mask_id=tm.mask_id, block_sizes=block, shift=shift, causal_context=causal_context,
                      next_token_weight=cfg.next_token_weight if causal_context else 0.0,
                      suffix_fraction=cfg.suffix_fraction, confidence_weight=cfg.confidence_weight,
