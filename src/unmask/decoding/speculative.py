@@ -52,7 +52,8 @@ def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
 def verify(drafts: Tensor, draft_probs: Tensor | None, target_probs: Tensor, greedy: bool,
            generator: torch.Generator | None) -> Verdict:
     """Accept a prefix of `drafts` [k] against the verifier's distributions `target_probs` [k + 1, V] (row i is the
-    distribution of the token at the position of drafts[i]; row k the one after the last draft).
+    distribution of the token at the position of drafts[i]; row k the one after the last draft; greedy: any rows
+    with the verifier's argmax, its logits too).
 
     Greedy: drafts are kept while they equal the verifier's argmax; then the argmax at the first difference (or
     after the last draft) is appended. Sampling: `draft_probs` [k, V] are the distributions the drafts were drawn

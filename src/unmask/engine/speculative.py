@@ -130,8 +130,10 @@ class SpeculativeSequence(Sequence):
         ban_early_stops(logits, plan.targets - self.P, self.params.min_tokens, self.stops)
         greedy = self.sampling.greedy
         verifier = logits[:k + 1]
-        verdict = verify(self.drafts[:k], None if greedy or k == 0 else self.draft_probs[:k],
-                         processed_probs(verifier, self.sampling), greedy, self.generator)
+        # greedy: the argmax of the logits is the rule's whole input (no [k + 1, V] one-hot on the step's path)
+        target = verifier if greedy else processed_probs(verifier, self.sampling)
+        verdict = verify(self.drafts[:k], None if greedy or k == 0 else self.draft_probs[:k], target, greedy,
+                         self.generator)
         a = verdict.accepted
         n = min(a + 1, self.end - f)
         tokens = verdict.tokens[:n].cpu()
@@ -165,9 +167,11 @@ class SpeculativeSequence(Sequence):
             self.drafts, self.draft_probs = torch.empty(0, dtype=torch.long), None
             return
         r, m = block
+        if self.sampling.greedy:
+            self.drafts, self.draft_probs = logits[r:r + m].argmax(-1).cpu(), None
+            return
         q = processed_probs(logits[r:r + m], self.sampling)
-        self.drafts = draw(q, self.generator).cpu() if not self.sampling.greedy else q.argmax(-1).cpu()
-        self.draft_probs = None if self.sampling.greedy else q
+        self.drafts, self.draft_probs = draw(q, self.generator).cpu(), q
 
     def snapshot(self) -> list[int]:
         """The committed output and the drafts waiting for the verifier."""
