@@ -13,9 +13,7 @@ fused score divided by its maximum 2 / 61 (a chunk first in both rankings scores
 from __future__ import annotations
 
 import re
-import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,28 +109,6 @@ class ChunkIndex(ABC):
                 rows[cid].score = float(score)
                 hits.append(rows[cid])
         return hits
-
-
-class Connections:
-    """One database connection per thread (neither sqlite3's nor psycopg's are shared between threads)."""
-
-    def __init__(self, connect: Callable[[], object]):
-        self._connect, self._local, self._all, self._lock = connect, threading.local(), [], threading.Lock()
-
-    def get(self):
-        conn = getattr(self._local, "conn", None)
-        if conn is None or getattr(conn, "closed", False):
-            conn = self._local.conn = self._connect()
-            with self._lock:
-                self._all.append(conn)
-        return conn
-
-    def close(self) -> None:
-        with self._lock:
-            for conn in self._all:
-                conn.close()
-            self._all.clear()
-        self._local = threading.local()
 
 
 def fuse(rankings: list[list[tuple[int, float]]]) -> dict[int, float]:

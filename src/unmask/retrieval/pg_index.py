@@ -18,7 +18,8 @@ import math
 import numpy as np
 
 from unmask.errors import UnmaskError
-from unmask.retrieval.index import ChunkIndex, Connections, NewChunk
+from unmask.retrieval.index import ChunkIndex, NewChunk
+from unmask.store.db import Connections
 
 
 def _quote(lexeme: str) -> str:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from unmask.retrieval.index import ChunkIndex, Connections, NewChunk
+from unmask.retrieval.index import ChunkIndex, NewChunk
+from unmask.store.db import Connections
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS chunks (

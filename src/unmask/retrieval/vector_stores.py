@@ -27,8 +27,9 @@ from unmask.retrieval.chunking import ChunkingStrategy, chunk_text
 from unmask.retrieval.encoder import SentenceEncoder
 from unmask.retrieval.extract import ExtractError, extract_text
 from unmask.retrieval.filters import matches
-from unmask.retrieval.index import ChunkIndex, Connections, Hit, NewChunk, open_index
+from unmask.retrieval.index import ChunkIndex, Hit, NewChunk, open_index
 from unmask.store import FileNotFound
+from unmask.store.db import Connections
 
 logger = logging.getLogger("unmask.retrieval")
 DB_NAME = "retrieval.db"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,30 +29,48 @@ def default_data_dir() -> Path:
     return Path(base) / "unmask"
 
 
+class Connections:
+    """One database connection per thread (neither sqlite3's nor psycopg's are shared between threads)."""
+
+    def __init__(self, connect: Callable[[], object]):
+        self._connect, self._local, self._all, self._lock = connect, threading.local(), [], threading.Lock()
+
+    def get(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is None or getattr(conn, "closed", False):
+            conn = self._local.conn = self._connect()
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+        self._local = threading.local()
+
+
 class Database:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
+        self._conns = Connections(self._connect)
         migrate(self.conn)
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                               timeout=BUSY_TIMEOUT_MS / 1000)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: a commit survives the process dying
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        return conn
 
     @property
     def conn(self) -> sqlite3.Connection:
         """This thread's connection (autocommit: a statement outside `transaction()` commits at once)."""
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                                   timeout=BUSY_TIMEOUT_MS / 1000)
-            conn.row_factory = sqlite3.Row
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: a commit survives the process dying
-            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            self._local.conn = conn
-            with self._lock:
-                self._all.append(conn)
-        return conn
+        return self._conns.get()
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -66,8 +84,4 @@ class Database:
         conn.execute("COMMIT")
 
     def close(self) -> None:
-        with self._lock:
-            for conn in self._all:
-                conn.close()
-            self._all.clear()
-        self._local = threading.local()
+        self._conns.close()
