@@ -190,7 +190,7 @@ def _format_outputs(text: str, finish: str, step: int = 3, logprobs: bool = Fals
     from unmask.engine.outputs import StepOutput
     from unmask.server.protocol import Usage
     from unmask.server.protocol_responses import ResponsesRequest
-    from unmask.server.serving import ChoiceState
+    from unmask.server.formats import ChoiceState
     from unmask.server.serving_responses import ResponsesFormat, to_chat_request
     from unmask.structured.tools import UNMASK, ChatPlan
     from unmask.tokenizer import Tokenizer

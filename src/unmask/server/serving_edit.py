@@ -25,7 +25,8 @@ from unmask.errors import ContextLengthError, InvalidRequestError
 from unmask.server.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, CompletionRequest, Delta, EditCompletionResponse,
                                     EditRequest, Usage)
-from unmask.server.serving import CompletionFormat, Disconnected, Job, OpenAIServing, request_priority, sse
+from unmask.server.formats import CompletionFormat, sse
+from unmask.server.serving import Disconnected, Job, OpenAIServing, request_priority
 from unmask.structured import StructuredSpec, from_request
 
 FIM_DEFAULT_MAX_TOKENS = 256     # a FIM request without max_tokens (also capped by --default-max-tokens)

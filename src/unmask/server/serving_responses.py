@@ -32,7 +32,8 @@ from unmask.retrieval import file_search
 from unmask.server.protocol_responses import (ResponseFileSearchCallItem, ResponseFunctionCallItem,
                                               ResponseMessageItem, ResponseObject, ResponseOutputText,
                                               ResponsesRequest, ResponseUsage)
-from unmask.server.serving import ChatFormat, ChoiceState, Disconnected, OpenAIServing, log_ignored_fields
+from unmask.server.formats import ChatFormat, ChoiceState
+from unmask.server.serving import Disconnected, OpenAIServing, log_ignored_fields
 from unmask.structured.tools import ToolParser, parse_tool_calls
 from unmask.tokenizer import IncrementalDecoder
 
