@@ -30,6 +30,7 @@ if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
 
 from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,6 +110,40 @@ new MutationObserver(() => {
     settled: f.querySelectorAll('.tok-settled').length, masked: f.dataset.masked});
 }).observe(document.body, {subtree: true, childList: true});
 """
+
+
+# every frame the page draws, as drawn: (class, text) of the denoising view's spans after each renderFrame call
+WATCH_RENDERS = """
+window.__rendered = [];
+const draw = window.renderFrame;
+window.renderFrame = (container, frame) => {
+  draw(container, frame);
+  window.__rendered.push([...container.children].map((c) => [c.className, c.textContent]));
+};
+"""
+# the request bodies the page sends
+WATCH_REQUESTS = """
+window.__bodies = [];
+const send = window.fetch;
+window.fetch = (url, options = {}) => {
+  if (options.body) window.__bodies.push(JSON.parse(options.body));
+  return send(url, options);
+};
+"""
+
+
+def stream_frames(server, path: str, body: dict) -> list[dict]:
+    """The `diffusing` frames of choice 0 of a streamed request, read over HTTP."""
+    frames = []
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True, "diffusing": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("diffusing", {}).get("index") == 0:
+                    frames.append(chunk["diffusing"])
+    return frames
 
 
 def test_page_is_served_without_a_key_and_asks_for_it_on_a_401(server, driver, tmp_path):
@@ -209,7 +244,13 @@ def test_fill_in_the_middle_highlights_the_infill(server, driver, tmp_path):
     screenshot(driver, "playground-fim", tmp_path)
     want = api(server, "/v1/fim/completions", {"model": "unmask-tiny", "prompt": prefix, "suffix": suffix,
                                                "max_tokens": 12, "temperature": 0})["choices"][0]["text"]
-    assert out.find_element(By.CSS_SELECTOR, "mark.infill").get_attribute("textContent") == want
+    mark = out.find_element(By.CSS_SELECTOR, "mark.infill")
+    assert mark.get_attribute("textContent") == want
+    # highlighted by more than colour: outlined and underlined, on a background the prefix and suffix lack
+    look = driver.execute_script("const s = getComputedStyle(arguments[0]), c = getComputedStyle(arguments[0].parentNode);"
+                                 "return [s.outlineStyle, s.textDecorationStyle, s.backgroundColor, c.backgroundColor]",
+                                 mark)
+    assert look[0] == "solid" and look[1] == "wavy" and look[2] != look[3], look
     code = out.find_element(By.CSS_SELECTOR, "code").get_attribute("textContent")
     assert code == prefix + want + suffix
 
@@ -231,6 +272,13 @@ def test_json_mode_validates_the_answer_against_the_schema(server, driver, tmp_p
         "return validate({name: 3}, {type: 'object', properties: {name: {type: 'string'}, "
         "kind: {enum: ['a', 'b']}}, required: ['name', 'age']}, '$')")
     assert problems == ["$.age is missing", "$.name is integer, not string"]
+
+    # an answer cut short by max_tokens is not JSON: the page says so
+    set_field(driver, "set-max-tokens", "2")
+    send(driver, "A person")
+    wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "#json-out[data-done]"), what="the short answer")
+    verdict = driver.find_element(By.ID, "json-valid")
+    assert "bad" in verdict.get_attribute("class") and verdict.text.startswith("✗ Not valid JSON"), verdict.text
 
 
 class PrefixProxy(ThreadingHTTPServer):
@@ -311,3 +359,127 @@ def test_markdown_rendering_escapes_html(server, driver):
     assert "<ul><li>one</li><li>two</li></ul>" in html
     assert '<pre class="code" data-lang="python">' in html and "if x &lt; 1:\n    print(&#39;&lt;b&gt;&#39;)" in html
     assert '<a href="https://example.org"' in html and 'href="javascript' not in html
+
+
+MASK = "\u2591"
+
+
+def marked(frame: dict) -> dict:
+    """What a frame marks, from its spans: the committed text, the edited text, the count of remasked positions."""
+    chars = list(frame["text"])
+    take = lambda spans, keep: "".join(chars[i] for a, b in spans for i in range(a, b) if keep(chars[i]))  # noqa: E731
+    return {"new": take(frame["committed"], lambda c: c != MASK),
+            "edit": take(frame["edited"], lambda c: c != MASK),
+            "remask": len(take(frame["edited"], lambda c: c == MASK)), "text": frame["text"]}
+
+
+def drawn(spans: list) -> dict:
+    """The same, read from the spans the page drew."""
+    text = lambda cls: "".join(t for c, t in spans if cls in c.split())  # noqa: E731
+    return {"new": text("tok-new"), "edit": text("tok-edit"), "remask": len(text("tok-remask")),
+            "text": "".join(t for _, t in spans)}
+
+
+def test_edited_and_remasked_tokens_are_marked_from_the_frames(server, driver, tmp_path):
+    """With an edit rule on (edit_threshold low, remask_budget), the page marks exactly the tokens each frame says
+    were replaced or put back to mask, in styles other than colour, and counts them under the answer."""
+    revise = {"edit_threshold": 0.2, "remask_budget": 4}
+    open_page(driver, server)
+    set_field(driver, "set-max-tokens", "40")
+    set_field(driver, "set-extra", json.dumps(revise))
+    driver.execute_script(WATCH_RENDERS)
+    send(driver, "Write a function that adds two numbers.")
+    msg = wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant[data-done]"), what="the answer")
+
+    want = stream_frames(server, "/v1/chat/completions", {
+        "model": "unmask-tiny", "max_tokens": 40, "temperature": 0, **revise,
+        "messages": [{"role": "user", "content": "Write a function that adds two numbers."}]})
+    edits = [f for f in want if marked(f)["edit"]]
+    remasks = [f for f in want if marked(f)["remask"]]
+    assert edits and remasks, "the server's frames show no edit or no remask: the test would check nothing"
+    assert all(f["text"][a:b] for f in want for a, b in f["edited"] + f["committed"])
+    rendered = driver.execute_script("return window.__rendered")
+    assert [drawn(r) for r in rendered] == [marked(f) for f in want]     # frame by frame, exactly
+
+    # told apart by more than colour: a frame with an edit (and a remask, where one has both) drawn again to look at
+    both = [f for f in edits if marked(f)["remask"]]
+    driver.execute_script("renderFrame(document.querySelector('.msg.assistant .frame'), arguments[0]);"
+                          "document.querySelector('.msg.assistant details.denoise').open = true;",
+                          (both or edits)[-1])
+    style = lambda sel, prop: driver.execute_script(  # noqa: E731
+        "return getComputedStyle(document.querySelector(arguments[0]))[arguments[1]]", sel, prop)
+    edit, new, mask = ".msg.assistant .frame .tok-edit", ".msg.assistant .frame .tok-new", ".msg.assistant .frame .tok-mask"
+    assert style(edit, "fontStyle") == "italic" and "wavy" in style(edit, "textDecorationStyle")
+    if driver.find_elements(By.CSS_SELECTOR, new):
+        assert style(new, "fontStyle") == "normal" and style(new, "fontWeight") == "700"
+    if driver.find_elements(By.CSS_SELECTOR, mask):
+        assert style(mask, "outlineStyle") == "dashed"
+    remask = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .frame .tok-remask")
+    if remask:
+        assert style(".msg.assistant .frame .tok-remask", "outlineStyle") == "double"
+        assert remask[0].get_attribute("title") == "put back to mask this step"
+    assert driver.find_element(By.CSS_SELECTOR, edit).get_attribute("title") == "edited this step"
+    screenshot(driver, "playground-edits", tmp_path)
+
+    last = want[-1]
+    stats = msg.find_element(By.CSS_SELECTOR, ".stats").get_attribute("textContent")
+    assert f"{last['edits']} edits" in stats and f"{last['remasks']} remasks" in stats, stats
+
+
+def test_settings_are_kept_across_reloads_and_sent(server, driver):
+    open_page(driver, server)
+    kept = {"set-effort": "low", "set-policy": "threshold", "set-threshold": "0.85", "set-block": "8",
+            "set-temperature": "0.5", "set-max-tokens": "6", "set-extra": '{"seed": 3, "ignore_eos": true}',
+            "system": "Be brief."}
+    for element_id, value in kept.items():
+        set_field(driver, element_id, value)
+    driver.find_element(By.ID, "set-diffusing").click()            # off: a checkbox is kept too
+    driver.refresh()
+    wait(driver, lambda d: d.find_element(By.ID, "status").text == "ready", what="the models after the reload")
+    for element_id, value in kept.items():
+        assert driver.find_element(By.ID, element_id).get_attribute("value") == value, element_id
+    assert not driver.find_element(By.ID, "set-diffusing").is_selected()
+    assert driver.find_element(By.ID, "set-model").get_attribute("value") == "unmask-tiny"
+    assert driver.execute_script("return localStorage.getItem('unmask.apiKey')") == KEY    # the key apart
+
+    # the kept settings are what the next request carries, and what the server did
+    driver.execute_script(WATCH_REQUESTS)
+    send(driver, "Hello")
+    msg = wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant[data-done]"), what="the answer")
+    body = driver.execute_script("return window.__bodies")[-1]
+    assert {k: body.get(k) for k in ("model", "reasoning_effort", "policy", "threshold", "block_size", "temperature",
+                                     "max_tokens", "seed", "ignore_eos")} == {
+        "model": "unmask-tiny", "reasoning_effort": "low", "policy": "threshold", "threshold": 0.85, "block_size": 8,
+        "temperature": 0.5, "max_tokens": 6, "seed": 3, "ignore_eos": True}
+    assert body["messages"][0] == {"role": "system", "content": "Be brief."} and "diffusing" not in body
+    assert "6 tokens" in msg.find_element(By.CSS_SELECTOR, ".stats").get_attribute("textContent")
+
+    # "Default settings" puts the page's defaults back, and they stay after a reload; the key stays
+    driver.find_element(By.ID, "default-settings").click()
+    driver.refresh()
+    wait(driver, lambda d: d.find_element(By.ID, "status").text == "ready", what="the models after the reset")
+    assert driver.find_element(By.ID, "set-max-tokens").get_attribute("value") == "256"
+    assert driver.find_element(By.ID, "set-extra").get_attribute("value") == ""
+    assert driver.find_element(By.ID, "set-diffusing").is_selected()
+    assert driver.execute_script("return localStorage.getItem('unmask.apiKey')") == KEY
+
+
+def test_keyboard_use_and_labels(server, driver):
+    open_page(driver, server)
+    unlabelled = driver.execute_script("""
+        return [...document.querySelectorAll('input, select, textarea')].filter((el) => !el.labels.length
+            && !el.getAttribute('aria-label')).map((el) => el.id);""")
+    assert unlabelled == []
+    tab = driver.find_element(By.ID, "tab-chat")
+    tab.send_keys(Keys.ARROW_RIGHT)                                  # arrow keys move between the mode tabs
+    assert driver.switch_to.active_element.get_attribute("id") == "tab-fim"
+    assert not driver.find_element(By.ID, "mode-fim").get_attribute("hidden")
+    driver.switch_to.active_element.send_keys(Keys.ARROW_LEFT)
+    assert driver.find_element(By.ID, "tab-chat").get_attribute("aria-selected") == "true"
+    set_field(driver, "set-max-tokens", "4")
+    box = driver.find_element(By.ID, "input")
+    box.send_keys("Hi", Keys.SHIFT, Keys.ENTER, Keys.SHIFT, "there")    # Shift+Enter: a new line, not sent
+    assert box.get_attribute("value") == "Hi\nthere" and not driver.find_elements(By.CSS_SELECTOR, ".msg.user")
+    box.send_keys(Keys.ENTER)                                         # Enter sends
+    wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant[data-done]"), what="the answer")
+    assert driver.find_element(By.CSS_SELECTOR, ".msg.user").text == "Hi\nthere"

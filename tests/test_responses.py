@@ -112,7 +112,8 @@ def test_diffusing_frames_as_events(server):
     frames = [d for _, d in events if d["type"] == "response.diffusing"]
     final = events[-1][1]["response"]["output"][0]["content"][0]["text"]
     assert frames and frames[0]["masked"] > 0 and "\u2591" in frames[0]["text"]
-    assert all(set(f) == {"type", "sequence_number", "index", "text", "masked", "forwards"} for f in frames)
+    assert all(set(f) == {"type", "sequence_number", "index", "text", "masked", "forwards", "committed", "edited"}
+               for f in frames)
     assert final.startswith(frames[-1]["text"].split("\u2591")[0])
 
 

@@ -464,6 +464,10 @@ class DiffusingFrame(ResponseModel):
     # with edit_threshold / remask_budget: committed tokens replaced / remasked so far (left out when neither is on)
     edits: int | None = None
     remasks: int | None = None
+    # [start, end) offsets in `text` (code points) of the tokens committed since the previous frame, and of those
+    # this step replaced or put back to mask (server/frames.py)
+    committed: list[list[int]] = []
+    edited: list[list[int]] = []
 
     _omit_if_none: ClassVar[frozenset[str]] = frozenset({"forwards", "edits", "remasks"})
 

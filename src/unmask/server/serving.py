@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from contextvars import ContextVar
 from dataclasses import dataclass
-from itertools import groupby
 
 from pydantic import BaseModel
 
@@ -30,6 +29,7 @@ from unmask.errors import ContextLengthError, InvalidRequestError, UnmaskError
 from unmask.server import chat_history, logsafe
 from unmask.server.admission import Admission
 from unmask.server.formats import ChatFormat, ChoiceState, CompletionFormat, _Format
+from unmask.server.frames import render_frame
 from unmask.server.metrics import Metrics
 from unmask.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, DiffusingFrame,
@@ -40,7 +40,6 @@ from unmask.structured.tools import ChatPlan, history_as_text, plan_chat, specia
 
 logger = logging.getLogger("unmask.server")
 
-MASK_PLACEHOLDER = "░"       # one per masked position in `diffusing` frames
 DISCONNECT_POLL_S = 0.1      # how often a non-streamed request checks that its client is still there
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -388,6 +387,7 @@ class OpenAIServing:
         try:
             yield ""  # admitted; the caller primes the stream up to here
             states = {job.index: ChoiceState() for job in jobs}
+            shown: dict[int, list[int]] = {}     # each choice's last `diffusing` snapshot
             for chunk in fmt.opening(sorted(states)):
                 yield fmt.frame(chunk)
             async with aclosing(self._events(jobs, t0)) as events:
@@ -399,8 +399,11 @@ class OpenAIServing:
                     if diffusing and out.snapshot is not None:
                         revised = ({"edits": out.edits, "remasks": out.remasks}
                                    if out.edits or out.remasks or out.edited else {})
-                        yield fmt.frame(fmt.diffusing(DiffusingFrame(index=index, **self._render(out.snapshot),
-                                                                     forwards=out.forwards, **revised)))
+                        view = render_frame(self.tok.decode, self.spec.mask_id, out.snapshot, shown.get(index),
+                                            out.edited or ())
+                        shown[index] = out.snapshot
+                        yield fmt.frame(fmt.diffusing(DiffusingFrame(index=index, **view, forwards=out.forwards,
+                                                                     **revised)))
             for chunk in fmt.closing(states, self._usage(prompt_tokens, states), include_usage):
                 yield fmt.frame(chunk)
             self.metrics.e2e.observe(time.perf_counter() - t0)
@@ -424,18 +427,6 @@ class OpenAIServing:
             yield fmt.frame(chunk)
 
     # ------------------------------------------------------------------ helpers
-    def _render(self, snapshot: list[int]) -> dict:
-        """Snapshot token ids as text; every masked position becomes one MASK_PLACEHOLDER."""
-        mask, parts, masked = self.spec.mask_id, [], 0
-        for is_mask, run in groupby(snapshot, key=lambda t: t == mask):
-            run = list(run)
-            if is_mask:
-                parts.append(MASK_PLACEHOLDER * len(run))
-                masked += len(run)
-            else:
-                parts.append(self.tok.decode(run))
-        return {"text": "".join(parts), "masked": masked}
-
     @staticmethod
     def _usage(prompt_tokens: int, states: dict[int, ChoiceState]) -> Usage:
         completion = sum(s.num_generated for s in states.values())

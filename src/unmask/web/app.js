@@ -167,6 +167,34 @@ function requestFields() {
   return body;
 }
 
+// Settings (and the system prompt) are kept in local storage on every change and restored on load; the API key
+// is kept apart (KEY_STORE), so "Default settings" leaves it.
+const SETTINGS_STORE = "unmask.settings";
+const KEPT = ["set-model", "set-effort", "set-policy", "set-threshold", "set-block", "set-temperature",
+              "set-max-tokens", "set-diffusing", "set-extra", "system"];
+let defaults = {};
+
+function readSettings() {
+  const out = {};
+  for (const id of KEPT) out[id] = $(id).type === "checkbox" ? $(id).checked : $(id).value;
+  return out;
+}
+
+function applySettings(values) {
+  for (const [id, v] of Object.entries(values)) {
+    if (!KEPT.includes(id)) continue;
+    const el = $(id);
+    if (el.type === "checkbox") el.checked = Boolean(v);
+    else if (el.tagName !== "SELECT" || [...el.options].some((o) => o.value === v)) el.value = v;
+  }
+}
+
+function storedSettings() {
+  try { return JSON.parse(localStorage.getItem(SETTINGS_STORE) || "{}") || {}; } catch (e) { return {}; }
+}
+
+function saveSettings() { localStorage.setItem(SETTINGS_STORE, JSON.stringify(readSettings())); }
+
 async function loadModels() {
   try {
     const resp = await api("v1/models");
@@ -178,6 +206,8 @@ async function loadModels() {
       opt.value = opt.textContent = m.id;
       select.append(opt);
     }
+    const kept = storedSettings()["set-model"];
+    if (kept) applySettings({ "set-model": kept });   // the model kept from last time, if still served
     setStatus("ready");
   } catch (e) {
     setStatus(`models: ${e.message}`);
@@ -187,35 +217,46 @@ async function loadModels() {
 function setStatus(text) { $("status").textContent = text; }
 
 // ------------------------------------------------------------------------------------------ denoising view
-// Each frame is the choice's whole current text with "░" per masked token. Text shared with the previous
-// frame at the start and at the end is settled; in between, a character where the previous frame had a
-// different committed character was edited (self-correction), any other unmasked one was committed this step.
-function renderFrame(container, text, prev) {
-  let head = 0;
-  const max = Math.min(text.length, prev.length);
-  while (head < max && text[head] === prev[head] && text[head] !== MASK) head++;
-  let tail = 0;
-  while (tail < max - head && text[text.length - 1 - tail] === prev[prev.length - 1 - tail]
-         && text[text.length - 1 - tail] !== MASK) tail++;
-  const frag = document.createDocumentFragment();
-  const add = (cls, s) => {
-    if (!s) return;
-    const span = document.createElement("span");
-    span.className = `tok ${cls}`;
-    span.textContent = s;
-    frag.append(span);
+// Each frame is the choice's whole current text with "░" per masked token, and the spans (code-point offsets in
+// that text) of the tokens committed this step and of those this step revised: replaced by an edit, or put back
+// to mask (docs/server.md). Everything else that is not masked was committed earlier (settled).
+function frameStates(frame) {
+  const chars = Array.from(frame.text);       // code points, as the server counts offsets
+  const states = chars.map((ch) => ch === MASK ? "mask" : "settled");
+  const mark = (spans, kind) => {
+    for (const [start, end] of spans || []) {
+      for (let i = Math.max(start, 0); i < Math.min(end, chars.length); i++) {
+        states[i] = kind === "edit" && chars[i] === MASK ? "remask" : kind;
+      }
+    }
   };
-  add("tok-settled", text.slice(0, head));
-  const end = text.length - tail, prevEnd = prev.length - tail;
-  let run = "", runCls = "";
-  for (let i = head; i < end; i++) {
-    const ch = text[i], before = i < prevEnd ? prev[i] : MASK;
-    const cls = ch === MASK ? "tok-mask" : before !== MASK && before !== ch ? "tok-edit" : "tok-new";
-    if (cls !== runCls || cls === "tok-mask") { add(runCls, run); run = ""; runCls = cls; }
+  mark(frame.committed, "new");
+  mark(frame.edited, "edit");
+  return { chars, states };
+}
+
+const TOKEN_TITLES = { mask: "masked", new: "committed this step", edit: "edited this step",
+                       remask: "put back to mask this step" };
+
+function renderFrame(container, frame) {
+  const { chars, states } = frameStates(frame);
+  const frag = document.createDocumentFragment();
+  let run = "", runState = null;
+  const flush = () => {
+    if (!run) return;
+    const span = document.createElement("span");
+    span.className = `tok tok-${runState}`;
+    if (TOKEN_TITLES[runState]) span.title = TOKEN_TITLES[runState];
+    span.textContent = run;
+    frag.append(span);
+    run = "";
+  };
+  chars.forEach((ch, i) => {
+    // masks stay one span each (one box per masked token); other states group into runs
+    if (states[i] !== runState || states[i] === "mask" || states[i] === "remask") { flush(); runState = states[i]; }
     run += ch;
-  }
-  add(runCls, run);
-  add("tok-settled", text.slice(end));
+  });
+  flush();
   container.replaceChildren(frag);
   container.scrollTop = container.scrollHeight;   // the active block is at the end
 }
@@ -263,7 +304,7 @@ function showStats(parts, s) {
 
 // Streams one request; onText(fullText) on each content delta. Returns the final text.
 async function stream(path, body, parts, onText) {
-  const s = { t0: performance.now(), frames: 0, tokens: null, finish: null, prevFrame: "" };
+  const s = { t0: performance.now(), frames: 0, tokens: null, finish: null };
   let text = "";
   state.controller = new AbortController();
   setBusy(true);
@@ -275,9 +316,8 @@ async function stream(path, body, parts, onText) {
       if (chunk.error) throw new Error(chunk.error.message || "error");
       if (chunk.diffusing && chunk.diffusing.index === 0) {
         s.frames = chunk.diffusing.forwards ?? s.frames + 1;  // the server's count, prefill included
-        renderFrame(parts.frame, chunk.diffusing.text, s.prevFrame);
+        renderFrame(parts.frame, chunk.diffusing);
         parts.frame.dataset.masked = String(chunk.diffusing.masked);
-        s.prevFrame = chunk.diffusing.text;
         if (chunk.diffusing.edits !== undefined) s.edits = chunk.diffusing.edits;     // with self-correction on
         if (chunk.diffusing.remasks !== undefined) s.remasks = chunk.diffusing.remasks;
       }
@@ -340,6 +380,7 @@ async function sendChat(fields) {
 async function sendFim(fields) {
   const prefix = $("fim-prefix").value, suffix = $("fim-suffix").value;
   const out = $("fim-out");
+  delete out.dataset.done;
   out.replaceChildren();
   out.innerHTML = '<div class="body"><pre class="code"><code></code></pre></div>';
   const parts = assistantParts(out);
@@ -363,6 +404,7 @@ async function sendJson(fields) {
     verdict.className = "validity bad"; verdict.textContent = `The schema is not JSON: ${e.message}`; return;
   }
   const out = $("json-out");
+  delete out.dataset.done;
   out.innerHTML = '<div class="body"><pre class="code"><code></code></pre></div>';
   verdict.className = "validity"; verdict.textContent = "";
   const parts = assistantParts(out);
@@ -464,6 +506,17 @@ function init() {
       setMode(next.dataset.mode);
       next.focus();
     });
+  });
+  defaults = readSettings();
+  applySettings(storedSettings());
+  for (const id of KEPT) {
+    $(id).addEventListener("input", saveSettings);
+    $(id).addEventListener("change", saveSettings);
+  }
+  $("default-settings").addEventListener("click", () => {
+    localStorage.removeItem(SETTINGS_STORE);
+    applySettings(defaults);
+    setStatus("default settings");
   });
   setMode("chat");
   setBusy(false);
