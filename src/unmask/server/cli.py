@@ -120,6 +120,15 @@ def serve(
                                                     "stores' chunks (default: SQLite in the data directory)."),
     log_level: str = typer.Option("info", envvar="UNMASK_LOG_LEVEL",
                                   help="critical | error | warning | info | debug | trace."),
+    on_ray: bool = typer.Option(False, "--ray", envvar="UNMASK_RAY",
+                                help="Serve engine replicas on a Ray cluster behind this endpoint (docs/scale-out.md)."),
+    replicas: int = typer.Option(1, min=1, envvar="UNMASK_REPLICAS", help="With --ray: engine replicas."),
+    autoscale: Optional[str] = typer.Option(None, envvar="UNMASK_AUTOSCALE", metavar="MIN,MAX",
+                                            help="With --ray: autoscale between MIN and MAX replicas on queue length."),
+    num_cpus: float = typer.Option(1.0, min=0, envvar="UNMASK_NUM_CPUS", help="With --ray: CPUs per replica."),
+    num_gpus: float = typer.Option(0.0, min=0, envvar="UNMASK_NUM_GPUS", help="With --ray: GPUs per replica."),
+    address: Optional[str] = typer.Option(None, envvar="UNMASK_RAY_ADDRESS",
+                                          help="With --ray: the cluster to join (default: start a local one)."),
 ):
     """Serve a model over an OpenAI-compatible HTTP API."""
     import logging
@@ -182,6 +191,10 @@ def serve(
                       data_dir=_data_dir(data_dir), batch_max_inflight=batch_max_inflight)
     args.embedding_model, args.vector_store = embedding_model, vector_store
     args.kv_cache_dtype = kv_cache_dtype
+    if on_ray:
+        from unmask.cluster.cli import serve_on_ray
+
+        return serve_on_ray(args, host, port, root_path, address, replicas, autoscale, num_cpus, num_gpus)
     app = create_app(args)
     server = _server_class(uvicorn)(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                                    timeout_graceful_shutdown=drain_timeout + ABORT_GRACE_S,

@@ -1,0 +1,113 @@
+"""Joining or starting a Ray cluster, and deploying `unmask serve --ray` on it (docs/scale-out.md)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from unmask.cluster import ClusterError, require_ray
+
+APP_NAME = "unmask"
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")
+
+
+@dataclass
+class Scale:
+    replicas: int = 1
+    autoscale: tuple[int, int] | None = None     # (min, max) replicas; None: a fixed `replicas`
+    num_cpus: float = 1.0                        # per replica
+    num_gpus: float = 0.0
+
+    @property
+    def threads(self) -> int:
+        """Torch threads per replica: its whole CPUs, at least one."""
+        return max(1, int(self.num_cpus))
+
+
+def parse_autoscale(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(",")
+    try:
+        low, high = int(lo), int(hi)
+    except ValueError:
+        raise ClusterError(f"--autoscale takes MIN,MAX replicas (e.g. 1,4), got {text!r}") from None
+    if not sep or low < 0 or high < 1 or low > high:
+        raise ClusterError(f"--autoscale takes MIN,MAX replicas with 0 <= MIN <= MAX and MAX >= 1, got {text!r}")
+    return low, high
+
+
+def runtime_env() -> dict:
+    """The offline switches reach the replicas on every node, whatever their raylet's environment."""
+    return {"env_vars": {k: os.environ.get(k, "false" if k == "TOKENIZERS_PARALLELISM" else "1")
+                         for k in OFFLINE_ENV}}
+
+
+def connect(address: str | None, num_cpus: int | None = None) -> bool:
+    """Join the cluster at `address`, or start a local one (loopback only). True if this call started it."""
+    require_ray()
+    import ray
+
+    if ray.is_initialized():
+        return False
+    try:
+        if address:
+            ray.init(address=address, runtime_env=runtime_env(), logging_level="WARNING")
+            return False
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env(), logging_level="WARNING")
+        return True
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+        raise ClusterError(f"cannot join {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def build(args, scale: Scale, app_name: str = APP_NAME):
+    """The Serve application: one ingress, and engine replicas routed by routing.AffinityRouter."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from unmask.cluster.ingress import Ingress
+    from unmask.cluster.replica import EngineReplica
+    from unmask.cluster.routing import AffinityRouter
+
+    engine_args = dataclasses.replace(args, api_keys=[], cors_origins=[])   # the ingress checks both
+    options = {"ray_actor_options": {"num_cpus": scale.num_cpus, "num_gpus": scale.num_gpus},
+               # unmask's own admission answers 429 past its queue: Ray Serve must not queue in front of it
+               "max_ongoing_requests": args.max_num_seqs + args.max_queue + 1,
+               "request_router_config": RequestRouterConfig(request_router_class=AffinityRouter),
+               "graceful_shutdown_timeout_s": args.drain_timeout + 5, "health_check_period_s": 2.0}
+    if scale.autoscale is not None:
+        low, high = scale.autoscale
+        options["autoscaling_config"] = {"min_replicas": low, "max_replicas": high, "initial_replicas": max(low, 1),
+                                         "target_ongoing_requests": args.max_num_seqs}
+    else:
+        options["num_replicas"] = scale.replicas
+    engine = serve.deployment(EngineReplica, name="Engine", **options)
+    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=100_000)
+    return ingress.bind(engine.bind(engine_args, scale.threads), args)
+
+
+def deploy(args, scale: Scale, host: str, port: int, app_name: str = APP_NAME) -> None:
+    """Start Serve's HTTP proxy on host:port (head node only) and run the application until it is ready."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+    try:
+        serve.run(build(args, scale, app_name), name=app_name, route_prefix="/")
+    except RuntimeError as e:
+        raise ClusterError(f"the application did not start: {str(e).splitlines()[0]}") from None
+
+
+def undeploy(app_name: str = APP_NAME, stop_serve: bool = False) -> None:
+    """Remove the application (its replicas drain), its metrics board, and Serve itself if we started it."""
+    import ray
+    from ray import serve
+
+    from unmask.cluster.replica import board_name
+
+    serve.delete(app_name)
+    try:
+        ray.kill(ray.get_actor(board_name(app_name), namespace="unmask"))
+    except ValueError:
+        pass
+    if stop_serve:
+        serve.shutdown()

@@ -1,0 +1,144 @@
+"""One engine replica of `unmask serve --ray`: the whole `unmask serve` app (routes, error envelopes, admission,
+metrics, the model) in a Ray Serve replica, answering the requests the ingress forwards.
+
+`forward` runs one HTTP request through the app as ASGI in this process and streams the response back: first a
+head `{"status", "headers", "body", "more", "replica"}` holding the first body bytes, then the rest of the body
+in pieces as the app sends them (one SSE frame or more each). When the caller goes away (the client
+disconnected, the ingress dropped the stream), the app's `receive` answers `http.disconnect`, as uvicorn would,
+so the serving code cancels the engine requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import ray
+from ray import serve
+
+logger = logging.getLogger("unmask.cluster")
+
+PUBLISH_EVERY_S = 1.0        # how often a replica posts its /metrics text to the board
+
+
+@ray.remote(num_cpus=0)
+class MetricsBoard:
+    """The latest /metrics text of every engine replica (the ingress cannot reach replicas one by one)."""
+
+    def __init__(self):
+        self.texts: dict[str, tuple[float, bytes]] = {}
+
+    def post(self, replica: str, text: bytes) -> None:
+        self.texts[replica] = (time.time(), text)
+
+    def drop(self, replica: str) -> None:
+        self.texts.pop(replica, None)
+
+    def read(self, max_age_s: float) -> dict[str, bytes]:
+        now = time.time()
+        return {r: text for r, (t, text) in self.texts.items() if now - t <= max_age_s}
+
+
+def board_name(app_name: str) -> str:
+    return f"unmask-metrics-{app_name}"
+
+
+class EngineReplica:
+    async def __init__(self, args, threads: int):
+        import torch
+
+        from unmask.server.app import create_app
+
+        torch.set_num_threads(max(1, threads))
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id
+        rank = getattr(ctx.rank, "rank", ctx.rank)
+        if args.data_dir is not None:   # one database per replica rank: a replacement resumes its batches
+            args = dataclasses.replace(args, data_dir=args.data_dir / f"replica-{rank}")
+        self.app = create_app(args)
+        self._lifespan = contextlib.AsyncExitStack()
+        await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
+        state = self.app.state
+        from unmask.retrieval import routes as retrieval
+
+        while (state.serving is None or retrieval.loading(state)) and not state.load_error:
+            await asyncio.sleep(0.05)
+        if state.load_error:
+            raise RuntimeError(f"cannot load the model: {state.load_error}")
+        self._board = MetricsBoard.options(name=board_name(ctx.app_name), namespace="unmask", get_if_exists=True,
+                                           lifetime="detached").remote()
+        self._publisher = asyncio.create_task(self._publish())
+        logger.info("engine replica %s (rank %s) ready", self.replica_id, rank)
+
+    async def _publish(self) -> None:
+        while True:
+            try:
+                await self._board.post.remote(self.replica_id, self.app.state.metrics.render())
+            except ray.exceptions.RayError as e:   # the board went away with the app; keep serving
+                logger.debug("metrics board: %s", e)
+            await asyncio.sleep(PUBLISH_EVERY_S)
+
+    def check_health(self) -> None:
+        """Ray Serve calls this periodically; a dead engine loop gets the replica replaced."""
+        if not self.app.state.serving.engine.is_alive:
+            raise RuntimeError("the engine loop has stopped")
+
+    async def forward(self, request: dict[str, Any], affinity: str | None = None):
+        """One HTTP request (`method`, `path`, `query`, `headers` as byte pairs, `body`) through the app."""
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": request["method"], "scheme": "http", "path": request["path"],
+                 "raw_path": request["path"].encode(), "root_path": "", "query_string": request["query"],
+                 "headers": request["headers"], "client": request.get("client"), "server": None, "state": {}}
+        messages: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        body_sent = False
+
+        async def receive() -> dict:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": request["body"], "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def run() -> None:
+            try:
+                await self.app(scope, receive, messages.put)
+            finally:
+                messages.put_nowait(None)
+
+        task = asyncio.create_task(run())
+        try:
+            head = None
+            while True:
+                message = await messages.get()
+                if message is None:
+                    break
+                if message["type"] == "http.response.start":
+                    head = {"status": message["status"], "headers": message.get("headers", []),
+                            "replica": self.replica_id}
+                    continue
+                if message["type"] != "http.response.body":
+                    continue
+                more = message.get("more_body", False)
+                if head is not None:
+                    head.update(body=message.get("body", b""), more=more)
+                    yield head
+                    head = None
+                elif message.get("body"):
+                    yield message["body"]
+                if not more:
+                    break
+        finally:
+            gone.set()   # the app sees the client go (a no-op once it has answered)
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(task, 5.0)
+
+    async def __del__(self):
+        self._publisher.cancel()
+        with contextlib.suppress(Exception):
+            self._board.drop.remote(self.replica_id)
+        await self._lifespan.aclose()   # drains the engine (--drain-timeout), as unmask serve does on shutdown

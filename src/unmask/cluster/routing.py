@@ -1,0 +1,89 @@
+"""Which engine replica answers a request: the shortest queue, except that requests sharing a prompt prefix (the
+turns of one chat session, completions of one long prompt) prefer the same replica, so its prefix cache keeps
+hitting.
+
+`affinity_key` runs in the ingress on the raw body; `AffinityRouter` is the Ray Serve request router of the engine
+deployment (it runs inside whoever holds the handle: the ingress). The preferred replica of a key is chosen by
+rendezvous hashing (highest hash of key and replica id), so when a replica comes or goes only its own keys move.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+PREFIX_CHARS = 512            # a completions prompt's affinity: its first characters
+STATE_KEY = "state"           # the stateful APIs (files, batches, vector stores): always one replica
+STATE_PREFIXES = ("/v1/files", "/v1/batches", "/v1/vector_stores")
+
+
+def _chat_prefix(messages: Any) -> Any:
+    """The messages up to and including the first user message: the same on every turn of one conversation."""
+    if not isinstance(messages, list):
+        return None
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "user":
+            return messages[:i + 1]
+    return messages[:1]
+
+
+def affinity_key(path: str, body: bytes) -> str | None:
+    """A short hash naming the prompt prefix of a request, or None (no preference: shortest queue)."""
+    if path.startswith(STATE_PREFIXES):
+        return STATE_KEY
+    if not body or not path.startswith("/v1/"):
+        return None
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    explicit = obj.get("prompt_cache_key")   # OpenAI's name for exactly this hint
+    if isinstance(explicit, str) and explicit:
+        prefix: Any = explicit
+    elif path == "/v1/chat/completions":
+        prefix = _chat_prefix(obj.get("messages"))
+    elif path == "/v1/responses":
+        items = obj.get("input")
+        prefix = [obj.get("instructions"), items[:1] if isinstance(items, list) else items]
+    elif "prompt" in obj:
+        prompt = obj["prompt"]
+        prefix = prompt[:PREFIX_CHARS] if isinstance(prompt, (str, list)) else None
+    else:
+        return None
+    if prefix is None:
+        return None
+    text = json.dumps(prefix, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def rendezvous(key: str, replica_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}|{replica_id}".encode(), digest_size=8).digest(), "big")
+
+
+class AffinityRouter(RequestRouter):
+    """Ranks [preferred replica of the request's key] before [the others]; Ray Serve picks the shortest queue
+    within a rank and moves to the next rank when every replica of it is full. A request without a key, or whose
+    preferred replica has `imbalance` more requests in flight than the least busy one, gets one rank of every
+    replica: the shortest queue."""
+
+    def initialize_state(self, imbalance: int = 8, **kwargs) -> None:
+        self.imbalance = imbalance
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        key = pending_request.kwargs.get("affinity") if pending_request is not None else None
+        if not key or len(candidate_replicas) < 2:
+            return [candidate_replicas]
+        ranked = sorted(candidate_replicas, key=lambda r: rendezvous(key, r.replica_id.unique_id), reverse=True)
+        if key == STATE_KEY:   # the files and batches live on that replica alone: wait for it rather than go elsewhere
+            return [ranked[:1]]
+        cache = self.replica_queue_len_cache
+        lens = [cache.get(r.replica_id) for r in ranked]
+        known = [n for n in lens if n is not None]
+        if lens[0] is not None and lens[0] - min(known) > getattr(self, "imbalance", 8):
+            return [candidate_replicas]
+        return [ranked[:1], ranked[1:]]

@@ -1,0 +1,156 @@
+"""`unmask serve --ray` on a real local Ray cluster (ray.init with 2 CPUs): two engine replicas of the built-in
+model behind one OpenAI endpoint, answering the openai client; routing (prefix affinity, both replicas used);
+auth, error envelopes, metrics; a replica killed mid-stream ends its request with a 503, then is replaced.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is optional: pip install 'unmask[ray]'")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from unmask.cluster import launch  # noqa: E402
+from unmask.defaults import default_model_path  # noqa: E402
+from unmask.server.app import ServerArgs  # noqa: E402
+
+KEY = "sk-ray-test"
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env=launch.runtime_env(), logging_level="WARNING")
+    port = free_port()
+    args = ServerArgs(model=default_model_path(), served_model_name="unmask-tiny", api_keys=[KEY],
+                      embedding_model="off", max_num_seqs=8, max_queue=16, drain_timeout=2.0)
+    try:
+        launch.deploy(args, launch.Scale(replicas=2, num_cpus=0.5), "127.0.0.1", port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        launch.undeploy(stop_serve=True)
+        ray.shutdown()
+
+
+@pytest.fixture
+def client(cluster):
+    return openai.OpenAI(base_url=cluster + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def chat(client, content: str, **extra):
+    raw = client.chat.completions.with_raw_response.create(
+        model="unmask-tiny", messages=[{"role": "user", "content": content}], **GREEDY, **extra)
+    return raw.parse().choices[0].message.content, raw.headers["x-unmask-replica"]
+
+
+def running_replicas() -> int:
+    status = serve.status().applications["unmask"].deployments["Engine"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def test_two_replicas_answer_the_openai_client_alike(client):
+    # the same greedy request, pinned by prompt_cache_key to one replica or the other: the same answer from both
+    answers = {}
+    for k in range(12):
+        text, replica = chat(client, "def fibonacci(n):", prompt_cache_key=f"session-{k}")
+        answers.setdefault(replica, set()).add(text)
+    assert len(answers) == 2, answers                   # 12 keys over 2 replicas: both used (1 in 2048 to fail)
+    texts = set().union(*answers.values())
+    assert len(texts) == 1 and next(iter(texts)).strip(), answers
+
+
+def test_a_chat_session_stays_on_one_replica(client):
+    for session in range(3):
+        messages = [{"role": "system", "content": "Answer briefly."},
+                    {"role": "user", "content": f"Session {session}: name a prime number."}]
+        seen = set()
+        for turn in range(3):
+            raw = client.chat.completions.with_raw_response.create(model="unmask-tiny", messages=messages, **GREEDY)
+            seen.add(raw.headers["x-unmask-replica"])
+            messages += [{"role": "assistant", "content": raw.parse().choices[0].message.content},
+                         {"role": "user", "content": f"And another one, turn {turn}?"}]
+        assert len(seen) == 1, (session, seen)
+
+
+def test_stream_auth_errors_and_metrics(cluster, client):
+    whole, _ = chat(client, "Write a haiku about rivers.")
+    stream = client.chat.completions.create(model="unmask-tiny", stream=True,
+                                            messages=[{"role": "user", "content": "Write a haiku about rivers."}],
+                                            **GREEDY)
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len(pieces) > 2 and "".join(pieces) == whole
+
+    with pytest.raises(openai.AuthenticationError, match="missing or invalid API key"):
+        openai.OpenAI(base_url=cluster + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="unmask-tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=-3)
+    assert e.value.status_code == 400 and e.value.body["param"] == "max_tokens"
+    assert [m.id for m in client.models.list()] == ["unmask-tiny"]
+    assert httpx.get(cluster + "/health").json() == {"status": "ok"}   # no key needed
+
+    deadline = time.time() + 10
+    while True:   # replicas post their metrics every second
+        text = httpx.get(cluster + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        replicas = {line.split('replica="')[1].split('"')[0] for line in text.splitlines()
+                    if line.startswith("unmask:generation_tokens_total{")}
+        if len(replicas) == 2 and 'status="400"' in text or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(replicas) == 2, text
+    assert 'unmask:request_errors_total{replica="ingress",status="401"} 1.0' in text
+    generated = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("unmask:generation_tokens_total{"))
+    assert generated >= 12 * 12, text
+
+
+def test_a_replica_killed_mid_stream_ends_with_503_and_is_replaced(cluster, client):
+    body = {"model": "unmask-tiny", "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 2000, "ignore_eos": True, "stream": True, "prompt_cache_key": "victim"}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    plain = dict(body, stream=False)
+    outcome = {}
+
+    def waiting_request():   # a non-streamed request on the same replica, in flight when it dies
+        outcome["plain"] = httpx.post(cluster + "/v1/chat/completions", json=plain, headers=headers, timeout=60)
+
+    with httpx.stream("POST", cluster + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        victim = r.headers["x-unmask-replica"]
+        lines = r.iter_lines()
+        first = [line for line, _ in zip(lines, range(4))]
+        assert first[0].startswith("data: {")
+        thread = threading.Thread(target=waiting_request)
+        thread.start()
+        time.sleep(1.0)
+        t0 = time.time()
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::unmask#Engine#{victim}", namespace="serve"), no_restart=True)
+        rest = [line for line in lines if line]
+        ended = time.time() - t0
+    thread.join(60)
+    assert ended < 30, ended
+    assert rest[-1] == "data: [DONE]"
+    assert '"code":"replica_unavailable"' in rest[-2] and "replica serving this request died" in rest[-2], rest[-2:]
+    assert outcome["plain"].status_code == 503, outcome["plain"].text
+    assert outcome["plain"].json()["error"]["code"] == "replica_unavailable"
+
+    deadline = time.time() + 90
+    while running_replicas() < 2 and time.time() < deadline:
+        time.sleep(1)
+    assert running_replicas() == 2
+    replicas, k = set(), 0
+    while len(replicas) < 2 and time.time() < deadline:   # the ingress's router learns of the new replica
+        replicas.add(chat(client, "hello", prompt_cache_key=f"after-{k}")[1])
+        k += 1
+    assert victim not in replicas and len(replicas) == 2
