@@ -105,7 +105,8 @@ def decide(cfg: PolicyConfig, logits: Tensor, positions: Tensor, state: BlockSta
            generator: torch.Generator | None = None) -> Decision:
     """One denoising step's decision for one request.
 
-    Args: logits [M, V] of the still-masked rows of the active block in position order; positions [M] long,
+    Args: logits [M, V] of the still-masked rows of the active block in position order (or their greedy
+    `Proposal`, made where the logits are, for rules that need no entropy: steps 1-2 are then done); positions [M] long,
     their offsets within the block (keys of the credit state).
 
     Steps:
@@ -114,6 +115,12 @@ def decide(cfg: PolicyConfig, logits: Tensor, positions: Tensor, state: BlockSta
       3. Apply the named rule to the proposal's confidences -> commit mask.
       4. state.step += 1 (also for M == 0, so every call counts as a step).
     """
+    if isinstance(logits, Proposal):  # proposed already (greedy, on the device: unmask.engine.static_step)
+        if cfg.name == "credit" or cfg.name in NEEDS_ENTROPY:
+            raise ValueError(f"policy {cfg.name!r} needs the logits, not a greedy proposal")
+        commit = POLICIES[cfg.name](cfg, logits, state, generator)
+        state.step += 1
+        return Decision(commit=commit, tokens=logits.tokens, probs=logits.probs)
     m = logits.shape[0]
     if positions.shape != (m,):
         raise ValueError(f"positions must be [M] = [{m}], got shape {tuple(positions.shape)}")

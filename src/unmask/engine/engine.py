@@ -14,9 +14,11 @@ from unmask.engine.detokenizer import TextStream
 from unmask.engine.outputs import StepOutput
 from unmask.engine.params import GenerationParams
 from unmask.engine.prefix_cache import PrefixCache, block_keys
+from unmask.engine.kv_pool import KVPool
 from unmask.engine.runner import ModelRunner
 from unmask.engine.scheduler import Scheduler
 from unmask.engine.sequence import ModelTraits, Sequence
+from unmask.engine.static_step import MAX_WIDTH, StaticStep, static_step_requested
 from unmask.errors import ContextLengthError, InvalidRequestError, MemoryLimitError
 from unmask.models.loader import ModelSpec
 from unmask.models.transformer import DiffusionTransformer
@@ -40,12 +42,23 @@ class EngineStats:
 class Engine:
     def __init__(self, model: DiffusionTransformer, spec: ModelSpec, tokenizer: Tokenizer | None = None,
                  max_num_seqs: int = 64, max_batch_tokens: int = 4096, prefix_cache_bytes: int = 256 << 20,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, static_step: bool | None = None,
+                 kv_pool_tokens: int | None = None, memory_utilization: float = 0.9):
+        """static_step: run decode steps on static buffers over a preallocated KV pool, replayed as CUDA graphs on
+        a GPU (engine/static_step.py; None: UNMASK_STATIC_STEP); the pool holds `kv_pool_tokens` (None: what
+        `memory_utilization` of the memory free now allows, at most what max_num_seqs full contexts need)."""
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.kv_cache_dtype = kv_cache_dtype  # None: the weights' dtype
         self.kv_bytes_per_token = model.new_cache(capacity=0, dtype=kv_cache_dtype).bytes_per_token()
-        self.runner = ModelRunner(model)
         self.scheduler = Scheduler(max_num_seqs, max_batch_tokens)
+        self.kv_pool, static = None, None
+        if (static_step_requested(static_step) and spec.family.attention == "block_causal"
+                and spec.family.sequence_class is None):
+            cap = max_num_seqs * (spec.max_context + MAX_WIDTH)
+            self.kv_pool = KVPool.for_model(model, kv_pool_tokens, memory_utilization, kv_cache_dtype, MAX_WIDTH, cap)
+            static = StaticStep(model, self.kv_pool, spec.mask_id)
+            self.scheduler.admit = lambda seq: seq.cache is not None or self._attach_cache(seq)
+        self.runner = ModelRunner(model, static)
         self.traits = ModelTraits(
             attention=spec.family.attention, shift=spec.shift, mask_id=spec.mask_id,
             block_size=spec.block_size, stop_ids=spec.stop_ids, ar_first_token=spec.ar_first_token,
@@ -122,6 +135,16 @@ class Engine:
         if self.traits.attention == "bidirectional" and (params.cache not in ("prefix", "dual") or params.suffix_ids):
             return
         total = n_prompt + params.max_tokens + len(params.suffix_ids)
+        if self._pooled(params):
+            need = self._pool_tokens(total, params)
+            if need > self.kv_pool.capacity_tokens:
+                fit = self.kv_pool.capacity_tokens - self.kv_pool.scratch
+                raise MemoryLimitError(
+                    f"prompt ({n_prompt} tokens) plus max_tokens ({params.max_tokens}) needs {need} tokens of the "
+                    f"preallocated KV pool, which holds {self.kv_pool.capacity_tokens} "
+                    f"({memory.mib(self.kv_pool.nbytes())}): at most {fit} tokens (prompt plus max_tokens, rounded up "
+                    f"to whole blocks) would fit", "max_tokens")
+            return
         room = memory.budget(self.kv_bytes_per_token, self.model.lm_head.weight.device)
         if total > room.tokens:
             dtype = str(self.kv_cache_dtype or self.model.lm_head.weight.dtype).removeprefix("torch.")
@@ -157,19 +180,41 @@ class Engine:
                                           params.structured.param)
         if getattr(seq, "dry", None) is not None and self.tokenizer is not None:  # GemmaSequence has none
             seq.dry_breakers = self.dry_breakers(seq.dry.breakers)
-        if not (seq.bidirectional and seq.cache_mode == "none"):
-            total = len(prompt_ids) + params.max_tokens + len(params.suffix_ids)
+        if not self._pooled(params):  # a pooled cache is taken at admission (Scheduler.admit)
+            self._attach_cache(seq)
+        if self.tokenizer is not None:
+            self.streams[seq.request_id] = TextStream(self.tokenizer, params.stop, params.include_stop_str,
+                                                         params.min_tokens)
+        self.scheduler.add(seq)
+        return seq
+
+    def _pooled(self, params: GenerationParams) -> bool:
+        """Whether a request's cache is a run of the KV pool (plain block-causal requests of an engine with one)."""
+        return self.kv_pool is not None and params.policy != SPECULATIVE and not params.infill_lengths
+
+    def _pool_tokens(self, total: int, params: GenerationParams) -> int:
+        """Pool tokens a request takes: prompt + max_tokens up to whole blocks (full_last_block decodes the last
+        block whole), plus the scratch a static step's padding writes past a segment."""
+        b = params.resolved(self.traits.defaults, self.traits.block_size).block_size or self.traits.block_size
+        return -(-total // b) * b + self.kv_pool.scratch
+
+    def _attach_cache(self, seq: Sequence) -> bool:
+        """The request's KV cache and the prompt blocks the prefix cache holds; False (the request waits) when the
+        KV pool has no free run long enough now."""
+        if self._pooled(seq.params):
+            cache = self.kv_pool.allocate(seq.request_id, self._pool_tokens(seq.P + seq.params.max_tokens, seq.params))
+            if cache is None:
+                return False
+            seq.cache = cache
+        elif not (seq.bidirectional and seq.cache_mode == "none"):
+            total = seq.P + seq.params.max_tokens + len(seq.params.suffix_ids)
             seq.cache = self.model.new_cache(capacity=min(total, 4096), max_capacity=total, dtype=self.kv_cache_dtype)
         if self.prefix_cache is not None:
             keys = block_keys(seq.prompt_ids[:seq.block_start], seq.B)
             seq.cached = self.prefix_cache.load(keys[:seq.prefill_limit // seq.B], seq.cache, seq.B)
             if len(keys) * seq.B > seq.cached:
                 self._pending_store[seq.request_id] = keys
-        if self.tokenizer is not None:
-            self.streams[seq.request_id] = TextStream(self.tokenizer, params.stop, params.include_stop_str,
-                                                         params.min_tokens)
-        self.scheduler.add(seq)
-        return seq
+        return True
 
     def dry_breakers(self, breakers: tuple[str, ...]):
         """[V] bool: the tokens whose text holds one of `breakers` (cached per breaker set)."""
@@ -205,6 +250,8 @@ class Engine:
             return None
         self._pending_store.pop(request_id, None)
         self.streams.pop(request_id, None)
+        if self.kv_pool is not None:
+            self.kv_pool.release(request_id)
         return self._output(seq, [], "")
 
     def has_unfinished(self) -> bool:
@@ -254,6 +301,8 @@ class Engine:
                 outputs.append(self._output(seq, new, delta))
         for done in self.scheduler.release_finished():
             self._pending_store.pop(done.request_id, None)
+            if self.kv_pool is not None:
+                self.kv_pool.release(done.request_id)
         s = self.stats
         s.steps += 1
         s.forward_s += result.forward_s

@@ -16,7 +16,7 @@ from unmask.models.transformer import DiffusionTransformer
 
 @dataclass
 class RunnerOutput:
-    logits: list[Tensor]   # per plan: [m_i, V] float32
+    logits: list[Tensor]   # per plan: [m_i, V] float32 (or a decoding.sampling.Proposal from the static step)
     forward_s: float       # time inside the model (incl. the output head)
     num_tokens: int
 
@@ -61,8 +61,10 @@ class ForwardTimer:
 
 
 class ModelRunner:
-    def __init__(self, model: DiffusionTransformer):
+    def __init__(self, model: DiffusionTransformer, static=None):
+        """static: an engine.static_step.StaticStep, which takes the steps whose shape fits its buffers."""
         self.model = model
+        self.static = static
         self.device = model.lm_head.weight.device
         self.graphs = DecodeGraphs(model, self.device) if graphs_enabled(model, self.device) else None
         self.timer = ForwardTimer(self.device)
@@ -73,6 +75,11 @@ class ModelRunner:
 
     @torch.no_grad()  # not inference_mode: policies edit the returned logits in place
     def execute(self, plans: list[StepPlan]) -> RunnerOutput:
+        if self.static is not None:
+            self.timer.start()
+            out = self.static.execute(plans)  # per plan logits, or the greedy proposals made on the device
+            if out is not None:
+                return RunnerOutput(out, self.timer.stop(), sum(p.segment.length for p in plans))
         dev = self.device
         # token ids may already be on the device (a canvas step of a family that samples there)
         ids = torch.cat([p.token_ids.to(dev, non_blocking=True) for p in plans])

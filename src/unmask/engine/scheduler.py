@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from unmask.engine.sequence import Sequence, Status, StepPlan
 
@@ -15,6 +16,8 @@ class Scheduler:
         # slots requests of a priority above 0 (batch lines) may hold at once; None: all. The rest stay free for
         # interactive requests, which then start at once however many batch lines are queued
         self.background_slots: int | None = None
+        # a KV pool's allocation at admission (Engine._attach_cache): False leaves the request waiting for room
+        self.admit: Callable[[Sequence], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -48,6 +51,9 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
             if seq is None:
+                break
+            if self.admit is not None and not self.admit(seq):
+                self.waiting.appendleft(seq)
                 break
             seq.status = Status.RUNNING
             self.running.append(seq)

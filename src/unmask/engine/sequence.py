@@ -22,7 +22,7 @@ from unmask.decoding.dry import dry_penalty
 from unmask.decoding.edits import block_settled, edit_rows, own_token_probs, remask_rows
 from unmask.decoding.policies import LEARNED, Decision
 from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
-from unmask.decoding.sampling import propose, top_logprobs
+from unmask.decoding.sampling import Proposal, propose, top_logprobs
 from unmask.decoding.targets import decode_window, defer_late_stops, first_stop, masked_in
 from unmask.engine.params import GenerationParams, model_defaults
 from unmask.errors import ContextLengthError
@@ -326,6 +326,8 @@ class Sequence:
                 self.settled = True
                 return self._advance()
             return []
+        if isinstance(logits, Proposal):  # greedy rows proposed on the device (engine/static_step.py)
+            return self._commit(plan, *self._choose(logits, plan.targets, self.final_end), None)
         offsets = plan.targets - self.block_start
         if self.adjuster is not None:
             self.adjuster.adjust(logits)
@@ -339,7 +341,10 @@ class Sequence:
             return self._apply_constrained(plan, logits, offsets)
         if self.revise is not None:
             return self._apply_revising(plan, logits)
-        d, commit = self._choose(logits, plan.targets, self.final_end)
+        return self._commit(plan, *self._choose(logits, plan.targets, self.final_end), logits)
+
+    def _commit(self, plan: StepPlan, d: Decision, commit: Tensor, logits: Tensor | None) -> list[int]:
+        """Write the committed tokens and their bookkeeping; returns newly final token ids."""
         pos = plan.targets[commit]
         self.seq[pos] = d.tokens[commit]
         if self.adjuster is not None:

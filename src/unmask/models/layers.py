@@ -164,6 +164,24 @@ class GroupLimitedMoE(nn.Module):
         for e in idx.unique().tolist():
             rows, slot = (idx == e).nonzero(as_tuple=True)
             out.index_add_(0, rows, self.experts[e](x[rows]).float() * w[rows, slot, None])
+        return self._finish(out, x, shape)
+
+    def forward_sync_free(self, x: Tensor) -> Tensor:
+        """The same sum without reading the routing back to the host, so a CUDA graph can capture it: every
+        expert runs over every row, weighted by the row's routing weight for it (0 where it was not chosen).
+        That costs num_experts / top_k times the routed FLOPs, about what the loop costs when a step's rows
+        reach most experts anyway (small decode batches); a grouped GEMM over rows sorted by expert is the
+        way for large ones (issue 31)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        idx, w = self.route(x)
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e, expert in enumerate(self.experts):  # ascending, as the loop adds them
+            we = (w * (idx == e)).sum(-1)
+            out += expert(x).float() * we[:, None]
+        return self._finish(out, x, shape)
+
+    def _finish(self, out: Tensor, x: Tensor, shape: torch.Size) -> Tensor:
         out = out.to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

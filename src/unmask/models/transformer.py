@@ -87,6 +87,8 @@ class Attention(nn.Module):
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         if isinstance(ctx, AttentionBatch):
             out = ragged_attention(q, k, v, ctx, self.layer)
+        elif hasattr(ctx, "attend"):  # a static-buffer step's rows over the KV pool (unmask.engine.static_step)
+            out = ctx.attend(q, k, v, self.layer)
         else:  # dense training path: ctx is a [B, 1, L, L] bool mask, None (bidirectional) or CAUSAL
             hq, hk = q.transpose(1, 2), k.transpose(1, 2)
             hv = v.transpose(1, 2)
@@ -115,7 +117,10 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, rope: Rotary, cos: Tensor, sin: Tensor, ctx) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if getattr(ctx, "sync_free", False) and hasattr(self.mlp, "forward_sync_free"):  # a static step's MoE
+            return x + self.mlp.forward_sync_free(h)
+        return x + self.mlp(h)
 
 
 class Backbone(nn.Module):

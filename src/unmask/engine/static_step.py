@@ -1,0 +1,314 @@
+"""The static-buffer decode step of the block-causal families, captured as a CUDA graph per shape on a GPU.
+
+A block-causal step feeds each request a short segment (the active block, and at a block's first step the
+finished block before it, whose K/V it writes). On a GPU such a step of a 1.7B model is a few hundred small
+kernels whose launches cost more than their work (issue 31: about 33 us each on an H200), so the step runs
+on fixed buffers instead, and the whole forward is replayed from a CUDA graph:
+
+  * rows: one per request, the batch padded to a bucket of 1, 2, 4, 8, ... rows (vLLM captures a fixed list
+    of batch sizes the same way, padding a step up to the next one); width W: the longest segment rounded up
+    to a power of two; context: the farthest key any row reads, rounded up likewise. One graph per
+    (rows, W, context), captured the first time that shape runs (warm-up on a side stream with synchronising
+    ops refused, as engine/graphs.py does), replayed after.
+  * inputs: token ids, positions, block ids, each row's cache start and pool offset, and the pool index every
+    fed token's K/V is written to, copied in with one host-to-device copy from a staging tensor.
+  * padding cannot reach real rows: a padding token has block id PAD_BLOCK, above every real one, so no real
+    query sees it (`block_id[k] <= block_id[q]`); a real row's padding tokens write K/V past its segment, at
+    positions the next step overwrites before anything reads them (the eager path's scratch rule); padding
+    rows read and write the pool's scratch run, which belongs to no request. Rows never mix: norms, linears
+    and the MLP act per token and attention per row.
+  * the KV cache is the preallocated pool (engine/kv_pool.py); attention gathers each row's keys [0, context)
+    from its run and masks them (the cached prefix whole, the row's own tokens by block id), so no dense
+    T x T mask over the whole sequence exists, only [rows, W, context].
+  * decoding on the device: the output head, the mask-token ban and the greedy proposal (argmax, p(x0),
+    p1 - p2, log p(x0); `decoding.sampling.propose`, the same function the host runs) run inside the graph
+    for every row; one copy of [4, rows x W] numbers to the host is the step's only synchronisation. Each
+    request's policy rule then reads its M proposals there (a handful of numbers, the rule functions of
+    `decoding.policies`, unchanged) and commits. Requests that sample, adjust logits or record top
+    alternatives get their rows' logits instead (projected from the graph's hidden states: a second copy).
+
+Off the GPU, or with UNMASK_CUDA_GRAPHS=0, the same buffers and the same forward run without capture, which
+is how the CPU suite tests this path (tests/test_static_step.py: tokens identical to the eager path).
+Everything else (long prefill chunks, speculative and infill requests, bidirectional families, a request
+without a pooled cache) runs eagerly through engine/runner.py.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from unmask.decoding.policies import LEARNED, NEEDS_ENTROPY, SPECULATIVE
+from unmask.decoding.sampling import Proposal, SamplingParams, propose
+from unmask.engine.kv_pool import KVPool, PooledCache
+from unmask.engine.sequence import Sequence, StepPlan
+from unmask.models.attention import _SDPA_HAS_GQA, repeat_kv
+
+log = logging.getLogger("unmask.engine")
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_WIDTH = 64          # tokens one row may feed; wider steps (prefill chunks) run eagerly
+MIN_CONTEXT = 128       # smallest context bucket: short prompts share one graph per (rows, width)
+PAD_BLOCK = 1 << 40     # padding tokens' block id: above every real block, so no real query sees them
+_OFF = ("0", "false", "no", "off")
+
+
+def static_step_requested(explicit: bool | None) -> bool:
+    """An engine option wins; else UNMASK_STATIC_STEP=1 turns the static step on (off by default until the GPU
+    check has run it: issue 31)."""
+    if explicit is not None:
+        return explicit
+    return os.environ.get("UNMASK_STATIC_STEP", "0").lower() not in _OFF
+
+
+def cuda_graphs_on(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("UNMASK_CUDA_GRAPHS", "1").lower() not in _OFF
+
+
+def _pow2(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def _cache(plan: StepPlan):
+    """The request's cache; also for a first block that neither reads nor writes one (its K/V go to scratch
+    positions of the request's run, which nothing reads before they are written)."""
+    return plan.segment.cache if plan.segment.cache is not None else plan.seq.cache
+
+
+def proposed_on_device(seq: Sequence) -> bool:
+    """Whether this request's decision reads only the greedy proposal of each row (tokens, p(x0), p1 - p2,
+    log p(x0)): greedy without filtered confidences, a rule that needs no entropy and no logits, nothing that
+    edits logits first (penalties, DRY, grammars, min_tokens bans) and no top alternatives to record."""
+    s, p = seq.sampling, seq.params
+    return (s.greedy and not (s.greedy_filters and (s.top_k > 0 or s.top_p < 1))
+            and seq.policy.name not in NEEDS_ENTROPY and seq.policy.name not in ("credit", LEARNED, SPECULATIVE)
+            and seq.adjuster is None and seq.dry is None and seq.constraint is None and seq.revise is None
+            and seq.top is None and not (p.min_tokens and seq.stops))
+
+
+class StaticBatch:
+    """The attention context of a static step (a transformer layer calls `attend`): rows of W tokens, each
+    row's K/V in its run of the pool."""
+
+    sync_free = True  # layers take their variant that reads nothing back to the host (the MoE's expert loop)
+
+    def __init__(self, pool: KVPool, ids: Tensor, bids: Tensor, start: Tensor, read_off: Tensor,
+                 write_idx: Tensor, context: int):
+        self.pool, self.ids, self.bids, self.start, self.read_off = pool, ids, bids, start, read_off
+        self.write_idx, self.context = write_idx, context
+        self.read_idx = self.mask = None
+
+    def prepare(self) -> None:
+        """Read indices and mask from the input buffers (inside the captured forward: replays recompute them)."""
+        w = self.ids.shape[1]
+        kpos = torch.arange(self.context, device=self.ids.device)
+        self.read_idx = (self.read_off[:, None] + kpos).clamp_(max=self.pool.tokens - 1)   # [rows, context]
+        rel = kpos[None, :] - self.start[:, None]                                           # key - segment start
+        own = (rel >= 0) & (rel < w)
+        key_block = self.bids.gather(1, rel.clamp(0, w - 1))                                # [rows, context]
+        seen = own[:, None, :] & (key_block[:, None, :] <= self.bids[:, :, None])
+        self.mask = ((rel < 0)[:, None, :] | seen)[:, None]                                 # [rows, 1, W, context]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
+        """q [rows, W, H, D], k/v [rows, W, Hkv, D] -> [rows, W, H, D]; writes k/v to the pool first."""
+        pk, pv = self.pool.k[layer], self.pool.v[layer]                     # [Hkv, pool tokens, D]
+        pk[:, self.write_idx] = k.permute(2, 0, 1, 3).to(pk.dtype)
+        pv[:, self.write_idx] = v.permute(2, 0, 1, 3).to(pv.dtype)
+        keys = pk[:, self.read_idx].transpose(0, 1).to(q.dtype)             # [rows, Hkv, context, D]
+        vals = pv[:, self.read_idx].transpose(0, 1).to(q.dtype)
+        qh = q.transpose(1, 2)
+        hq, hk = qh.shape[1], keys.shape[1]
+        kwargs = {}
+        if hq != hk:
+            if _SDPA_HAS_GQA:
+                kwargs["enable_gqa"] = True
+            else:
+                keys = repeat_kv(keys.transpose(0, 1), hq // hk).transpose(0, 1)
+                vals = repeat_kv(vals.transpose(0, 1), hq // hk).transpose(0, 1)
+        return F.scaled_dot_product_attention(qh, keys, vals, attn_mask=self.mask, **kwargs).transpose(1, 2)
+
+
+@dataclass
+class _Shape:
+    stage: Tensor      # host [rows, 4W + 2] long: ids | positions | block ids | write indices | start | offset
+    inputs: Tensor     # the same on the device
+    hidden: Tensor | None  # [rows, W, D]: the forward's final hidden states (for rows whose logits the host needs)
+    packed: Tensor | None  # [4, rows x W] float64: proposed token, p(x0), p1 - p2, log p(x0)
+    run: Callable[[], None]
+    captured: bool
+
+
+class StaticStep:
+    """Runs qualifying steps on static buffers; `execute` returns None for a step it does not take."""
+
+    def __init__(self, model: torch.nn.Module, pool: KVPool, mask_id: int, max_width: int = MAX_WIDTH,
+                 max_graphs: int = 64):
+        self.model, self.pool, self.mask_id = model, pool, mask_id
+        self.device = pool.device
+        self.max_width = min(max_width, pool.scratch)
+        self.max_graphs = max_graphs
+        self.graphs = cuda_graphs_on(self.device)
+        self.mempool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.shapes: OrderedDict[tuple, _Shape] = OrderedDict()
+        self.steps = self.captures = self.replays = 0
+        self.host_reads = 0   # device-to-host copies of the last step (the sync count: 1 for greedy-only steps)
+
+    # ------------------------------------------------------------------ which steps
+    def key(self, plans: list[StepPlan]) -> tuple | None:
+        if not plans or len(plans) > ROW_BUCKETS[-1]:
+            return None
+        width = reach = 0
+        for p in plans:
+            seg, cache = p.segment, _cache(p)
+            if (type(p.seq) is not Sequence or p.seq.bidirectional or not isinstance(cache, PooledCache)
+                    or cache.pool is not self.pool or seg.attend is not None or seg.suffix or seg.block_ids is None
+                    or not 0 < seg.length <= self.max_width or seg.start > cache.length):
+                return None
+            width = max(width, seg.length)
+            reach = max(reach, seg.start)
+        w = _pow2(width, 1)
+        for p in plans:  # a real row's padding tokens write past its segment: that must stay inside its run
+            if p.segment.start + w > _cache(p).capacity:
+                return None
+        rows = next(b for b in ROW_BUCKETS if b >= len(plans))
+        return rows, w, _pow2(reach + w, MIN_CONTEXT)
+
+    # ------------------------------------------------------------------ one step
+    def execute(self, plans: list[StepPlan]) -> list[Tensor | Proposal] | None:
+        """Per plan, a Proposal of its logit rows (greedy requests) or their float32 logits on the host."""
+        key = self.key(plans)
+        if key is None:
+            return None
+        shape = self.shapes.get(key)
+        stage = self._fill(key, plans, shape.stage if shape is not None else None)
+        if shape is None:
+            shape = self._build(key, stage)
+        else:
+            self.shapes.move_to_end(key)
+            shape.inputs.copy_(shape.stage, non_blocking=True)
+        shape.run()
+        self.steps += 1
+        self.replays += shape.captured
+        for p in plans:  # what eager forwards do in commit_cache_lengths
+            seg = p.segment
+            if seg.write:
+                seg.cache.length = seg.start + seg.write
+        return self._outputs(key, shape, plans)
+
+    def _fill(self, key: tuple, plans: list[StepPlan], stage: Tensor | None) -> Tensor:
+        """The step's inputs into the host staging tensor: ~15 tensor ops whatever the batch size."""
+        rows, w, _ = key
+        if stage is None:
+            stage = torch.empty(rows, 4 * w + 2, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        n = len(plans)
+        j = torch.arange(w)
+        lengths = torch.tensor([p.segment.length for p in plans])
+        starts = torch.tensor([p.segment.start for p in plans])
+        offsets = torch.tensor([_cache(p).offset for p in plans])
+        valid = j[None, :] < lengths[:, None]
+        ids, pos, bids, widx = (stage[:, i * w:(i + 1) * w] for i in range(4))
+        ids.zero_()
+        bids.fill_(PAD_BLOCK)
+        ids[:n][valid] = torch.cat([p.token_ids for p in plans])  # host tensors (Sequence.seq)
+        bids[:n][valid] = torch.cat([p.segment.block_ids for p in plans])
+        pos[:n] = starts[:, None] + j
+        pos[n:] = j
+        widx[:n] = (offsets + starts)[:, None] + j
+        widx[n:] = self.pool.tokens - self.pool.scratch + j
+        stage[:n, 4 * w] = starts
+        stage[n:, 4 * w] = 0
+        stage[:n, 4 * w + 1] = offsets
+        stage[n:, 4 * w + 1] = self.pool.tokens - self.pool.scratch
+        return stage
+
+    def _build(self, key: tuple, stage: Tensor) -> _Shape:
+        rows, w, context = key
+        inputs = stage.to(self.device).clone()
+        ids, pos, bids, widx = (inputs[:, i * w:(i + 1) * w] for i in range(4))
+        batch = StaticBatch(self.pool, ids, bids, inputs[:, 4 * w], inputs[:, 4 * w + 1], widx, context)
+        greedy = SamplingParams()
+        model, mask_id = self.model, self.mask_id
+
+        def forward() -> tuple[Tensor, Tensor]:
+            batch.prepare()
+            hidden = model(ids, pos, batch)                      # [rows, W, D]
+            logits = model.logits(hidden.reshape(rows * w, -1))
+            logits[:, mask_id] = float("-inf")                   # never propose the mask (Sequence.apply does too)
+            prop = propose(logits, greedy, need_entropy=False)
+            packed = torch.stack([prop.tokens.double(), prop.probs.double(), prop.margin.double(),
+                                  prop.logprobs.double()])
+            return hidden, packed
+
+        shape = self._capture(forward, stage, inputs) if self.graphs else None
+        if shape is None:  # uncaptured: the same forward on the same buffers, run each step
+            shape = _Shape(stage, inputs, None, None, lambda: None, False)
+
+            def run() -> None:
+                shape.hidden, shape.packed = forward()
+
+            shape.run = run
+        self.shapes[key] = shape
+        while len(self.shapes) > self.max_graphs:
+            self.shapes.popitem(last=False)
+        return shape
+
+    def _capture(self, forward: Callable, stage: Tensor, inputs: Tensor) -> _Shape | None:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up on a side stream (CUDA graph docs), refusing anything that syncs
+                prev = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    forward()  # writes this step's K/V; the replay below writes the same values again
+                finally:
+                    torch.cuda.set_sync_debug_mode(prev)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph, pool=self.mempool):
+                hidden, packed = forward()
+        except Exception as e:  # an op this build or model cannot capture (the MoE's expert loop syncs): no graphs
+            self.graphs = False
+            log.warning("CUDA graphs off for the static step (capture failed: %s); it runs uncaptured",
+                        str(e).splitlines()[0][:200])
+            return None
+        self.captures += 1
+        return _Shape(stage, inputs, hidden, packed, graph.replay, True)
+
+    # ------------------------------------------------------------------ results
+    def _outputs(self, key: tuple, shape: _Shape, plans: list[StepPlan]) -> list[Tensor | Proposal]:
+        _, w, _ = key
+        on_device = [proposed_on_device(p.seq) for p in plans]
+        self.host_reads = 0
+        packed = None
+        if any(d and p.logit_rows.numel() for d, p in zip(on_device, plans)):
+            packed = shape.packed.cpu()  # the step's one synchronisation
+            self.host_reads += 1
+        want = [i for i, (d, p) in enumerate(zip(on_device, plans)) if not d and p.logit_rows.numel()]
+        host_logits = None
+        if want:  # sampled or adjusted requests: their rows' logits, projected from the graph's hidden states
+            flat = torch.cat([plans[i].logit_rows + i * w for i in want]).to(self.device, non_blocking=True)
+            host_logits = self.model.logits(shape.hidden.reshape(-1, shape.hidden.shape[-1])[flat]).cpu()
+            self.host_reads += 1
+        out: list[Tensor | Proposal] = []
+        taken = 0
+        vocab = self.model.lm_head.weight.shape[0]
+        for i, (d, p) in enumerate(zip(on_device, plans)):
+            m = p.logit_rows.numel()
+            if m == 0:
+                out.append(torch.empty(0, vocab))
+            elif d:
+                cols = packed[:, p.logit_rows + i * w]
+                out.append(Proposal(tokens=cols[0].long(), probs=cols[1].float(),
+                                    entropy=torch.full((m,), float("nan")), margin=cols[2].float(),
+                                    logprobs=cols[3].float()))
+            else:
+                out.append(host_logits[taken:taken + m])
+                taken += m
+        return out

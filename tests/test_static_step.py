@@ -1,0 +1,213 @@
+"""The static-buffer step of the block-causal families (engine/static_step.py) and the KV pool it decodes over
+(engine/kv_pool.py): the same tokens as the eager path for every family, batched at different lengths, across
+row buckets and widths, padding included; one host read per greedy step; pool admission and refusal."""
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from naive_decode import naive_generate
+from test_engine import make_unmask_shifted
+from unmask.engine.engine import Engine
+from unmask.engine.kv_pool import PAGE, KVPool, PooledCache
+from unmask.engine.params import GenerationParams
+from unmask.engine.static_step import ROW_BUCKETS, StaticBatch, static_step_requested
+from unmask.errors import MemoryLimitError
+from unmask.models.loader import load_model
+
+FAMILIES = ["sdar", "fast_dllm_v2", "llada2", "unmask_shifted", "unmask_causal_context"]
+# 13, 5, 8, 3, 11 tokens: mid-block, short, aligned, shorter than a block, mid-block
+PROMPTS = [list(range(20, 33)), list(range(40, 45)), list(range(50, 58)), [7, 9, 11], list(range(60, 71))]
+
+
+@pytest.fixture(scope="module")
+def models(family_dirs, tmp_path_factory):
+    dirs = {**family_dirs, "unmask_shifted": make_unmask_shifted(tmp_path_factory.mktemp("unmask") / "m"),
+            "unmask_causal_context": make_unmask_shifted(tmp_path_factory.mktemp("unmask") / "c", causal_context=True)}
+    return {f: load_model(dirs[f]) for f in FAMILIES}
+
+
+def run(model, spec, prompts, params, static, **kw):
+    eng = Engine(model, spec, max_num_seqs=16, static_step=static, kv_pool_tokens=kw.pop("pool", 4096), **kw)
+    seqs = [eng.add_request(p, params) for p in prompts]
+    eng.run_to_completion()
+    return [s.output_ids for s in seqs], eng
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("knobs", [dict(policy="threshold", threshold=0.3), dict(policy="topk", tokens_per_step=2)])
+def test_static_step_gives_the_eager_tokens(family, knobs, models):
+    """Five requests of different lengths (rows padded to a bucket of 8, then fewer as they finish), blocks of
+    4 (a row's width 4 inside a block, 8 at a block's first step, which carries the finished block; first steps
+    carry the prompt): token for token the eager path's."""
+    model, spec = models[family]
+    params = GenerationParams(max_tokens=14, block_size=4, **knobs)
+    eager, _ = run(model, spec, PROMPTS, params, static=False)
+    static, eng = run(model, spec, PROMPTS, params, static=True)
+    assert static == eager
+    st = eng.runner.static
+    assert st.steps == eng.stats.steps  # every step of these short prompts fits the buffers
+    assert 8 in {k[0] for k in st.shapes} and len(st.shapes) >= 2, st.shapes.keys()  # buckets and widths change
+    assert eng.kv_pool.free_tokens == eng.kv_pool.capacity_tokens  # every run given back
+
+
+@pytest.mark.parametrize("family", ["sdar", "unmask_causal_context"])
+def test_static_step_matches_the_naive_loop_alone_and_batched(family, models):
+    model, spec = models[family]
+    params = GenerationParams(max_tokens=13, policy="threshold", threshold=0.3, block_size=4)
+    batched, _ = run(model, spec, PROMPTS[:3], params, static=True)
+    for p, out in zip(PROMPTS[:3], batched):
+        alone, _ = run(model, spec, [p], params, static=True)
+        assert out == alone[0] == naive_generate(model, spec, p, params)
+
+
+def test_sampled_requests_read_their_logits_and_match_eager(models):
+    """Requests that sample (or adjust logits) get their rows' logits from the step's hidden states, mixed in one
+    batch with greedy requests that get device-side proposals."""
+    model, spec = models["sdar"]
+    sampled = GenerationParams(max_tokens=12, policy="threshold", threshold=0.5, temperature=0.8, seed=3, block_size=4)
+    greedy = GenerationParams(max_tokens=12, policy="threshold", threshold=0.5, block_size=4)
+    outs = []
+    for static in (False, True):
+        eng = Engine(model, spec, max_num_seqs=8, static_step=static, kv_pool_tokens=4096)
+        seqs = [eng.add_request(p, sampled if i % 2 else greedy) for i, p in enumerate(PROMPTS)]
+        eng.run_to_completion()
+        outs.append([s.output_ids for s in seqs])
+    assert outs[0] == outs[1]
+
+
+def test_long_prefill_chunks_run_eagerly_then_decode_statically(models):
+    model, spec = models["sdar"]
+    prompt = [30 + (7 * i) % 50 for i in range(150)]
+    params = GenerationParams(max_tokens=8, policy="threshold", threshold=0.5, block_size=4)
+    eager, _ = run(model, spec, [prompt], params, static=False, max_batch_tokens=128)
+    static, eng = run(model, spec, [prompt], params, static=True, max_batch_tokens=128)
+    assert static == eager == [naive_generate(model, spec, prompt, params)]
+    assert 0 < eng.runner.static.steps < eng.stats.steps  # the 128-token prefill chunk was eager
+    assert {k[2] for k in eng.runner.static.shapes} == {256}  # context bucket past the 150-token prompt
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the tensor calls that read a device tensor back to the host (each a synchronisation on a GPU)."""
+
+    NAMES = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted_steps(eng, monkeypatch):
+    counts = []
+    real = eng.runner.execute
+
+    def execute(plans):
+        with HostReads() as h:
+            out = real(plans)
+        counts.append(h.count)
+        return out
+
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    return counts
+
+
+@pytest.mark.parametrize("family", ["sdar", "fast_dllm_v2", "unmask_shifted"])
+def test_a_greedy_static_step_reads_the_device_once(family, models, monkeypatch):
+    """The forward, the output head, the mask ban and the proposal stay on the device: the step's one host read is
+    the [4, rows x W] proposal copy. The eager path reads once per segment mask and once for the logits."""
+    model, spec = models[family]
+    params = GenerationParams(max_tokens=12, policy="threshold", threshold=0.5, block_size=4)
+    counts = {}
+    for static in (True, False):
+        eng = Engine(model, spec, max_num_seqs=8, static_step=static, kv_pool_tokens=4096)
+        for p in PROMPTS[:3]:
+            eng.add_request(p, params)
+        counts[static] = counted_steps(eng, monkeypatch)
+        eng.run_to_completion()
+        if static:
+            assert eng.runner.static.host_reads == 1
+    assert counts[True] and set(counts[True]) == {1}
+    assert min(counts[False]) > 1
+
+
+def test_llada2_moe_runs_sync_free_in_static_steps(models, monkeypatch):
+    """The MoE's eager loop reads the chosen experts back (`.unique().tolist()`, a nonzero per expert); in a
+    static step every expert runs over every row weighted by its routing weight, so the step still reads once."""
+    model, spec = models["llada2"]
+    assert sum(hasattr(layer.mlp, "experts") for layer in model.model.layers) == 2
+    eng = Engine(model, spec, max_num_seqs=8, static_step=True, kv_pool_tokens=4096)
+    eng.add_request(PROMPTS[0], GenerationParams(max_tokens=8, policy="threshold", threshold=0.5, block_size=4))
+    counts = counted_steps(eng, monkeypatch)
+    eng.run_to_completion()
+    assert counts and set(counts) == {1}
+
+
+def test_padding_rows_and_tokens_are_invisible_to_real_rows():
+    """The mask of one row fed 3 real tokens at cache position 5 in a width of 4, beside a padding row."""
+    pool = KVPool([(1, 2)], 64, torch.float32, "cpu", scratch=16)
+    big = 1 << 40
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    bids = torch.tensor([[1, 1, 2, big], [big] * 4])
+    batch = StaticBatch(pool, ids, bids, torch.tensor([5, 0]), torch.tensor([0, pool.tokens - 16]),
+                        torch.zeros(2, 4, dtype=torch.long), context=16)
+    batch.prepare()
+    m = batch.mask[:, 0]
+    assert m.shape == (2, 4, 16)  # [rows, W, context]: no T x T mask over the sequence
+    real = m[0, :3]
+    assert real[:, :5].all()                      # the cached prefix, whole
+    assert real[:2, 5:7].all() and not real[:2, 7].any()  # block 1 sees itself, not block 2
+    assert real[2, 5:8].all()                     # block 2 sees blocks 1 and 2
+    assert not real[:, 8:].any()                  # never the padding token at 8, nor anything after
+    assert m[1].any(dim=1).all()                  # every padding query sees something: no NaN rows
+
+
+def test_kv_pool_allocates_first_fit_and_merges_freed_runs():
+    pool = KVPool([(2, 4)] * 3, 10 * PAGE, torch.float32, "cpu", scratch=PAGE)
+    a = pool.allocate("a", 3 * PAGE)
+    b = pool.allocate("b", 2 * PAGE + 1)   # rounds up to 3 pages
+    c = pool.allocate("c", 4 * PAGE)
+    assert (a.offset, b.offset, c.offset) == (0, 3 * PAGE, 6 * PAGE) and b.capacity == 3 * PAGE
+    assert pool.allocate("d", PAGE) is None  # full
+    pool.release("a")
+    pool.release("b")
+    assert pool.free_runs == [(0, 6)]          # merged
+    d = pool.allocate("d", 5 * PAGE)
+    assert d.offset == 0
+    assert isinstance(d, PooledCache) and d.k[0].data_ptr() == pool.k[0].data_ptr()  # a view, not a copy
+    d.k[1][:, 2] = 7.0
+    assert bool((pool.k[1][:, 2] == 7.0).all())
+    with pytest.raises(RuntimeError, match="asked for"):
+        d.reserve(d.capacity + 1)
+
+
+def test_a_full_pool_queues_requests_and_an_oversized_one_is_refused(models):
+    model, spec = models["sdar"]
+    params = GenerationParams(max_tokens=12, policy="threshold", threshold=0.5, block_size=4)
+    # each request takes prompt + 12 rounded to blocks + 64 scratch = 80-96 tokens: two fit in 192 at once
+    eng = Engine(model, spec, max_num_seqs=8, static_step=True, kv_pool_tokens=192)
+    seqs = [eng.add_request(p, params) for p in PROMPTS]
+    running = []
+    while eng.has_unfinished():
+        eng.step()
+        running.append(eng.num_running)
+    assert max(running) == 2
+    eager, _ = run(model, spec, PROMPTS, params, static=False)
+    assert [s.output_ids for s in seqs] == eager
+    with pytest.raises(MemoryLimitError, match=r"preallocated KV pool, which holds 192 .*at most 128 tokens"):
+        eng.add_request(list(range(20, 140)), params)
+
+
+def test_the_static_step_is_selected_by_option_or_environment(monkeypatch, models):
+    monkeypatch.delenv("UNMASK_STATIC_STEP", raising=False)
+    assert not static_step_requested(None) and static_step_requested(True)
+    monkeypatch.setenv("UNMASK_STATIC_STEP", "1")
+    assert static_step_requested(None) and not static_step_requested(False)
+    model, spec = models["sdar"]
+    eng = Engine(model, spec, max_num_seqs=2, kv_pool_tokens=1024)
+    assert eng.runner.static is not None and eng.kv_pool.capacity_tokens == 1024
+    assert not eng.runner.static.graphs  # no capture off CUDA: the same forward runs on the buffers
+    assert ROW_BUCKETS[:4] == (1, 2, 4, 8)
