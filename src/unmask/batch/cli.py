@@ -22,15 +22,31 @@ def batch(
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     device: str = typer.Option("auto", help=DEVICE_HELP),
     progress: bool = typer.Option(True, help="Show a progress bar."),
+    on_ray: bool = typer.Option(False, "--ray", help="Run on a pool of engines on a Ray cluster with Ray Data "
+                                                     "(IN may then be Parquet too; docs/scale-out.md)."),
+    address: Optional[str] = typer.Option(None, help="With --ray: the cluster to join (default: start a local one)."),
+    workers: int = typer.Option(1, min=1, help="With --ray: engines in the pool (actors)."),
+    num_cpus: float = typer.Option(1.0, min=0, help="With --ray: CPUs per engine."),
+    num_gpus: float = typer.Option(0.0, min=0, help="With --ray: GPUs per engine."),
 ):
     """Run a file of Batch API requests offline, keeping the engine full."""
     from unmask.batch.offline import run
     from unmask.errors import UnmaskError
 
     try:
-        summary = run(input_path, output_path, model, max_num_seqs, dtype, device, max_line_bytes, progress)
+        if on_ray:
+            from unmask.cluster import require_ray
+
+            require_ray()
+            from unmask.cluster.batch import run as run_on_ray
+
+            summary = run_on_ray(input_path, output_path, model, max_num_seqs, dtype, device, max_line_bytes,
+                                 progress, address, workers, num_cpus, num_gpus)
+        else:
+            summary = run(input_path, output_path, model, max_num_seqs, dtype, device, max_line_bytes, progress)
     except UnmaskError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1)
     typer.echo(f"{summary.succeeded} succeeded, {summary.failed} failed, {summary.skipped} already in "
-               f"{output_path}, of {summary.total}; {summary.requests_per_s:.2f} requests/s", err=True)
+               f"{output_path}, of {summary.total}; {summary.requests_per_s:.2f} requests/s"
+               + (f" on {summary.nodes} node(s)" if on_ray else ""), err=True)

@@ -1,0 +1,181 @@
+"""A two-node Ray cluster on this machine (a head and a worker started with `ray start`, loopback only, one CPU
+each): `unmask batch --ray` spreads its lines over engines on both nodes, writes what `unmask batch` writes, and
+resumes a partial output (from the same requests as Parquet); `unmask serve --ray --address` joins the cluster and
+answers the openai client. Without Ray, `--ray` says in one line how to install it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray", reason="Ray is optional: pip install 'unmask[ray]'")
+openai = pytest.importorskip("openai")
+
+from unmask.batch.offline import run as run_offline  # noqa: E402
+
+BIN = Path(sys.executable).parent
+# `ray start` turns token authentication on (the token in ~/.ray/auth_token); its clients must use it too
+ENV = dict(os.environ, RAY_AUTH_MODE="token")
+HINT = "error: Ray is not installed; --ray needs it: pip install 'unmask[ray]'"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chat(custom_id: str, content: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0.0, **body}}
+
+
+LINES = [chat(f"c{i}", f"Item {i}.") for i in range(6)] + [
+    chat("empty", "x", messages=[]),
+    {"custom_id": "cmp", "method": "POST", "url": "/v1/completions", "body": {"prompt": "def f(x):", "max_tokens": 4}},
+    chat("other-model", "x", model="gpt-4o"),
+]
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    """`ray start ... --block` in a session of its own: stopping it stops exactly the processes it started."""
+    return subprocess.Popen([str(BIN / "ray"), "start", *args, "--block"], start_new_session=True, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop(process: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture(scope="module")
+def address():
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats"]
+    head = start(["--head", "--port", str(port), "--include-dashboard", "false", *common])
+    worker = None
+    try:
+        wait_nodes = ("import ray, sys, time; ray.init(address=sys.argv[1], logging_level='ERROR'); d = time.time() + 60\n"
+                      "while len([n for n in ray.nodes() if n['Alive']]) < 2 and time.time() < d: time.sleep(0.5)\n"
+                      "sys.exit(len([n for n in ray.nodes() if n['Alive']]) != 2)")
+        deadline = time.time() + 60
+        while time.time() < deadline:   # the head's GCS must answer before the worker joins
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.3)
+        worker = start(["--address", address, *common])
+        assert subprocess.run([sys.executable, "-c", wait_nodes, address], timeout=90, env=ENV).returncode == 0
+        yield address
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(head)
+
+
+def unmask(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "unmask"), *args], capture_output=True, text=True, timeout=timeout,
+                          env=ENV)
+
+
+def without_ids(record: dict) -> dict:
+    body = dict(record["response"]["body"] or {})
+    for k in ("id", "created"):
+        body.pop(k, None)
+    error = record["error"]
+    return {"custom_id": record["custom_id"], "status": record["response"]["status_code"], "body": body,
+            "error": error}
+
+
+def test_batch_runs_on_both_nodes_as_unmask_batch_writes_and_resumes_from_parquet(address, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in LINES))
+    done = unmask("batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--ray", "--address", address,
+                  "--workers", "2", "--num-cpus", "1", "--max-num-seqs", "2", "--no-progress")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "7 succeeded, 2 failed, 0 already in" in done.stderr and "on 2 node(s)" in done.stderr, done.stderr[-2000:]
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["custom_id"] for r in out] == [x["custom_id"] for x in LINES]
+    # the same records as the offline runner in this process: answers (greedy) and per-line errors
+    run_offline(tmp_path / "in.jsonl", tmp_path / "local.jsonl", max_num_seqs=2, progress=False)
+    local = [json.loads(x) for x in (tmp_path / "local.jsonl").read_text().splitlines()]
+    assert [without_ids(r) for r in out] == [without_ids(r) for r in local]
+    assert out[6]["error"]["message"] == "messages must not be empty" and out[8]["response"]["status_code"] == 404
+
+    # a run killed after 3 lines, mid-write; resumed from the same requests as Parquet (bodies as JSON text)
+    full = (tmp_path / "out.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "out.jsonl").write_text("".join(full[:3]) + full[3][:30])
+    table = pa.table({k: [x[k] if k != "body" else json.dumps(x["body"]) for x in LINES]
+                      for k in ("custom_id", "method", "url", "body")})
+    pq.write_table(table, tmp_path / "in.parquet")
+    again = unmask("batch", str(tmp_path / "in.parquet"), str(tmp_path / "out.jsonl"), "--ray", "--address", address,
+                   "--workers", "1", "--num-cpus", "1", "--max-num-seqs", "4", "--no-progress")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "4 succeeded, 2 failed, 3 already in" in again.stderr, again.stderr[-2000:]
+    resumed = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [without_ids(r) for r in resumed] == [without_ids(r) for r in local]
+
+
+def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path):
+    port = free_port()
+    server = subprocess.Popen([str(BIN / "unmask"), "serve", "--ray", "--address", address, "--port", str(port),
+                               "--replicas", "2", "--num-cpus", "0.5", "--embedding-model", "off",
+                               "--max-num-seqs", "4", "--data-dir", str(tmp_path / "data")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        log = []
+        reader = threading.Thread(target=lambda: log.extend(server.stderr), daemon=True)
+        reader.start()
+        deadline = time.time() + 150
+        while not any("unmask: serving unmask-tiny on" in line for line in log):   # printed once it is deployed
+            assert server.poll() is None and time.time() < deadline, "".join(log)[-3000:]
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list()] == ["unmask-tiny"]
+        replicas, k = set(), 0
+        while len(replicas) < 2 and time.time() < deadline:   # the ingress's router learns of both replicas
+            raw = client.chat.completions.with_raw_response.create(
+                model="unmask-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, prompt_cache_key=str(k))
+            assert raw.parse().choices[0].message.content
+            replicas.add(raw.headers["x-unmask-replica"])
+            k += 1
+        assert len(replicas) == 2
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            rc = server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            rc = None
+    assert rc == 0
+
+
+@pytest.mark.parametrize("command", [["serve", "--ray"], ["batch", "in.jsonl", "out.jsonl", "--ray"]])
+def test_without_ray_the_flag_says_how_to_install_it(command, tmp_path):
+    shadow = tmp_path / "shadow" / "ray"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    (tmp_path / "in.jsonl").write_text(json.dumps(LINES[0]) + "\n")
+    env = dict(os.environ, PYTHONPATH=str(shadow.parent))
+    done = subprocess.run([str(BIN / "unmask"), *command], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=120)
+    assert done.returncode == 1 and done.stderr.strip() == HINT, done.stderr
