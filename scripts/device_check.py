@@ -2,6 +2,7 @@
 
     python scripts/device_check.py --device cuda --out $OUT          # on a lent GPU machine
     python scripts/device_check.py --device cpu --quick              # the same code path here (smoke run)
+    python scripts/device_check.py --part block --out $OUT           # issue 31: block-causal fast path, 1.7B shape
 
 1. Correctness, float32 (TF32 off): for the built-in model and a tiny random checkpoint of each family that
    builds without transformers' model classes, the device's logits for one ragged forward against the CPU's
@@ -35,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(argv):\n", "The json module can be used to"]
 TINY_FAMILIES = ("sdar", "llada", "dream", "fast_dllm_v2")
@@ -141,12 +143,31 @@ def training_speed(device: str, steps: int, rows: int, seq_len: int) -> dict:
             "tokens_per_s": rows * seq_len / statistics.median(times)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "device-check")
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every part")
-    args = ap.parse_args()
+    ap.add_argument("--part", choices=("engine", "block", "all"), default="engine",
+                    help="engine: the parts above; block: issue 31's block-causal fast path at the Qwen3-1.7B shape "
+                         "(scripts/device_check_block.py); all: both")
+    ap.add_argument("--tiny", action="store_true", help="block part: tiny shapes (the CPU suite's smoke run)")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="block part: batch sizes (default 1,4,16,64; --tiny 1,4)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="block part: prompt tokens (default 128; --tiny 16)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="block part: new tokens (default 64; --tiny 8)")
+    ap.add_argument("--budget-s", type=float, default=330.0,
+                    help="block part: sections that would end past this many seconds are skipped")
+    args = ap.parse_args(argv)
+    if args.part in ("block", "all"):
+        import device_check_block
+
+        args.batches = args.batches or ([1, 4] if args.tiny else [1, 4, 16, 64])
+        args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
+        args.max_tokens = args.max_tokens or (8 if args.tiny else 64)
+        device_check_block.run(args)
+        if args.part == "block":
+            return
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     from tiny_checkpoints import FAMILIES

@@ -3,14 +3,13 @@
 row buckets and widths, padding included; one host read per greedy step; pool admission and refusal."""
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from naive_decode import naive_generate
 from test_engine import make_unmask_shifted
 from unmask.engine.engine import Engine
 from unmask.engine.kv_pool import PAGE, KVPool, PooledCache
 from unmask.engine.params import GenerationParams
-from unmask.engine.static_step import ROW_BUCKETS, StaticBatch, static_step_requested
+from unmask.engine.static_step import ROW_BUCKETS, HostReads, StaticBatch, static_step_requested
 from unmask.errors import MemoryLimitError
 from unmask.models.loader import load_model
 
@@ -84,21 +83,6 @@ def test_long_prefill_chunks_run_eagerly_then_decode_statically(models):
     assert static == eager == [naive_generate(model, spec, prompt, params)]
     assert 0 < eng.runner.static.steps < eng.stats.steps  # the 128-token prefill chunk was eager
     assert {k[2] for k in eng.runner.static.shapes} == {256}  # context bucket past the 150-token prompt
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the tensor calls that read a device tensor back to the host (each a synchronisation on a GPU)."""
-
-    NAMES = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.NAMES:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def counted_steps(eng, monkeypatch):

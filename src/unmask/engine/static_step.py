@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from unmask.decoding.policies import LEARNED, NEEDS_ENTROPY, SPECULATIVE
 from unmask.decoding.sampling import Proposal, SamplingParams, propose
@@ -142,6 +143,7 @@ class _Shape:
     packed: Tensor | None  # [4, rows x W] float64: proposed token, p(x0), p1 - p2, log p(x0)
     run: Callable[[], None]
     captured: bool
+    copied: object = None  # CUDA event after an input copy that no host read waited for (a step without logits)
 
 
 class StaticStep:
@@ -186,6 +188,9 @@ class StaticStep:
         if key is None:
             return None
         shape = self.shapes.get(key)
+        if shape is not None and shape.copied is not None:  # the last copy out of this staging tensor must be done
+            shape.copied.synchronize()
+            shape.copied = None
         stage = self._fill(key, plans, shape.stage if shape is not None else None)
         if shape is None:
             shape = self._build(key, stage)
@@ -199,7 +204,11 @@ class StaticStep:
             seg = p.segment
             if seg.write:
                 seg.cache.length = seg.start + seg.write
-        return self._outputs(key, shape, plans)
+        out = self._outputs(key, shape, plans)
+        if not self.host_reads and self.device.type == "cuda":  # nothing waited for the device this step (no logit rows)
+            shape.copied = torch.cuda.Event()
+            shape.copied.record()
+        return out
 
     def _fill(self, key: tuple, plans: list[StepPlan], stage: Tensor | None) -> Tensor:
         """The step's inputs into the host staging tensor: ~15 tensor ops whatever the batch size."""
@@ -312,3 +321,21 @@ class StaticStep:
                 out.append(host_logits[taken:taken + m])
                 taken += m
         return out
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the tensor calls that read a tensor back to the host (`.item()`, `.tolist()`, `.cpu()`, `bool()`, a
+    boolean index's `nonzero` ...): each is a synchronisation when the tensor is on a GPU. The CPU suite and the
+    device check count a step's with it (`with HostReads() as h: runner.execute(plans)`; then h.count)."""
+
+    NAMES = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero"})
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+

@@ -1,0 +1,298 @@
+"""Issue 31's prepared check: the block-causal fast path at a real model size, beside transformers.
+
+    PYTHONUNBUFFERED=1 python3 scripts/device_check.py --part block --out $OUT          # a lent GPU, < 6 min
+    python scripts/device_check.py --part block --tiny --device cpu --out /tmp/blk       # the same code, tiny
+
+1. A checkpoint in SDAR's on-disk format (tests/tiny_checkpoints.make_sdar) at the Qwen3-1.7B shape: hidden
+   2048, 28 layers, 16 query / 8 KV heads of 128, FFN 6144, vocabulary 151,936, tied embeddings, bf16, random
+   weights, blocks of 16. `--tiny`: hidden 64, 2 layers, the same vocabulary.
+2. Identity: the static step (engine/static_step.py; CUDA graphs on a GPU) against the eager step on the same
+   greedy requests, tokens compared per request.
+3. Speed: unmask with the static step and eagerly, at batch 1, 4, 16, 64: a fixed 1, 2, 4 and 8 tokens per
+   forward (policy topk, EOS ignored) and threshold 0.9; random-token prompts of --prompt-len, --max-tokens
+   each; a warm-up run of each configuration first (it captures the graphs), then the timed one. Tokens/s,
+   ms per forward (wall time / engine steps, prefill included), tokens per forward.
+4. Host synchronisations per step: the torch profiler's cudaStreamSynchronize / cudaDeviceSynchronize /
+   cudaEventSynchronize / device-to-host cudaMemcpy events on CUDA, and everywhere the tensor calls that read a
+   device tensor back (static_step.HostReads), for one static and one eager run at batch 1.
+5. transformers' Qwen3ForCausalLM with the same weights: `generate` (greedy, EOS ignored) with its dynamic cache
+   at each batch, and with a static cache + torch.compile (transformers' CompileConfig, mode reduce-overhead)
+   at batch 1 (skipped with --tiny or when the time budget is spent; compile time reported apart).
+
+Writes block_check.json (after every part) and block_check.md (the table for docs/benchmarks.md). Sections
+that would overrun --budget-s are skipped and marked so, so that the one call ends inside its limit.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from device_check_gemma import log, sync  # the same console lines and device waits as the other checks
+
+QWEN3_1P7B = dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  intermediate_size=6144, max_position_embeddings=40960, tie_word_embeddings=True, block_size=16)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=True, block_size=16)
+MODES = {"topk1": dict(policy="topk", tokens_per_step=1), "topk2": dict(policy="topk", tokens_per_step=2),
+         "topk4": dict(policy="topk", tokens_per_step=4), "topk8": dict(policy="topk", tokens_per_step=8),
+         "threshold0.9": dict(policy="threshold", threshold=0.9)}
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+START = time.monotonic()
+
+
+def build_checkpoint(out: Path, tiny: bool) -> Path:
+    from tiny_checkpoints import make_sdar
+
+    shape = TINY if tiny else QWEN3_1P7B
+    return make_sdar(out, dtype="bfloat16", **shape)
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, min(vocab, 150000), (batch, length), generator=g).tolist()
+
+
+def run_engine(eng, batch_prompts: list[list[int]], params, device: str) -> dict:
+    steps0 = eng.stats.steps
+    sync(device)
+    t0 = time.perf_counter()
+    seqs = [eng.add_request(p, params) for p in batch_prompts]
+    eng.run_to_completion()
+    sync(device)
+    seconds = time.perf_counter() - t0
+    steps = eng.stats.steps - steps0
+    tokens = sum(len(s.output_ids) for s in seqs)
+    return {"tokens": tokens, "seconds": seconds, "steps": steps, "tokens_per_s": tokens / seconds,
+            "ms_per_forward": 1000 * seconds / max(steps, 1),
+            "tokens_per_forward": tokens / max(steps, 1) / len(batch_prompts),  # per request
+            "outputs": [s.output_ids for s in seqs]}
+
+
+def new_engine(model, spec, static: bool, batches: list[int], prompt_len: int, max_tokens: int):
+    from unmask.engine.engine import Engine
+    from unmask.engine.static_step import MAX_WIDTH
+
+    per_request = -(-(prompt_len + max_tokens) // 16) * 16 + MAX_WIDTH + 16
+    return Engine(model, spec, None, max_num_seqs=max(batches), max_batch_tokens=max(4096, prompt_len * max(batches)),
+                  static_step=static, kv_pool_tokens=per_request * max(batches))
+
+
+def unmask_speed(model, spec, args, report: dict, out: Path) -> None:
+    from unmask.engine.params import GenerationParams
+
+    rows = report.setdefault("unmask", [])
+    for static in (True, False):
+        eng = new_engine(model, spec, static, args.batches, args.prompt_len, args.max_tokens)
+        for batch in args.batches:
+            for name, knobs in MODES.items():
+                if over_budget(args, 25):
+                    rows.append({"static": static, "batch": batch, "mode": name, "skipped": "time budget"})
+                    continue
+                params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, **knobs)
+                batch_prompts = prompts(batch, args.prompt_len, spec.arch.vocab_size, seed=batch)
+                run_engine(eng, batch_prompts, params, args.device)  # warm-up: captures this shape's graphs
+                r = run_engine(eng, batch_prompts, params, args.device)
+                outputs = r.pop("outputs")
+                st = eng.runner.static
+                row = {"static": static, "batch": batch, "mode": name, **r,
+                       "captures": st.captures if st else 0, "replays": st.replays if st else 0}
+                rows.append(row)
+                report.setdefault("_outputs", {})[f"{static}-{batch}-{name}"] = outputs
+                log(f"unmask static={static} batch={batch} {name}: {r['tokens_per_s']:,.0f} tokens/s, "
+                    f"{r['ms_per_forward']:.2f} ms/forward, {r['tokens_per_forward']:.2f} tokens/forward")
+        del eng
+        save(report, out)
+    same = total = 0
+    outs = report.get("_outputs", {})
+    for key, o in outs.items():
+        if key.startswith("True-") and "False-" + key[5:] in outs:
+            other = outs["False-" + key[5:]]
+            same += sum(a == b for a, b in zip(o, other))
+            total += len(o)
+    report["identity"] = {"identical_requests": same, "of": total,
+                          "note": "static step vs eager, greedy, same prompts (bf16: rounding may differ)"}
+    log(f"identity: {same}/{total} requests token-identical")
+
+
+def host_syncs(model, spec, args, report: dict) -> None:
+    """Host reads per step (any device) and, on CUDA, the profiler's synchronising calls per step."""
+    from unmask.engine.params import GenerationParams
+    from unmask.engine.static_step import HostReads
+
+    params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, policy="topk",
+                              tokens_per_step=4)
+    out = {}
+    for static in (True, False):
+        eng = new_engine(model, spec, static, [1], args.prompt_len, args.max_tokens)
+        p = prompts(1, args.prompt_len, spec.arch.vocab_size, seed=7)
+        run_engine(eng, p, params, args.device)  # warm-up
+        reads = []
+        real = eng.runner.execute
+
+        def execute(plans, real=real):
+            with HostReads() as h:
+                result = real(plans)
+            reads.append(h.count)
+            return result
+
+        eng.runner.execute = execute
+        row = {}
+        if args.device.startswith("cuda"):
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                r = run_engine(eng, p, params, args.device)
+            events = [e for e in prof.events() if any(s in e.name for s in SYNC_EVENTS)
+                      or ("cudaMemcpy" in e.name and "Async" not in e.name)]
+            row["cuda_sync_calls_per_step"] = len(events) / max(r["steps"], 1)
+            row["cuda_sync_names"] = sorted({e.name for e in events})
+        else:
+            r = run_engine(eng, p, params, args.device)
+        row["host_reads_per_step"] = statistics.mean(reads) if reads else None
+        row["steps"] = r["steps"]
+        out["static" if static else "eager"] = row
+        log(f"host syncs static={static}: {row}")
+    report["host_syncs"] = out
+
+
+def hf_speed(path: Path, args, report: dict, out: Path) -> None:
+    try:
+        from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    except ImportError as e:
+        report["transformers"] = {"skipped": f"transformers not importable: {e}"}
+        return
+    import transformers
+    from safetensors.torch import load_file
+
+    cfg_json = json.loads((path / "config.json").read_text())
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+            "tie_word_embeddings")
+    cfg = Qwen3Config(**{k: cfg_json[k] for k in keys if k in cfg_json})
+    dtype = torch.bfloat16
+    with torch.device(args.device):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    state = load_file(str(path / "model.safetensors"), device=args.device)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"Qwen3ForCausalLM did not take the SDAR weights: {missing[:4]} {unexpected[:4]}")
+    model.tie_weights()
+    model.eval()
+    rows = []
+    report["transformers"] = {"version": transformers.__version__, "rows": rows}
+
+    def generate(batch: int, gen_cfg) -> dict:
+        ids = torch.tensor(prompts(batch, args.prompt_len, cfg.vocab_size, seed=batch), device=args.device)
+        sync(args.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            res = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)
+        sync(args.device)
+        seconds = time.perf_counter() - t0
+        new = res.shape[1] - ids.shape[1]
+        return {"tokens": batch * new, "seconds": seconds, "tokens_per_s": batch * new / seconds,
+                "ms_per_forward": 1000 * seconds / max(new, 1), "tokens_per_forward": 1.0}
+
+    base = dict(max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=0)
+    for batch in args.batches:
+        if over_budget(args, 20):
+            rows.append({"cache": "dynamic", "batch": batch, "skipped": "time budget"})
+            continue
+        gen_cfg = GenerationConfig(**base)
+        generate(batch, gen_cfg)  # warm-up
+        r = generate(batch, gen_cfg)
+        rows.append({"cache": "dynamic", "batch": batch, **r})
+        log(f"transformers dynamic batch={batch}: {r['tokens_per_s']:,.0f} tokens/s, {r['ms_per_forward']:.2f} ms/forward")
+        save(report, out)
+    if args.tiny or over_budget(args, 150):
+        rows.append({"cache": "static+compile", "batch": 1, "skipped": "--tiny" if args.tiny else "time budget"})
+        return
+    try:
+        from transformers import CompileConfig
+
+        gen_cfg = GenerationConfig(**base, cache_implementation="static",
+                                   compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+        t0 = time.perf_counter()
+        generate(1, gen_cfg)  # compiles
+        generate(1, gen_cfg)  # reduce-overhead records its graphs on the second call
+        compile_s = time.perf_counter() - t0
+        r = generate(1, gen_cfg)
+        rows.append({"cache": "static+compile", "batch": 1, **r, "compile_and_warmup_s": compile_s})
+        log(f"transformers static+compile batch=1: {r['tokens_per_s']:,.0f} tokens/s (compile {compile_s:.0f} s)")
+    except Exception as e:  # a transformers release without CompileConfig or a compile failure: say so
+        rows.append({"cache": "static+compile", "batch": 1, "error": str(e).splitlines()[0][:300]})
+
+
+def over_budget(args, need_s: float) -> bool:
+    return time.monotonic() - START + need_s > args.budget_s
+
+
+def save(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    public = {k: v for k, v in report.items() if not k.startswith("_")}
+    (out / "block_check.json").write_text(json.dumps(public, indent=1) + "\n")
+
+
+def markdown(report: dict) -> str:
+    md = [f"# Block-causal fast path: {report['name']} ({report['device']}), torch {report['torch']}, "
+          f"{report['shape']} shape, bf16, prompt {report['prompt_len']}, {report['max_tokens']} new tokens\n",
+          "| engine | batch | decoding | tokens/s | ms/forward | tokens/forward per request |", "|---|---:|---|---:|---:|---:|"]
+    for r in report.get("unmask", []):
+        name = "unmask static step" + (" (CUDA graphs)" if report["device"].startswith("cuda") else "") \
+            if r["static"] else "unmask eager"
+        if "skipped" in r:
+            md.append(f"| {name} | {r['batch']} | {r['mode']} | skipped ({r['skipped']}) | | |")
+            continue
+        md.append(f"| {name} | {r['batch']} | {r['mode']} | {r['tokens_per_s']:,.0f} | {r['ms_per_forward']:.2f} "
+                  f"| {r['tokens_per_forward']:.2f} |")
+    hf = report.get("transformers", {})
+    for r in hf.get("rows", []):
+        name = f"transformers {hf.get('version', '')} generate, {r['cache']} cache"
+        if "tokens_per_s" not in r:
+            md.append(f"| {name} | {r['batch']} | next token | {r.get('skipped') or r.get('error')} | | |")
+            continue
+        md.append(f"| {name} | {r['batch']} | next token | {r['tokens_per_s']:,.0f} | {r['ms_per_forward']:.2f} "
+                  f"| {r['tokens_per_forward']:.2f} |")
+    if "skipped" in hf:
+        md.append(f"\ntransformers: {hf['skipped']}")
+    ident = report.get("identity")
+    if ident:
+        md.append(f"\nStatic step vs eager: {ident['identical_requests']}/{ident['of']} requests token-identical.")
+    for name, row in report.get("host_syncs", {}).items():
+        cuda = (f", {row['cuda_sync_calls_per_step']:.2f} synchronising CUDA calls per step "
+                f"({', '.join(row['cuda_sync_names'])})") if "cuda_sync_calls_per_step" in row else ""
+        md.append(f"\nHost reads per step, {name}: {row['host_reads_per_step']:.2f}{cuda}.")
+    return "\n".join(md) + "\n"
+
+
+def run(args) -> dict:
+    """The whole check (args: device, out, tiny, batches, prompt_len, max_tokens, budget_s)."""
+    import platform
+    import tempfile
+
+    from unmask.models.loader import load_model
+
+    report = {"device": args.device, "torch": torch.__version__, "shape": "tiny" if args.tiny else "Qwen3-1.7B",
+              "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+              "name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()}
+    tmp = Path(tempfile.mkdtemp())
+    path = build_checkpoint(tmp / "sdar", args.tiny)
+    log(f"checkpoint written: {path}")
+    model, spec = load_model(path, dtype="bfloat16", device=args.device)
+    report["parameters"] = sum(p.numel() for p in model.parameters())
+    unmask_speed(model, spec, args, report, args.out)
+    host_syncs(model, spec, args, report)
+    save(report, args.out)
+    del model
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    hf_speed(path, args, report, args.out)
+    save(report, args.out)
+    md = markdown(report)
+    (args.out / "block_check.md").write_text(md)
+    print(md)
+    return report

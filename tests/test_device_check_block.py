@@ -1,0 +1,28 @@
+"""scripts/device_check.py --part block (issue 31's prepared GPU check) in its tiny mode on the CPU, so the
+script a lent GPU runs once cannot rot: every section runs and the JSON and the table come out."""
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_block_device_check_runs_in_tiny_mode(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import device_check
+
+    device_check.main(["--part", "block", "--tiny", "--device", "cpu", "--out", str(tmp_path),
+                       "--batches", "2", "--prompt-len", "8", "--max-tokens", "4"])
+    report = json.loads((tmp_path / "block_check.json").read_text())
+    rows = report["unmask"]
+    assert {(r["static"], r["mode"]) for r in rows} == {(s, m) for s in (True, False)
+                                                         for m in ("topk1", "topk2", "topk4", "topk8", "threshold0.9")}
+    assert all(r["tokens"] == 2 * 4 for r in rows)  # EOS ignored: every request writes max_tokens
+    assert [r["tokens_per_forward"] for r in rows if r["static"] and r["mode"].startswith("topk")] == [1, 2, 4, 4]
+    assert report["host_syncs"]["static"]["host_reads_per_step"] == 1
+    assert report["host_syncs"]["eager"]["host_reads_per_step"] > 1
+    hf = report["transformers"]
+    assert hf["rows"][0]["cache"] == "dynamic" and hf["rows"][0]["tokens"] == 8
+    assert hf["rows"][-1] == {"cache": "static+compile", "batch": 1, "skipped": "--tiny"}
+    md = (tmp_path / "block_check.md").read_text()
+    assert "| unmask static step | 2 | topk4 |" in md and "transformers" in md
