@@ -30,7 +30,8 @@ AR_TWIN = ROOT / "bench" / "models" / "ar-twin"
 KEY = "loadtest-key"
 POINT_KEYS = {"target", "requests", "completed", "failed", "failures", "success_rate", "without_usage", "duration_s",
               "input_tokens", "output_tokens", "request_throughput", "output_throughput", "total_token_throughput",
-              "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "cost", "server_metrics", "token_check", "failure_examples"}
+              "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "cost", "server_metrics", "token_check", "failure_examples",
+              "agreement"}
 
 
 # ------------------------------------------------------------------------------ pure metric functions
@@ -177,6 +178,15 @@ def check_against_server(point: dict, n: int) -> None:
     sm = point["server_metrics"]
     assert sm["requests"] == n and sm["output_tokens"] == point["output_tokens"]
     assert sm["prompt_tokens"] == point["input_tokens"] and sm["e2el_mean_ms"] > 0 and sm["mean_step_batch"] >= 1
+    # the server's intervals lie inside the client's (both clocks are CLOCK_MONOTONIC): from the request's arrival
+    # to the first chunk with text / the last byte, against from sending it to receiving them
+    ag = point["agreement"]
+    assert ag["requests"] == 1 and ag["output_tokens"] == 1
+    assert 0 < sm["e2el_mean_ms"] <= point["e2el_ms"]["mean"] and ag["e2el"] >= 1
+    if point["ttft_ms"]["mean"] is None:                       # not streamed: no chunk to time
+        assert sm["ttfc_mean_ms"] is None and ag["ttft"] is None
+    else:                                                       # the first token is committed before its chunk
+        assert 0 < sm["ttft_mean_ms"] <= sm["ttfc_mean_ms"] <= point["ttft_ms"]["mean"] and ag["ttft"] >= 1
 
 
 def test_streamed_chat_concurrency_sweep(servers, tmp_path):

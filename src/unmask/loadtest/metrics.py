@@ -142,14 +142,16 @@ SERVER_COUNTERS = {"requests": "unmask:e2e_request_latency_seconds_count",
 # means of the server's histograms and summaries over the point: name -> (sum sample, count sample, scale)
 SERVER_MEANS = {"e2el_mean_ms": ("unmask:e2e_request_latency_seconds", 1e3),
                 "ttft_mean_ms": ("unmask:time_to_first_token_seconds", 1e3),
+                "ttfc_mean_ms": ("unmask:time_to_first_chunk_seconds", 1e3),
                 "mean_step_batch": ("unmask:step_batch_size", 1.0),
                 "tokens_per_forward": ("unmask:tokens_per_forward", 1.0)}
 
 
 def server_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None] | None:
     """What an unmask server's own /metrics saw during a sweep point: counter deltas, and the means of its
-    latency histograms (server side: from arrival to the first committed token / the last byte) and of its
-    step batch size and tokens per forward. None for a server without these metrics."""
+    latency histograms (server side, from a request's arrival: to the first committed token, to the first chunk
+    with text handed to the HTTP layer, to the last byte) and of its step batch size and tokens per forward. None
+    for a server without these metrics."""
     if SERVER_COUNTERS["requests"] not in after:
         return None
 
@@ -161,3 +163,20 @@ def server_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
         n = delta(f"{name}_count")
         out[key] = scale * delta(f"{name}_sum") / n if n else None
     return out
+
+
+def agreement(point: dict) -> dict[str, float | None] | None:
+    """The client's figures over the server's own for the same requests (1.0: the same): mean TTFT over the
+    server's mean time to first chunk (the same interval less the network and the client's own work, so never
+    below 1), mean end-to-end latency, completed requests and output tokens. None without server metrics."""
+    sm = point.get("server_metrics")
+    if not sm:
+        return None
+
+    def ratio(client, server):
+        return client / server if client is not None and server else None
+
+    return {"ttft": ratio(point["ttft_ms"]["mean"], sm.get("ttfc_mean_ms")),
+            "e2el": ratio(point["e2el_ms"]["mean"], sm.get("e2el_mean_ms")),
+            "requests": ratio(point["completed"], sm["requests"]),
+            "output_tokens": ratio(point["output_tokens"], sm["output_tokens"])}

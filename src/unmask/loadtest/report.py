@@ -52,9 +52,13 @@ def print_results(results: dict, console: Console) -> None:
         if sm:
             console.print(f"{where}: server /metrics saw {sm['requests']:.0f} completed requests, "
                           f"{sm['output_tokens']:.0f} output tokens, mean E2E {_f(sm['e2el_mean_ms'])} ms, "
-                          f"mean TTFT {_f(sm['ttft_mean_ms'])} ms, mean step batch {_f(sm['mean_step_batch'], 2)}, "
+                          f"mean time to first chunk {_f(sm.get('ttfc_mean_ms'))} ms (first token "
+                          f"{_f(sm['ttft_mean_ms'])} ms), mean step batch {_f(sm['mean_step_batch'], 2)}, "
                           f"tokens/forward {_f(sm['tokens_per_forward'], 2)} (client: {p['completed']}, "
                           f"{p['output_tokens']}, {_f(p['e2el_ms']['mean'])} ms, {_f(p['ttft_ms']['mean'])} ms)")
+        if ag := p.get("agreement"):
+            console.print(f"{where}: client / server: mean TTFT x{_f(ag['ttft'], 3)}, mean E2E x{_f(ag['e2el'], 3)}, "
+                          f"requests x{_f(ag['requests'], 3)}, output tokens x{_f(ag['output_tokens'], 3)}")
         for kind, detail in p.get("failure_examples", {}).items():
             console.print(f"{where}: {kind} x{p['failures'][kind]}, e.g. {detail}", markup=False, highlight=False)
         if tc:

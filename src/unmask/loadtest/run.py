@@ -94,6 +94,7 @@ async def run(targets: list[Target], plan: Plan, timeout: float, advance: Callab
                          "token_check": check,
                          "failure_examples": {k: next(r.detail for r in recs if r.error == k)
                                               for k in sorted({r.error for r in recs if not r.ok})}}
+                point["agreement"] = metrics.agreement(point)
                 points.append(point)
         return points
 

@@ -25,7 +25,7 @@ from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from unmask.server.metrics import Metrics
+from unmask.server.metrics import Metrics, request_arrival
 from unmask.server.protocol import APIError
 from unmask.server.security import route_path, send_error
 
@@ -135,10 +135,11 @@ class AdmissionGate:
             reservation = admission.reserve()
         except APIError as busy:
             return await send_error(busy, scope, receive, send, self.metrics)
-        token = _reservation.set(reservation)
+        token, clock = _reservation.set(reservation), request_arrival.set(time.perf_counter())
         try:
             await self._settle(arrived)
             await self.app(scope, receive, send)
         finally:
+            request_arrival.reset(clock)
             _reservation.reset(token)
             reservation.release()

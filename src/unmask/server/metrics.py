@@ -1,13 +1,28 @@
 """Prometheus metrics of one server, in their own registry (several apps may live in one process)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import SummaryMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TPF_BUCKETS = (1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+
+
+# time.perf_counter() when the request being handled reached the server: set by the admission gate when a
+# generation request's headers have been read (before its body), so the latency histograms start where a client's
+# clock does, less the network (docs/loadtest.md, "Agreement with /metrics")
+request_arrival: ContextVar[float | None] = ContextVar("unmask_request_arrival", default=None)
+
+
+def arrival() -> float:
+    """When the request being handled arrived (request_arrival), or now for one that came in another way (a batch
+    line run in-process)."""
+    t = request_arrival.get()
+    return time.perf_counter() if t is None else t
 
 
 class EngineStatsCollector:
@@ -34,6 +49,10 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("unmask:time_to_first_token_seconds",
                               "Time from arrival to the first committed token of a choice.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.ttfc = Histogram("unmask:time_to_first_chunk_seconds",
+                              "Time from arrival to the first stream chunk with generated text of a choice, handed "
+                              "to the HTTP layer (streamed chat and completions): a client's TTFT less the network.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("unmask:e2e_request_latency_seconds",
                              "Time from arrival to the last byte of a successful request.",

@@ -30,7 +30,7 @@ from unmask.server import chat_history, logsafe
 from unmask.server.admission import Admission
 from unmask.server.formats import ChatFormat, ChoiceState, CompletionFormat, _Format
 from unmask.server.frames import render_frame
-from unmask.server.metrics import Metrics
+from unmask.server.metrics import Metrics, arrival
 from unmask.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, DiffusingFrame,
     ModelCard, ModelList, TokenizeRequest, TokenizeResponse, TokenPiece, Usage,
@@ -124,7 +124,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ endpoints
     async def chat(self, req: ChatCompletionRequest, is_disconnected: Disconnected | None = None):
-        t0 = time.perf_counter()
+        t0 = arrival()
         self._validate(req)
         plan, prompts, jobs = self.chat_jobs(req)
         return await self._run(ChatFormat(self, req, plan), jobs, req, prompts, is_disconnected, t0)
@@ -205,7 +205,7 @@ class OpenAIServing:
         return self._template_tools
 
     async def completion(self, req: CompletionRequest, is_disconnected: Disconnected | None = None):
-        t0 = time.perf_counter()
+        t0 = arrival()
         self._validate(req)
         prompts = [self.tok.encode(p) if isinstance(p, str) else list(p) for p in req.prompts()]
         if not prompts:
@@ -388,6 +388,7 @@ class OpenAIServing:
             yield ""  # admitted; the caller primes the stream up to here
             states = {job.index: ChoiceState() for job in jobs}
             shown: dict[int, list[int]] = {}     # each choice's last `diffusing` snapshot
+            waiting = set(states)                # choices whose first chunk with text is still to come
             for chunk in fmt.opening(sorted(states)):
                 yield fmt.frame(chunk)
             async with aclosing(self._events(jobs, t0)) as events:
@@ -395,6 +396,9 @@ class OpenAIServing:
                     st = states[index]
                     st.add(out)
                     for chunk in fmt.chunks(index, st, out):
+                        if index in waiting and _carries_text(chunk):
+                            waiting.discard(index)
+                            self.metrics.ttfc.observe(time.perf_counter() - t0)
                         yield fmt.frame(chunk)
                     if diffusing and out.snapshot is not None:
                         revised = ({"edits": out.edits, "remasks": out.remasks}
@@ -433,4 +437,11 @@ class OpenAIServing:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
-# ---------------------------------------------------------------------------------------- formats
+def _carries_text(chunk) -> bool:
+    """Whether a chat or completions chunk carries generated output (content, tool call or text), as a client's
+    TTFT counts it (unmask.loadtest.client); other formats' events are not counted."""
+    for c in getattr(chunk, "choices", None) or ():
+        delta = getattr(c, "delta", None)
+        if (delta.content or delta.tool_calls) if delta is not None else getattr(c, "text", None):
+            return True
+    return False

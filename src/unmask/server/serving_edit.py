@@ -26,6 +26,7 @@ from unmask.server.protocol import (APIError, AssistantMessage, ChatChoice, Chat
                                     ChatCompletionResponse, CompletionRequest, Delta, EditCompletionResponse,
                                     EditRequest, Usage)
 from unmask.server.formats import CompletionFormat, sse
+from unmask.server.metrics import arrival
 from unmask.server.serving import Disconnected, Job, OpenAIServing, request_priority
 from unmask.structured import StructuredSpec, from_request
 
@@ -49,7 +50,7 @@ class EditServing:
 
     # ------------------------------------------------------------------ fill in the middle
     async def fim(self, req: CompletionRequest, is_disconnected: Disconnected | None = None):
-        t0 = time.perf_counter()
+        t0 = arrival()
         s = self.s
         s._validate(req)
         try:
@@ -127,7 +128,7 @@ class EditServing:
 
     # ------------------------------------------------------------------ apply-edit and next-edit
     async def apply(self, req: EditRequest, is_disconnected: Disconnected | None = None):
-        t0 = time.perf_counter()
+        t0 = arrival()
         content = self._edit_content(req)
         try:
             original, snippet = parse_apply_prompt(content)
@@ -138,7 +139,7 @@ class EditServing:
         return self._answer(req, "chat.completion", text, finish, len(self.tok.encode(content)), generated)
 
     async def next_edit(self, req: EditRequest, is_disconnected: Disconnected | None = None):
-        t0 = time.perf_counter()
+        t0 = arrival()
         content = self._edit_content(req)
         try:
             plan = plan_next_edit(parse_next_edit_prompt(content))

@@ -33,6 +33,7 @@ from unmask.server.protocol_responses import (ResponseFileSearchCallItem, Respon
                                               ResponseMessageItem, ResponseObject, ResponseOutputText,
                                               ResponsesRequest, ResponseUsage)
 from unmask.server.formats import ChatFormat, ChoiceState
+from unmask.server.metrics import arrival
 from unmask.server.serving import Disconnected, OpenAIServing, log_ignored_fields
 from unmask.structured.tools import ToolParser, parse_tool_calls
 from unmask.tokenizer import IncrementalDecoder
@@ -184,7 +185,7 @@ class ResponsesServing:
         self.s = serving
 
     async def create(self, req: ResponsesRequest, is_disconnected: Disconnected | None = None, retrieval=None):
-        t0 = time.perf_counter()
+        t0 = arrival()
         bad = req.unsupported()
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported")
