@@ -9,7 +9,7 @@ from test_engine import make_unmask_shifted
 from unmask.engine.engine import Engine
 from unmask.engine.kv_pool import PAGE, KVPool, PooledCache
 from unmask.engine.params import GenerationParams
-from unmask.engine.static_step import ROW_BUCKETS, HostReads, StaticBatch, static_step_requested
+from unmask.engine.static_step import ROW_BUCKETS, HostReads, StaticBatch, cuda_graphs_on, static_step_requested
 from unmask.errors import MemoryLimitError
 from unmask.models.loader import load_model
 
@@ -46,6 +46,7 @@ def test_static_step_gives_the_eager_tokens(family, knobs, models):
     st = eng.runner.static
     assert st.steps == eng.stats.steps  # every step of these short prompts fits the buffers
     assert 8 in {k[0] for k in st.shapes} and len(st.shapes) >= 2, st.shapes.keys()  # buckets and widths change
+    assert any(k[3] < k[1] for k in st.shapes)  # the output head reads fewer rows than were fed (K < W)
     assert eng.kv_pool.free_tokens == eng.kv_pool.capacity_tokens  # every run given back
 
 
@@ -187,6 +188,7 @@ def test_a_full_pool_queues_requests_and_an_oversized_one_is_refused(models):
 
 def test_the_static_step_is_selected_by_option_or_environment(monkeypatch, models):
     monkeypatch.delenv("UNMASK_STATIC_STEP", raising=False)
+    monkeypatch.delenv("UNMASK_CUDA_GRAPHS", raising=False)
     assert not static_step_requested(None) and static_step_requested(True)
     monkeypatch.setenv("UNMASK_STATIC_STEP", "1")
     assert static_step_requested(None) and not static_step_requested(False)
@@ -194,4 +196,7 @@ def test_the_static_step_is_selected_by_option_or_environment(monkeypatch, model
     eng = Engine(model, spec, max_num_seqs=2, kv_pool_tokens=1024)
     assert eng.runner.static is not None and eng.kv_pool.capacity_tokens == 1024
     assert not eng.runner.static.graphs  # no capture off CUDA: the same forward runs on the buffers
+    assert cuda_graphs_on(torch.device("cuda"))
+    monkeypatch.setenv("UNMASK_CUDA_GRAPHS", "0")
+    assert not cuda_graphs_on(torch.device("cuda")) and not cuda_graphs_on(torch.device("cpu"))
     assert ROW_BUCKETS[:4] == (1, 2, 4, 8)

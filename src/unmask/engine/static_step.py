@@ -7,11 +7,12 @@ on fixed buffers instead, and the whole forward is replayed from a CUDA graph:
 
   * rows: one per request, the batch padded to a bucket of 1, 2, 4, 8, ... rows (vLLM captures a fixed list
     of batch sizes the same way, padding a step up to the next one); width W: the longest segment rounded up
-    to a power of two; context: the farthest key any row reads, rounded up likewise. One graph per
-    (rows, W, context), captured the first time that shape runs (warm-up on a side stream with synchronising
-    ops refused, as engine/graphs.py does), replayed after.
-  * inputs: token ids, positions, block ids, each row's cache start and pool offset, and the pool index every
-    fed token's K/V is written to, copied in with one host-to-device copy from a staging tensor.
+    to a power of two; context: the farthest key any row reads, rounded up likewise; K: the most rows one
+    request reads logits from (its masked positions), rounded up likewise. One graph per (rows, W, context,
+    K), captured the first time that shape runs (warm-up on a side stream with synchronising ops refused, as
+    engine/graphs.py does), replayed after.
+  * inputs: token ids, positions, block ids, each row's cache start and pool offset, the pool index every
+    fed token's K/V is written to and the K rows it reads, copied in with one host-to-device copy.
   * padding cannot reach real rows: a padding token has block id PAD_BLOCK, above every real one, so no real
     query sees it (`block_id[k] <= block_id[q]`); a real row's padding tokens write K/V past its segment, at
     positions the next step overwrites before anything reads them (the eager path's scratch rule); padding
@@ -20,9 +21,10 @@ on fixed buffers instead, and the whole forward is replayed from a CUDA graph:
   * the KV cache is the preallocated pool (engine/kv_pool.py); attention gathers each row's keys [0, context)
     from its run and masks them (the cached prefix whole, the row's own tokens by block id), so no dense
     T x T mask over the whole sequence exists, only [rows, W, context].
-  * decoding on the device: the output head, the mask-token ban and the greedy proposal (argmax, p(x0),
-    p1 - p2, log p(x0); `decoding.sampling.propose`, the same function the host runs) run inside the graph
-    for every row; one copy of [4, rows x W] numbers to the host is the step's only synchronisation. Each
+  * decoding on the device: the output head (over the K read rows of each row only: a block's committed half
+    and the finished block it carries need none), the mask-token ban and the greedy proposal (argmax, p(x0),
+    p1 - p2, log p(x0); `decoding.sampling.propose`, the same function the host runs) run inside the graph;
+    one copy of [4, rows x K] numbers to the host is the step's only synchronisation. Each
     request's policy rule then reads its M proposals there (a handful of numbers, the rule functions of
     `decoding.policies`, unchanged) and commits. Requests that sample, adjust logits or record top
     alternatives get their rows' logits instead (projected from the graph's hidden states: a second copy).
@@ -55,7 +57,7 @@ log = logging.getLogger("unmask.engine")
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_WIDTH = 64          # tokens one row may feed; wider steps (prefill chunks) run eagerly
-MIN_CONTEXT = 128       # smallest context bucket: short prompts share one graph per (rows, width)
+MIN_CONTEXT = 128       # smallest context bucket: short prompts share one graph per (rows, width, K)
 PAD_BLOCK = 1 << 40     # padding tokens' block id: above every real block, so no real query sees them
 _OFF = ("0", "false", "no", "off")
 
@@ -139,8 +141,8 @@ class StaticBatch:
 class _Shape:
     stage: Tensor      # host [rows, 4W + 2] long: ids | positions | block ids | write indices | start | offset
     inputs: Tensor     # the same on the device
-    hidden: Tensor | None  # [rows, W, D]: the forward's final hidden states (for rows whose logits the host needs)
-    packed: Tensor | None  # [4, rows x W] float64: proposed token, p(x0), p1 - p2, log p(x0)
+    hidden: Tensor | None  # [rows x K, D]: final hidden states of the read rows (for logits the host needs)
+    packed: Tensor | None  # [4, rows x K] float64: proposed token, p(x0), p1 - p2, log p(x0)
     run: Callable[[], None]
     captured: bool
     copied: object = None  # CUDA event after an input copy that no host read waited for (a step without logits)
@@ -150,7 +152,7 @@ class StaticStep:
     """Runs qualifying steps on static buffers; `execute` returns None for a step it does not take."""
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, mask_id: int, max_width: int = MAX_WIDTH,
-                 max_graphs: int = 64):
+                 max_graphs: int = 128):
         self.model, self.pool, self.mask_id = model, pool, mask_id
         self.device = pool.device
         self.max_width = min(max_width, pool.scratch)
@@ -175,11 +177,12 @@ class StaticStep:
             width = max(width, seg.length)
             reach = max(reach, seg.start)
         w = _pow2(width, 1)
+        reads = max(p.logit_rows.numel() for p in plans)  # rows through the output head: the masked ones only
         for p in plans:  # a real row's padding tokens write past its segment: that must stay inside its run
             if p.segment.start + w > _cache(p).capacity:
                 return None
         rows = next(b for b in ROW_BUCKETS if b >= len(plans))
-        return rows, w, _pow2(reach + w, MIN_CONTEXT)
+        return rows, w, _pow2(reach + w, MIN_CONTEXT), min(w, _pow2(reads, 1))
 
     # ------------------------------------------------------------------ one step
     def execute(self, plans: list[StepPlan]) -> list[Tensor | Proposal] | None:
@@ -212,9 +215,9 @@ class StaticStep:
 
     def _fill(self, key: tuple, plans: list[StepPlan], stage: Tensor | None) -> Tensor:
         """The step's inputs into the host staging tensor: ~15 tensor ops whatever the batch size."""
-        rows, w, _ = key
+        rows, w, _, k = key
         if stage is None:
-            stage = torch.empty(rows, 4 * w + 2, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            stage = torch.empty(rows, 4 * w + 2 + k, dtype=torch.long, pin_memory=self.device.type == "cuda")
         n = len(plans)
         j = torch.arange(w)
         lengths = torch.tensor([p.segment.length for p in plans])
@@ -234,20 +237,26 @@ class StaticStep:
         stage[n:, 4 * w] = 0
         stage[:n, 4 * w + 1] = offsets
         stage[n:, 4 * w + 1] = self.pool.tokens - self.pool.scratch
+        reads = stage[:, 4 * w + 2:]  # which of its W rows each row projects (padding: row 0)
+        reads.zero_()
+        reads[:n][torch.arange(k)[None, :] < torch.tensor([p.logit_rows.numel() for p in plans])[:, None]] = \
+            torch.cat([p.logit_rows for p in plans])
         return stage
 
     def _build(self, key: tuple, stage: Tensor) -> _Shape:
-        rows, w, context = key
+        rows, w, context, k = key
         inputs = stage.to(self.device).clone()
         ids, pos, bids, widx = (inputs[:, i * w:(i + 1) * w] for i in range(4))
         batch = StaticBatch(self.pool, ids, bids, inputs[:, 4 * w], inputs[:, 4 * w + 1], widx, context)
+        reads = inputs[:, 4 * w + 2:]
         greedy = SamplingParams()
         model, mask_id = self.model, self.mask_id
 
         def forward() -> tuple[Tensor, Tensor]:
             batch.prepare()
             hidden = model(ids, pos, batch)                      # [rows, W, D]
-            logits = model.logits(hidden.reshape(rows * w, -1))
+            hidden = hidden.gather(1, reads[:, :, None].expand(-1, -1, hidden.shape[-1])).reshape(rows * k, -1)
+            logits = model.logits(hidden)                        # [rows x K, V]: the rows a policy reads
             logits[:, mask_id] = float("-inf")                   # never propose the mask (Sequence.apply does too)
             prop = propose(logits, greedy, need_entropy=False)
             packed = torch.stack([prop.tokens.double(), prop.probs.double(), prop.margin.double(),
@@ -292,7 +301,7 @@ class StaticStep:
 
     # ------------------------------------------------------------------ results
     def _outputs(self, key: tuple, shape: _Shape, plans: list[StepPlan]) -> list[Tensor | Proposal]:
-        _, w, _ = key
+        k = key[3]
         on_device = [proposed_on_device(p.seq) for p in plans]
         self.host_reads = 0
         packed = None
@@ -302,8 +311,8 @@ class StaticStep:
         want = [i for i, (d, p) in enumerate(zip(on_device, plans)) if not d and p.logit_rows.numel()]
         host_logits = None
         if want:  # sampled or adjusted requests: their rows' logits, projected from the graph's hidden states
-            flat = torch.cat([plans[i].logit_rows + i * w for i in want]).to(self.device, non_blocking=True)
-            host_logits = self.model.logits(shape.hidden.reshape(-1, shape.hidden.shape[-1])[flat]).cpu()
+            flat = torch.cat([torch.arange(plans[i].logit_rows.numel()) + i * k for i in want])
+            host_logits = self.model.logits(shape.hidden[flat.to(self.device, non_blocking=True)]).cpu()
             self.host_reads += 1
         out: list[Tensor | Proposal] = []
         taken = 0
@@ -313,7 +322,7 @@ class StaticStep:
             if m == 0:
                 out.append(torch.empty(0, vocab))
             elif d:
-                cols = packed[:, p.logit_rows + i * w]
+                cols = packed[:, i * k:i * k + m]
                 out.append(Proposal(tokens=cols[0].long(), probs=cols[1].float(),
                                     entropy=torch.full((m,), float("nan")), margin=cols[2].float(),
                                     logprobs=cols[3].float()))
