@@ -104,9 +104,22 @@ def test_sampling_is_seeded_and_keeps_drafts(llm, prompts):
     assert sum(o.forwards for o in a) < sum(len(o.token_ids) for o in a)
 
 
+@pytest.mark.parametrize("knobs", [dict(frequency_penalty=0.5), dict(presence_penalty=0.8, frequency_penalty=-0.3),
+                                   dict(repetition_penalty=1.3), dict(logit_bias={214: -4.0, 591: 2.0})])
+def test_penalties_and_bias_as_next_token_decoding(llm, prompts, knobs):
+    """Verifier row i is penalised as if drafts 0..i-1 were committed: the output stays next-token decoding's
+    under the same penalties, and the penalties do change it."""
+    ref = one_by_one(llm, prompts, **AR, **knobs)
+    got = one_by_one(llm, prompts, policy="speculative", draft_all_outcomes=True, **knobs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    plain = one_by_one(llm, prompts, **AR)
+    assert [o.token_ids for o in plain] != [o.token_ids for o in ref]
+    assert sum(o.forwards for o in got) < sum(o.forwards for o in ref)
+
+
 def test_refused_where_it_cannot_run(llm, prompts, family_dirs):
     eng = llm.engine
-    for knobs, message in ((dict(repetition_penalty=1.2), "cannot be combined with logit_bias / penalties"),
+    for knobs, message in ((dict(dry_multiplier=0.8), "cannot be combined with dry_multiplier"),
                            (dict(multi_block_threshold=0.5), "multi_block_threshold needs a policy without a per-bl"),
                            (dict(small_block_size=4), "cannot be combined with small_block_size")):
         with pytest.raises(InvalidRequestError, match=message):
@@ -138,7 +151,7 @@ def test_over_http_the_same_text_and_a_400_for_what_it_cannot_do():
     got = http.post("/v1/completions", json={**body, "policy": "speculative", "draft_all_outcomes": True})
     assert got.status_code == 200, got.text
     assert got.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
-    bad = http.post("/v1/completions", json={**body, "policy": "speculative", "frequency_penalty": 0.5})
+    bad = http.post("/v1/completions", json={**body, "policy": "speculative", "dry_multiplier": 0.8})
     assert bad.status_code == 400
     err = bad.json()["error"]
-    assert err["param"] == "policy" and "cannot be combined with logit_bias / penalties" in err["message"]
+    assert err["param"] == "policy" and "cannot be combined with dry_multiplier" in err["message"]

@@ -76,6 +76,12 @@ class Adjuster:
 
     def adjust(self, logits: Tensor) -> Tensor:
         """In place on [M, V] logits (every row is a position of this request); returns them."""
+        return self.adjust_causal(logits, None)
+
+    def adjust_causal(self, logits: Tensor, earlier: Tensor | None) -> Tensor:
+        """`adjust` for rows that are consecutive positions: row i also counts `earlier[:i]` as output (a
+        speculative step's verifier rows, each of which follows the drafts before it), so row i is adjusted
+        exactly as one-token-per-forward decoding would adjust it once those drafts were committed."""
         if self.bias_ids.numel():
             if self.bias_ids.device != logits.device:
                 self.bias_ids, self.bias_values = self.bias_ids.to(logits.device), self.bias_values.to(logits.device)
@@ -87,21 +93,32 @@ class Adjuster:
                 for t in self._pending:
                     self.commit(t)
                 self._pending = []
+            counts = self.counts
+            if earlier is not None and earlier.numel():  # [M, V]: row i's counts take earlier[:i] in
+                n = min(int(earlier.numel()), logits.shape[0] - 1)
+                one_hot = torch.zeros(logits.shape[0], counts.shape[0], device=counts.device)
+                one_hot[torch.arange(1, n + 1, device=counts.device), earlier[:n].to(counts.device)] = 1.0
+                counts = counts + one_hot.cumsum(0)   # row i: + earlier[:i] (rows past n: all of them)
             s = self.spec
             if s.repeats:
-                self._repetition(logits)
+                self._repetition(logits, counts)
             if s.presence_penalty or s.frequency_penalty:
-                penalty = s.frequency_penalty * self.counts + s.presence_penalty * (self.counts > 0).float()
+                penalty = s.frequency_penalty * counts + s.presence_penalty * (counts > 0).float()
                 logits -= penalty.to(logits.dtype)
         return logits
 
-    def _repetition(self, logits: Tensor) -> None:
+    def _repetition(self, logits: Tensor, counts: Tensor) -> None:
         if not self._prompt_placed:  # once: ids outside the vocabulary dropped, the rest moved to the device
             self.prompt_ids = self.prompt_ids[self.prompt_ids < logits.shape[-1]].to(logits.device)
             self._prompt_placed = True
-        seen = self.counts > 0
-        seen[self.prompt_ids] = True
         r = self.spec.repetition_penalty
+        if counts.dim() == 2:  # per-row seen sets
+            seen = counts > 0
+            seen[:, self.prompt_ids] = True
+            logits.copy_(torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits))
+            return
+        seen = counts > 0
+        seen[self.prompt_ids] = True
         cols = logits[:, seen]
         logits[:, seen] = torch.where(cols > 0, cols / r, cols * r)
 

@@ -27,24 +27,29 @@ from unmask.errors import InvalidRequestError
 from unmask.models.attention import Segment
 
 
-def check_speculative(params, traits, family_class) -> None:
-    """InvalidRequestError unless a request for the `speculative` policy can run on this model as asked."""
-    def bad(msg: str, param: str = "policy"):
-        raise InvalidRequestError(msg, param)
-
+def speculative_refusal(params, traits, family_class) -> tuple[str, str] | None:
+    """Why a request cannot run under the `speculative` policy on this model, as (message, param); None if it can."""
     if not (traits.attention == "block_causal" and traits.shift and traits.causal_context and family_class is None):
-        bad(f"policy 'speculative' verifies drafts with the model's next-token rows: it needs a block-causal model "
-            f"with a causal context trained with a next-token loss (the built-in family), not {traits.family}")
+        return (f"policy 'speculative' verifies drafts with the model's next-token rows: it needs a block-causal "
+                f"model with a causal context trained with a next-token loss (the built-in family), not "
+                f"{traits.family}", "policy")
     unsupported = [name for name, on in (
         ("response_format", params.structured is not None),
         ("edit_threshold", params.edit_config().active),
         ("multi_block_threshold", params.multi_block_threshold is not None),
         ("small_block_size", params.small_block_size is not None),
         ("dry_multiplier", bool(params.dry_multiplier)),
-        ("logit_bias / penalties", params.logit_adjust().active),
     ) if on]
     if unsupported:
-        bad(f"policy 'speculative' cannot be combined with {unsupported[0]} (use another policy)", "policy")
+        return f"policy 'speculative' cannot be combined with {unsupported[0]} (use another policy)", "policy"
+    return None
+
+
+def check_speculative(params, traits, family_class) -> None:
+    """InvalidRequestError unless a request for the `speculative` policy can run on this model as asked."""
+    refusal = speculative_refusal(params, traits, family_class)
+    if refusal:
+        raise InvalidRequestError(*refusal)
 
 
 def draft_layout(n_committed: int, n_drafts: int, block_lengths: list[int], outcomes: list[int]) -> Tensor:
@@ -128,6 +133,9 @@ class SpeculativeSequence(Sequence):
         f, k = self.final_end, self._k
         logits[:, self.traits.mask_id] = float("-inf")
         ban_early_stops(logits, plan.targets - self.P, self.params.min_tokens, self.stops)
+        if self.adjuster is not None:  # verifier row i follows drafts 0..i-1: counted as if committed
+            self.adjuster.adjust_causal(logits[:k + 1], self.drafts[:k])
+            self.adjuster.adjust(logits[k + 1:])  # the draft rows: only what is committed (drafts need not be exact)
         greedy = self.sampling.greedy
         verifier = logits[:k + 1]
         # greedy: the argmax of the logits is the rule's whole input (no [k + 1, V] one-hot on the step's path)
@@ -138,6 +146,8 @@ class SpeculativeSequence(Sequence):
         n = min(a + 1, self.end - f)
         tokens = verdict.tokens[:n].cpu()
         self.seq[f:f + n] = tokens
+        if self.adjuster is not None:
+            self.adjuster.commit(tokens)
         self.drafted, self.kept = self.drafted + k, self.kept + a
         self._record_outputs(torch.arange(f, f + n), tokens, verifier[:n])
         self.stats.denoise_steps += 1
