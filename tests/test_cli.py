@@ -22,6 +22,22 @@ def test_generate_prints_prompt_and_continuation(family_dirs):
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith("hello world")
     assert "tokens/forward" in r.stderr and "forwards" in r.stderr
+    assert "[policy threshold," in r.stderr  # SDAR names no default policy: the fallback
+
+
+def test_generate_stats_name_the_models_default_policy(tmp_path):
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "bench/models/unmask-tiny-5m", model)
+    gc = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gc, "default_policy": {"policy": "speculative"}}))
+    r = invoke("generate", "--model", str(model), "--max-tokens", "8", "--stats", "def add(a, b):")
+    assert r.exit_code == 0, r.output
+    assert "[policy speculative," in r.stderr
+    r = invoke("generate", "--model", str(model), "--max-tokens", "8", "--stats", "--threshold", "0.7", "def f():")
+    assert "[policy threshold," in r.stderr  # another policy's knob: the threshold rule
 
 
 def test_generate_is_deterministic_with_seed(family_dirs):

@@ -52,7 +52,7 @@ def _params(**kw):
 def generate(
     prompt: str = typer.Argument(..., help="Prompt text (use --chat to wrap it in the chat template)."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="Model directory (default: built-in unmask-tiny)."),
-    policy: str = typer.Option("threshold", help="Decoding policy (see docs/decoding.md)."),
+    policy: str = typer.Option("default", help="Decoding policy (docs/decoding.md); default: the model's own."),
     threshold: float = typer.Option(0.9, help="Confidence threshold for threshold/credit policies."),
     block_size: Optional[int] = typer.Option(None, help="Block size (default: the model's)."),
     steps: Optional[int] = typer.Option(None, help="Denoising steps per block for schedule-based policies."),
@@ -164,8 +164,10 @@ def generate(
     if stats and last is not None:
         n = last.num_generated
         revised = f", {last.edits} edits, {last.remasks} remasks" if last.edits or last.remasks else ""
-        typer.echo(f"[{n} tokens, {last.forwards} forwards, {n / max(last.forwards, 1):.2f} tokens/forward, "
-                   f"{n / elapsed:.1f} tokens/s{revised}, finish={last.finish_reason}]", err=True)
+        used = llm.engine.resolve_policy(params)  # a request without --policy: the model's default
+        typer.echo(f"[policy {used.policy}, {n} tokens, {last.forwards} forwards, "
+                   f"{n / max(last.forwards, 1):.2f} tokens/forward, {n / elapsed:.1f} tokens/s{revised}, "
+                   f"finish={last.finish_reason}]", err=True)
 
 
 @app.command()
@@ -236,6 +238,8 @@ def evaluate_cmd(
     top_p: float = typer.Option(1.0, help="Top-p of the completion tasks."),
     seed: int = typer.Option(0, help="Seed of the completion tasks when they sample."),
     chat_limit: int = typer.Option(200, help="Held-out chat records for the chat-ending rate (0: skip)."),
+    chat_policies: str = typer.Option("default", help="Policies of the chat-ending part, comma-separated eval "
+                                      "policies or 'default' (the model's default policy)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     kv_cache_dtype: str = typer.Option("auto", help="Also the masked-token loss read through a KV cache of this "
@@ -274,7 +278,8 @@ def evaluate_cmd(
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not 0.0 <= temperature <= 2.0 or not 0.0 < top_p <= 1.0:
         fail(f"--temperature must be in [0, 2] and --top-p in (0, 1], got {temperature} and {top_p}")
-    bad = [n for n in names if n not in POLICIES]
+    chat_names = [p.strip() for p in chat_policies.split(",") if p.strip()]
+    bad = [n for n in names if n not in POLICIES] + [n for n in chat_names if n not in POLICIES and n != "default"]
     if bad:
         fail(f"unknown eval policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
     try:
@@ -322,17 +327,24 @@ def evaluate_cmd(
             typer.echo(f"function bodies of the held-out files themselves: repeat {fn['target_repeat']:.2f}")
         if sft_heldout is not None and chat_limit > 0:
             chat_penalties = _with_model_defaults(llm, dict(flags), chat=True)
-            endings = chat_endings(llm, read_jsonl(sft_heldout), chat_limit, block_size=block_size, **chat_penalties)
             results["chat_penalties"] = {k: v for k, v in chat_penalties.items() if v is not None}
-            results["chat_endings"] = [{**e.__dict__, "rate": e.rate, "mean_length": e.mean_length,
-                                        "mean_similarity": e.mean_similarity} for e in endings]
-            n, ended = sum(e.n for e in endings), sum(e.ended for e in endings)
-            typer.echo(f"chat answers that end by themselves within {CHAT_TOKENS} tokens (greedy): "
-                       f"{ended}/{n} = {ended / max(n, 1):.1%}")
-            for e in endings:
-                valid = f", valid JSON {e.json_valid}/{e.json_n}" if e.json_n else ""
-                typer.echo(f"  {e.kind:<12} {e.ended}/{e.n} = {e.rate:.0%}, mean length {e.mean_length:.0f} tokens, "
-                           f"similarity {e.mean_similarity:.2f}{valid}")
+            results["chat_endings_by_policy"] = {}
+            for name in chat_names:
+                knobs = {**POLICIES.get(name, {}), **{k: v for k, v in chat_penalties.items() if v is not None}}
+                if block_size is not None:
+                    knobs["block_size"] = block_size
+                endings = chat_endings(llm, read_jsonl(sft_heldout), chat_limit, **knobs)
+                rows = [{**e.__dict__, "rate": e.rate, "mean_length": e.mean_length,
+                         "mean_similarity": e.mean_similarity} for e in endings]
+                results["chat_endings_by_policy"][name] = rows
+                results.setdefault("chat_endings", rows)  # the first policy's, as before
+                n, ended = sum(e.n for e in endings), sum(e.ended for e in endings)
+                typer.echo(f"chat answers that end by themselves within {CHAT_TOKENS} tokens (greedy, {name}): "
+                           f"{ended}/{n} = {ended / max(n, 1):.1%}")
+                for e in endings:
+                    valid = f", valid JSON {e.json_valid}/{e.json_n}" if e.json_n else ""
+                    typer.echo(f"  {e.kind:<12} {e.ended}/{e.n} = {e.rate:.0%}, mean length {e.mean_length:.0f} "
+                               f"tokens, similarity {e.mean_similarity:.2f}{valid}")
     except UnmaskError as e:
         fail(str(e))
     if json_out:
@@ -384,7 +396,7 @@ def _with_model_defaults(llm, knobs: dict, chat: bool = False) -> dict:
 def chat(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="Model directory (default: built-in unmask-tiny)."),
     system: Optional[str] = typer.Option(None, help="System message that opens the conversation."),
-    policy: str = typer.Option("threshold", help="Decoding policy (see docs/decoding.md)."),
+    policy: str = typer.Option("default", help="Decoding policy (docs/decoding.md); default: the model's own."),
     threshold: float = typer.Option(0.9, help="Confidence threshold for threshold/credit policies."),
     max_tokens: int = typer.Option(512, help="Maximum tokens per reply."),
     temperature: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
@@ -472,7 +484,7 @@ def bench(
     prompt_len: int = typer.Option(128, help="Prompt tokens per request (random ids)."),
     max_tokens: int = typer.Option(128, help="Generated tokens per request (end-of-sequence ignored)."),
     rounds: int = typer.Option(3, help="Interleaved rounds; figures are median [min-max]."),
-    policy: str = typer.Option("threshold", help="Decoding policy (see docs/decoding.md)."),
+    policy: str = typer.Option("default", help="Decoding policy (docs/decoding.md); default: the model's own."),
     threshold: float = typer.Option(0.9), block_size: Optional[int] = typer.Option(None),
     steps: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),

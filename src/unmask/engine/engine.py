@@ -12,7 +12,7 @@ from unmask.decoding.policies import LEARNED, SPECULATIVE
 from unmask.engine import memory
 from unmask.engine.detokenizer import TextStream
 from unmask.engine.outputs import StepOutput
-from unmask.engine.params import GenerationParams
+from unmask.engine.params import DEFAULT_POLICY, GenerationParams, model_policy
 from unmask.engine.prefix_cache import PrefixCache, block_keys
 from unmask.engine.kv_pool import KVPool
 from unmask.engine.runner import ModelRunner
@@ -77,8 +77,22 @@ class Engine:
         self._dry_breakers: dict = {}
 
     # ------------------------------------------------------------------ requests
+    def resolve_policy(self, params: GenerationParams) -> GenerationParams:
+        """`params` with the "default" policy made concrete: the model's `default_policy` where this request can
+        run under it (generation_config.json; params.model_policy), else the fallback (threshold)."""
+        if params.policy != DEFAULT_POLICY:
+            return params
+        chosen = model_policy(self.spec.generation_config)
+        allowed = chosen is not None
+        if allowed and chosen["policy"] == SPECULATIVE:
+            from unmask.engine.speculative import speculative_refusal
+
+            allowed = speculative_refusal(params, self.traits, self.spec.family.sequence_class) is None
+        return params.with_model_policy(chosen, allowed)
+
     def check_request(self, prompt_ids: list[int], params: GenerationParams) -> None:
         """Raises InvalidRequestError / ContextLengthError; reads no engine state (safe from any thread)."""
+        params = self.resolve_policy(params)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.spec.arch.vocab_size
@@ -156,7 +170,7 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams | None = None,
                     request_id: str | None = None) -> Sequence:
-        params = params or GenerationParams()
+        params = self.resolve_policy(params or GenerationParams())
         self.check_request(prompt_ids, params)
         seq_class = self.spec.family.sequence_class or Sequence
         if params.policy == SPECULATIVE:

@@ -12,10 +12,17 @@ from unmask.errors import InvalidRequestError
 from unmask.structured.spec import StructuredSpec
 
 POLICY_KNOBS = frozenset(f.name for f in fields(PolicyConfig)) - {"name"}  # what its error messages open with
+TUNING_KNOBS = POLICY_KNOBS - {"empty_steps", "commit_filter"}  # set per request, not by the model's switches
 # policies whose rule reads only the rows' confidences, not a per-block schedule: the ones that can take rows
 # of two blocks at once (multi_block_threshold)
 MULTI_BLOCK_POLICIES = ("threshold", "credit", "factor", "entropy_bounded", "topk")
 
+# `policy` left at DEFAULT_POLICY: the model's own choice (generation_config.json `default_policy`, read by
+# `model_policy`) where the request can run under it, else FALLBACK_POLICY, the engine's default before models
+# named one; the engine resolves it (Engine.resolve_policy) before anything else reads the policy
+DEFAULT_POLICY, FALLBACK_POLICY = "default", "threshold"
+# what a model's `default_policy` may set (a request's own value wins where it has one)
+MODEL_POLICY_KEYS = {"block_size": int, "draft_all_outcomes": bool}
 CacheMode = Literal["auto", "none", "prefix", "dual"]
 INTERACTIVE_PRIORITY, BATCH_PRIORITY = 0, 1
 
@@ -27,7 +34,7 @@ class GenerationParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    policy: str = "threshold"
+    policy: str = DEFAULT_POLICY        # "default": the model's default policy (DEFAULT_POLICY above)
     threshold: float = 0.9
     steps: int | None = None            # denoising steps per block for schedule-based policies
     tokens_per_step: int | None = None  # the `topk` policy's fixed k (1 = one token per forward)
@@ -195,7 +202,7 @@ class GenerationParams:
             raise InvalidRequestError(f"{name} must be in (0, 1], got {t!r}", name)
         if self.small_block_size is not None:  # one narrows the candidates to a slice, the other widens them
             raise InvalidRequestError(f"{name} cannot be combined with small_block_size", name)
-        if self.policy not in MULTI_BLOCK_POLICIES:
+        if self.policy not in (*MULTI_BLOCK_POLICIES, DEFAULT_POLICY):  # the default then resolves to threshold
             raise InvalidRequestError(f"{name} needs a policy without a per-block schedule "
                                       f"({', '.join(MULTI_BLOCK_POLICIES)}), not {self.policy!r}", name)
         if self.structured is not None:  # a grammar reads the committed text left to right, one block at a time
@@ -234,7 +241,7 @@ class GenerationParams:
             bad(f"{name} cannot be combined with multi_block_threshold", name)
         if self.structured is not None:  # a grammar reads the committed text once, left to right
             bad(f"{name} cannot be combined with a structured-output constraint", name)
-        if self.remask_budget and self.policy not in MULTI_BLOCK_POLICIES:  # a remask would upset a block schedule
+        if self.remask_budget and self.policy not in (*MULTI_BLOCK_POLICIES, DEFAULT_POLICY):  # a remask would upset a block schedule
             bad(f"remask_budget needs a policy without a per-block schedule ({', '.join(MULTI_BLOCK_POLICIES)}), "
                 f"not {self.policy!r}", "remask_budget")
 
@@ -269,8 +276,25 @@ class GenerationParams:
             raise InvalidRequestError(f"small_block_size ({s}) must divide the block size ({block_size})",
                                       "small_block_size")
 
+    def tunes_a_policy(self) -> bool:
+        """Whether a knob of the mask-committing policies (threshold, steps, ...) is off its default: a request
+        that tunes one without naming a policy means the policy those knobs belong to (FALLBACK_POLICY)."""
+        return any(getattr(self, f.name) != f.default for f in fields(self) if f.name in TUNING_KNOBS)
+
+    def with_model_policy(self, chosen: dict | None, allowed: bool) -> GenerationParams:
+        """A copy with DEFAULT_POLICY resolved: the model's `chosen` default (model_policy) when `allowed` (the
+        engine's check that this request can run under it) and no knob of another policy is tuned, else
+        FALLBACK_POLICY. The request's own block size etc. win over the model's."""
+        if self.policy != DEFAULT_POLICY:
+            return self
+        if not chosen or not allowed or self.tunes_a_policy():
+            return replace(self, policy=FALLBACK_POLICY)
+        kw = {k: v for k, v in chosen.items() if k != "policy" and getattr(self, k) is None}
+        return replace(self, policy=chosen["policy"], **kw)
+
     def policy_config(self) -> PolicyConfig:
-        return PolicyConfig(name=self.policy, threshold=self.threshold, steps=self.steps, factor=self.factor,
+        name = FALLBACK_POLICY if self.policy == DEFAULT_POLICY else self.policy  # unresolved: the fallback's rule
+        return PolicyConfig(name=name, threshold=self.threshold, steps=self.steps, factor=self.factor,
                             entropy_bound=0.35 if self.entropy_bound is None else self.entropy_bound,
                             tokens_per_step=self.tokens_per_step, alg_temp=self.alg_temp,
                             credit_decay=self.credit_decay, credit_gamma=self.credit_gamma,
@@ -345,6 +369,23 @@ def model_defaults(family: str, generation_config: dict) -> dict:
             out["top_k"] = k
         if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1:
             out["top_p"] = float(p)
+    return out
+
+
+def model_policy(generation_config: dict) -> dict | None:
+    """The model's default decoding (generation_config.json `default_policy`, e.g. {"policy": "speculative",
+    "block_size": 4}) as request fields, or None; keys of the wrong type are ignored, as elsewhere in this file."""
+    gc = generation_config if isinstance(generation_config, dict) else {}
+    cfg = gc.get("default_policy")
+    from unmask.decoding.policies import LEARNED, POLICIES, SPECULATIVE
+
+    if not isinstance(cfg, dict) or cfg.get("policy") not in (*POLICIES, LEARNED, SPECULATIVE):
+        return None
+    out = {"policy": cfg["policy"]}
+    for key, kind in MODEL_POLICY_KEYS.items():
+        v = cfg.get(key)
+        if isinstance(v, kind) and not (kind is not bool and isinstance(v, bool)):
+            out[key] = v
     return out
 
 
