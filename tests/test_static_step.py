@@ -60,6 +60,49 @@ def test_static_step_matches_the_naive_loop_alone_and_batched(family, models):
         assert out == alone[0] == naive_generate(model, spec, p, params)
 
 
+@pytest.mark.parametrize("family, knobs", [
+    ("unmask_causal_context", dict(multi_block_threshold=0.5, threshold=0.6)),  # two open blocks in one row
+    ("fast_dllm_v2", dict(small_block_size=2)),                                # sub-blocks
+    ("sdar", dict(full_last_block=True, ordered_stops=True)),
+    ("sdar", dict(logprobs=True)),                                              # logprobs from device proposals
+    ("sdar", dict(logprobs=True, top_logprobs=3)),                              # top alternatives: logits path
+    ("llada2", dict(edit_threshold=0.2)),                                       # edits: logits path
+    ("sdar", dict(presence_penalty=0.5, min_tokens=6)),                         # adjusted logits: logits path
+])
+def test_request_options_give_the_eager_tokens_and_logprobs(family, knobs, models):
+    model, spec = models[family]
+    params = GenerationParams(max_tokens=13, block_size=4, **{"policy": "threshold", "threshold": 0.4, **knobs})
+    got = []
+    for static in (False, True):
+        eng = Engine(model, spec, max_num_seqs=8, static_step=static, kv_pool_tokens=4096)
+        seqs = [eng.add_request(p, params) for p in PROMPTS[:3]]
+        eng.run_to_completion()
+        got.append(seqs)
+        if static:
+            assert eng.runner.static.steps > 0
+    for eager, static in zip(*got):
+        assert static.output_ids == eager.output_ids
+        if eager.logprobs is not None:  # equal up to float rounding (the step's matmuls see more rows)
+            assert static.logprobs.tolist() == pytest.approx(eager.logprobs.tolist(), abs=1e-5)
+        if eager.top is not None:
+            assert static.top.ids.tolist() == eager.top.ids.tolist()
+
+
+def test_the_prefix_cache_fills_pooled_caches(models):
+    """A second request with the same prompt loads its prompt blocks from the prefix cache into its pool run."""
+    model, spec = models["sdar"]
+    params = GenerationParams(max_tokens=8, policy="threshold", threshold=0.5, block_size=4)
+    prompt = list(range(30, 51))
+    eng = Engine(model, spec, max_num_seqs=4, static_step=True, kv_pool_tokens=1024)
+    first = eng.add_request(prompt, params)
+    eng.run_to_completion()
+    second = eng.add_request(prompt, params)
+    eng.step()
+    assert second.stats.prefill_tokens < len(prompt) - 4  # most of the prompt came from the prefix cache
+    eng.run_to_completion()
+    assert second.output_ids == first.output_ids == naive_generate(model, spec, prompt, params)
+
+
 def test_sampled_requests_read_their_logits_and_match_eager(models):
     """Requests that sample (or adjust logits) get their rows' logits from the step's hidden states, mixed in one
     batch with greedy requests that get device-side proposals."""
@@ -200,3 +243,13 @@ def test_the_static_step_is_selected_by_option_or_environment(monkeypatch, model
     monkeypatch.setenv("UNMASK_CUDA_GRAPHS", "0")
     assert not cuda_graphs_on(torch.device("cuda")) and not cuda_graphs_on(torch.device("cpu"))
     assert ROW_BUCKETS[:4] == (1, 2, 4, 8)
+
+
+def test_llm_takes_the_static_step_options(family_dirs):
+    from unmask.engine.llm import LLM
+
+    llm = LLM(family_dirs["sdar"], static_step=True, kv_pool_tokens=512, max_num_seqs=2)
+    assert llm.engine.kv_pool.capacity_tokens == 512
+    params = GenerationParams(max_tokens=6, policy="topk", tokens_per_step=2, block_size=4)
+    out = llm.generate([[5, 9, 17], [6, 9, 18]], params)
+    assert [len(o.token_ids) for o in out] == [6, 6] and llm.engine.runner.static.steps > 0
