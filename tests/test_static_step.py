@@ -253,3 +253,70 @@ def test_llm_takes_the_static_step_options(family_dirs):
     params = GenerationParams(max_tokens=6, policy="topk", tokens_per_step=2, block_size=4)
     out = llm.generate([[5, 9, 17], [6, 9, 18]], params)
     assert [len(o.token_ids) for o in out] == [6, 6] and llm.engine.runner.static.steps > 0
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: `replay` reruns the captured forward into the tensors the
+    capture returned, which is what a replay does on a GPU."""
+
+    def __init__(self):
+        self.fn = None
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        self.fn()
+
+
+class FakeCapture:
+    def __init__(self, graph, pool=None):
+        self.graph, self.pool = graph, pool
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_the_capture_path_replays_into_the_captured_outputs(models, monkeypatch):
+    """The CUDA-only branch on the CPU, with torch.cuda's graph API replaced by stand-ins: warm-up under the
+    sync-refusing debug mode on a side stream, one capture per shape, replays after, same tokens as eager."""
+    from unmask.engine import static_step as S
+
+    modes = []
+    fake_stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "Stream", fake_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: fake_stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: FakeCapture(None))
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    real_capture = S.StaticStep._capture
+
+    def capture(self, forward, stage, inputs):
+        shape = real_capture(self, forward, stage, inputs)
+
+        def rerun():
+            hidden, packed = forward()
+            shape.hidden.copy_(hidden)
+            shape.packed.copy_(packed)
+
+        shape.run.__self__.fn = rerun
+        return shape
+
+    monkeypatch.setattr(S.StaticStep, "_capture", capture)
+    model, spec = models["sdar"]
+    params = GenerationParams(max_tokens=12, policy="threshold", threshold=0.4, block_size=4)
+    eng = Engine(model, spec, max_num_seqs=8, static_step=True, kv_pool_tokens=4096)
+    st = eng.runner.static
+    st.graphs, st.mempool = True, torch.cuda.graph_pool_handle()
+    seqs = [eng.add_request(p, params) for p in PROMPTS]
+    eng.run_to_completion()
+    eager, _ = run(model, spec, PROMPTS, params, static=False)
+    assert [s.output_ids for s in seqs] == eager
+    assert st.captures == len(st.shapes) and all(shape.captured for shape in st.shapes.values())
+    assert st.replays == st.steps > st.captures
+    assert modes[:2] == ["error", 0]  # the warm-up refused synchronising ops, then the mode came back
