@@ -84,12 +84,18 @@ def unmask_speed(model, spec, args, report: dict, out: Path) -> None:
     from unmask.engine.params import GenerationParams
 
     rows = report.setdefault("unmask", [])
-    for static in (True, False):
+    # the static step with graphs, eagerly, and (on CUDA, two rows) on its buffers without capture: what the
+    # graphs alone buy
+    uncaptured = args.device.startswith("cuda")
+    for static, graphs in ((True, True), (False, False)) + (((True, False),) if uncaptured else ()):
         eng = new_engine(model, spec, static, args.batches, args.prompt_len, args.max_tokens)
-        for batch in args.batches:
-            for name, knobs in MODES.items():
+        if static and not graphs:
+            eng.runner.static.graphs = False
+        for batch in args.batches if graphs or not static else [args.batches[0], args.batches[-1]]:
+            for name, knobs in MODES.items() if graphs or not static else [("topk4", MODES["topk4"])]:
                 if over_budget(args, 25):
-                    rows.append({"static": static, "batch": batch, "mode": name, "skipped": "time budget"})
+                    rows.append({"static": static, "graphs": graphs, "batch": batch, "mode": name,
+                                 "skipped": "time budget"})
                     continue
                 params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, **knobs)
                 batch_prompts = prompts(batch, args.prompt_len, spec.arch.vocab_size, seed=batch)
@@ -97,11 +103,12 @@ def unmask_speed(model, spec, args, report: dict, out: Path) -> None:
                 r = run_engine(eng, batch_prompts, params, args.device)
                 outputs = r.pop("outputs")
                 st = eng.runner.static
-                row = {"static": static, "batch": batch, "mode": name, **r,
+                row = {"static": static, "graphs": bool(st and st.graphs), "batch": batch, "mode": name, **r,
                        "captures": st.captures if st else 0, "replays": st.replays if st else 0}
                 rows.append(row)
-                report.setdefault("_outputs", {})[f"{static}-{batch}-{name}"] = outputs
-                log(f"unmask static={static} batch={batch} {name}: {r['tokens_per_s']:,.0f} tokens/s, "
+                if graphs or not static:
+                    report.setdefault("_outputs", {})[f"{static}-{batch}-{name}"] = outputs
+                log(f"unmask static={static} graphs={graphs} batch={batch} {name}: {r['tokens_per_s']:,.0f} tokens/s, "
                     f"{r['ms_per_forward']:.2f} ms/forward, {r['tokens_per_forward']:.2f} tokens/forward")
         del eng
         save(report, out)
@@ -242,8 +249,9 @@ def markdown(report: dict) -> str:
           f"{report['shape']} shape, bf16, prompt {report['prompt_len']}, {report['max_tokens']} new tokens\n",
           "| engine | batch | decoding | tokens/s | ms/forward | tokens/forward per request |", "|---|---:|---|---:|---:|---:|"]
     for r in report.get("unmask", []):
-        name = "unmask static step" + (" (CUDA graphs)" if report["device"].startswith("cuda") else "") \
-            if r["static"] else "unmask eager"
+        cuda = report["device"].startswith("cuda")
+        name = ("unmask static step" + (" (CUDA graphs)" if r.get("graphs") else " (no capture)") * cuda
+                if r["static"] else "unmask eager")
         if "skipped" in r:
             md.append(f"| {name} | {r['batch']} | {r['mode']} | skipped ({r['skipped']}) | | |")
             continue
