@@ -213,7 +213,8 @@ def hf_speed(path: Path, args, report: dict, out: Path) -> None:
         generate(batch, gen_cfg)  # warm-up
         r = generate(batch, gen_cfg)
         rows.append({"cache": "dynamic", "batch": batch, **r})
-        log(f"transformers dynamic batch={batch}: {r['tokens_per_s']:,.0f} tokens/s, {r['ms_per_forward']:.2f} ms/forward")
+        log(f"transformers dynamic batch={batch}: {r['tokens_per_s']:,.0f} tokens/s, "
+            f"{r['ms_per_forward']:.2f} ms/forward")
         save(report, out)
     if args.tiny or over_budget(args, 150):
         rows.append({"cache": "static+compile", "batch": 1, "skipped": "--tiny" if args.tiny else "time budget"})
@@ -247,7 +248,8 @@ def save(report: dict, out: Path) -> None:
 def markdown(report: dict) -> str:
     md = [f"# Block-causal fast path: {report['name']} ({report['device']}), torch {report['torch']}, "
           f"{report['shape']} shape, bf16, prompt {report['prompt_len']}, {report['max_tokens']} new tokens\n",
-          "| engine | batch | decoding | tokens/s | ms/forward | tokens/forward per request |", "|---|---:|---|---:|---:|---:|"]
+          "| engine | batch | decoding | tokens/s | ms/forward | tokens/forward per request |",
+          "|---|---:|---|---:|---:|---:|"]
     for r in report.get("unmask", []):
         cuda = report["device"].startswith("cuda")
         name = ("unmask static step" + (" (CUDA graphs)" if r.get("graphs") else " (no capture)") * cuda

@@ -1,7 +1,6 @@
 """scripts/device_check.py --part block (issue 31's prepared GPU check) in its tiny mode on the CPU, so the
 script a lent GPU runs once cannot rot: every section runs and the JSON and the table come out."""
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

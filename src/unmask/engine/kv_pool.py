@@ -26,7 +26,7 @@ PAGE = 16  # tokens per page: the allocation unit (vLLM's default block size is 
 
 
 class PooledCache(KVCache):
-    """One request's run of the pool: per-layer [kv heads, capacity, head dim] views at pool tokens [offset, +capacity)."""
+    """One request's run of the pool: per-layer [kv heads, capacity, head dim] views of tokens [offset, +capacity)."""
 
     def __init__(self, pool: "KVPool", offset: int, capacity: int):
         self.pool, self.offset = pool, offset

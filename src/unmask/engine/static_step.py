@@ -208,7 +208,7 @@ class StaticStep:
             if seg.write:
                 seg.cache.length = seg.start + seg.write
         out = self._outputs(key, shape, plans)
-        if not self.host_reads and self.device.type == "cuda":  # nothing waited for the device this step (no logit rows)
+        if not self.host_reads and self.device.type == "cuda":  # no logit rows: nothing waited for the device
             shape.copied = torch.cuda.Event()
             shape.copied.record()
         return out
