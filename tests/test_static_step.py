@@ -164,7 +164,7 @@ def test_a_greedy_static_step_reads_the_device_once(family, models, monkeypatch)
 
 def test_llada2_moe_runs_sync_free_in_static_steps(models, monkeypatch):
     """The MoE's eager loop reads the chosen experts back (`.unique().tolist()`, a nonzero per expert); in a
-    static step every expert runs over every row weighted by its routing weight, so the step still reads once."""
+    static step it runs grouped GEMMs over rows sorted by expert instead, so the step still reads once."""
     model, spec = models["llada2"]
     assert sum(hasattr(layer.mlp, "experts") for layer in model.model.layers) == 2
     eng = Engine(model, spec, max_num_seqs=8, static_step=True, kv_pool_tokens=4096)
@@ -320,3 +320,33 @@ def test_the_capture_path_replays_into_the_captured_outputs(models, monkeypatch)
     assert st.captures == len(st.shapes) and all(shape.captured for shape in st.shapes.values())
     assert st.replays == st.steps > st.captures
     assert modes[:2] == ["error", 0]  # the warm-up refused synchronising ops, then the mode came back
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_sync_free_moe_equals_the_expert_loop(dtype, grouped):
+    """Grouped GEMMs (torch._grouped_mm over rows sorted by expert) give the loop's output exactly, the
+    every-expert fallback up to rounding, neither reading anything back; the grouped form's stacked weights are
+    the experts' own parameters, not a copy."""
+    from unmask.models.layers import GroupLimitedMoE
+
+    torch.manual_seed(0)
+    moe = GroupLimitedMoE(32, 16, 8, 2, 4, 2, 1, 2.5, True).to(dtype)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(std=0.2)
+        moe.gate.expert_bias.normal_(std=0.03)
+    if not grouped:
+        moe._stack = False
+    x = torch.randn(3, 5, 32, dtype=dtype)
+    with torch.no_grad(), HostReads() as reads:
+        got = moe.forward_sync_free(x)
+    assert reads.count == 0
+    with torch.no_grad():
+        want = moe(x)
+    if grouped:  # the same per-group products, added in the same order
+        assert torch.equal(got, want)
+    else:  # each expert's matmul over all rows instead of its own: float rounding
+        assert torch.allclose(got.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    if grouped:
+        assert moe._stack and moe.experts[5].up_proj.weight.data_ptr() == moe._stack[1][5].data_ptr()

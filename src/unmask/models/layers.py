@@ -138,6 +138,7 @@ class GroupLimitedMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.n_group, self.topk_group = n_group, topk_group
         self.scaling, self.norm_topk = scaling, norm_topk
+        self._stack: tuple[Tensor, Tensor, Tensor] | bool | None = None  # see _stacked
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))  # [N, E]
@@ -167,11 +168,13 @@ class GroupLimitedMoE(nn.Module):
         return self._finish(out, x, shape)
 
     def forward_sync_free(self, x: Tensor) -> Tensor:
-        """The same sum without reading the routing back to the host, so a CUDA graph can capture it: every
-        expert runs over every row, weighted by the row's routing weight for it (0 where it was not chosen).
-        That costs num_experts / top_k times the routed FLOPs, about what the loop costs when a step's rows
-        reach most experts anyway (small decode batches); a grouped GEMM over rows sorted by expert is the
-        way for large ones (issue 31)."""
+        """The same sum without reading the routing back to the host, so a CUDA graph can capture it: grouped
+        GEMMs over the rows sorted by expert (`forward_grouped`) where torch has them for these weights, else
+        every expert over every row, weighted by the row's routing weight for it (0 where it was not chosen),
+        which costs num_experts / top_k times the routed FLOPs."""
+        stack = self._stacked()
+        if stack is not None:
+            return self.forward_grouped(x, stack)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         idx, w = self.route(x)
@@ -180,6 +183,48 @@ class GroupLimitedMoE(nn.Module):
             we = (w * (idx == e)).sum(-1)
             out += expert(x).float() * we[:, None]
         return self._finish(out, x, shape)
+
+    def forward_grouped(self, x: Tensor, stack: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        """Rows sorted by expert, then one grouped GEMM per projection (torch._grouped_mm, the kernel torchtitan's
+        MoE uses, with [E, in, out] weights and the groups' end offsets); no host read anywhere."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        idx, w = self.route(x)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)       # (row, slot) pairs grouped by expert, rows ascending
+        rows = order // idx.shape[1]
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount reads its max back; this does not
+        offs = counts.cumsum(0, dtype=torch.int32)
+        xs = x[rows]
+        gate, up, down = (s.transpose(1, 2) for s in stack)
+        h = self.experts[0].act(torch._grouped_mm(xs, gate, offs=offs)) * torch._grouped_mm(xs, up, offs=offs)
+        y = torch._grouped_mm(h, down, offs=offs)
+        # each row's experts are added in ascending order, as the loop adds them
+        out = torch.zeros_like(x, dtype=torch.float32).index_add_(0, rows, y.float() * w.reshape(-1)[order, None])
+        return self._finish(out, x, shape)
+
+    def _stacked(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The experts' gate, up and down weights as [E, out, in] tensors, built once, with each expert's own
+        parameters made views of them (no second copy of the experts); None where torch has no grouped GEMM for
+        them (no torch._grouped_mm, biases, widths off its 16-byte alignment, CUDA weights other than bf16)."""
+        w0 = self.experts[0].gate_proj.weight
+        if self._stack and self._stack[0][0].data_ptr() != w0.data_ptr():  # the module was moved or reloaded
+            self._stack = None
+        if self._stack is None:
+            ok = (hasattr(torch, "_grouped_mm") and self.experts[0].gate_proj.bias is None
+                  and all(n * w0.element_size() % 16 == 0 for n in w0.shape)
+                  and w0.dtype in ((torch.bfloat16,) if w0.is_cuda else (torch.bfloat16, torch.float32)))
+            self._stack = False
+            if ok:
+                stacks = []
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    stack = torch.stack([getattr(e, name).weight.data for e in self.experts])
+                    for e, expert in enumerate(self.experts):
+                        getattr(expert, name).weight.data = stack[e]
+                    stacks.append(stack)
+                self._stack = tuple(stacks)
+        return self._stack or None
 
     def _finish(self, out: Tensor, x: Tensor, shape: torch.Size) -> Tensor:
         out = out.to(x.dtype)
