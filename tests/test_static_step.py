@@ -103,6 +103,22 @@ def test_the_prefix_cache_fills_pooled_caches(models):
     assert second.output_ids == first.output_ids == naive_generate(model, spec, prompt, params)
 
 
+def test_the_batch_shrinks_across_every_row_bucket(models):
+    """Nine requests with 4 to 36 new tokens: as they finish the step goes from 16 rows (7 of them padding) down
+    through 8, 4 and 2 to 1, each bucket with its own buffers; every request's tokens are the eager path's."""
+    model, spec = models["unmask_shifted"]
+    prompts = [[20 + i, 31, 40 + 2 * i] + list(range(50, 50 + i)) for i in range(9)]
+    outs = []
+    for static in (False, True):
+        eng = Engine(model, spec, max_num_seqs=16, static_step=static, kv_pool_tokens=4096)
+        seqs = [eng.add_request(p, GenerationParams(max_tokens=4 + 4 * i, policy="topk", tokens_per_step=2,
+                                                    block_size=4, ignore_eos=True)) for i, p in enumerate(prompts)]
+        eng.run_to_completion()
+        outs.append([s.output_ids for s in seqs])
+    assert outs[1] == outs[0] and [len(o) for o in outs[1]] == [4 + 4 * i for i in range(9)]
+    assert {k[0] for k in eng.runner.static.shapes} == {16, 8, 4, 2, 1}
+
+
 def test_sampled_requests_read_their_logits_and_match_eager(models):
     """Requests that sample (or adjust logits) get their rows' logits from the step's hidden states, mixed in one
     batch with greedy requests that get device-side proposals."""
