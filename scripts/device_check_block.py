@@ -84,10 +84,8 @@ def unmask_speed(model, spec, args, report: dict, out: Path) -> None:
     from unmask.engine.params import GenerationParams
 
     rows = report.setdefault("unmask", [])
-    # the static step with graphs, eagerly, and (on CUDA, two rows) on its buffers without capture: what the
-    # graphs alone buy
-    uncaptured = args.device.startswith("cuda")
-    for static, graphs in ((True, True), (False, False)) + (((True, False),) if uncaptured else ()):
+
+    def variant(static: bool, graphs: bool) -> None:
         eng = new_engine(model, spec, static, args.batches, args.prompt_len, args.max_tokens)
         if static and not graphs:
             eng.runner.static.graphs = False
@@ -110,8 +108,14 @@ def unmask_speed(model, spec, args, report: dict, out: Path) -> None:
                     report.setdefault("_outputs", {})[f"{static}-{batch}-{name}"] = outputs
                 log(f"unmask static={static} graphs={graphs} batch={batch} {name}: {r['tokens_per_s']:,.0f} tokens/s, "
                     f"{r['ms_per_forward']:.2f} ms/forward, {r['tokens_per_forward']:.2f} tokens/forward")
-        del eng
+
+    # the static step with graphs, eagerly, and (on CUDA, two rows) on its buffers without capture: what the
+    # graphs alone buy
+    uncaptured = args.device.startswith("cuda")
+    for static, graphs in ((True, True), (False, False)) + (((True, False),) if uncaptured else ()):
+        guarded(f"unmask static={static} graphs={graphs}", report, variant, static, graphs)
         save(report, out)
+
     same = total = 0
     outs = report.get("_outputs", {})
     for key, o in outs.items():
@@ -235,6 +239,19 @@ def hf_speed(path: Path, args, report: dict, out: Path) -> None:
         rows.append({"cache": "static+compile", "batch": 1, "error": str(e).splitlines()[0][:300]})
 
 
+def guarded(name: str, report: dict, fn, *args) -> None:
+    """Run one part; an exception is recorded (report["errors"]) and printed, and the check goes on, so that one
+    GPU call brings back every part that works."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - the point is to keep going
+        import traceback
+
+        traceback.print_exc()
+        report.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        log(f"{name} failed: {e!r}")
+
+
 def over_budget(args, need_s: float) -> bool:
     return time.monotonic() - START + need_s > args.budget_s
 
@@ -269,6 +286,8 @@ def markdown(report: dict) -> str:
                   f"| {r['tokens_per_forward']:.2f} |")
     if "skipped" in hf:
         md.append(f"\ntransformers: {hf['skipped']}")
+    for err in report.get("errors", []):
+        md.append(f"\nFailed: {err}")
     ident = report.get("identity")
     if ident:
         md.append(f"\nStatic step vs eager: {ident['identical_requests']}/{ident['of']} requests token-identical.")
@@ -295,12 +314,12 @@ def run(args) -> dict:
     model, spec = load_model(path, dtype="bfloat16", device=args.device)
     report["parameters"] = sum(p.numel() for p in model.parameters())
     unmask_speed(model, spec, args, report, args.out)
-    host_syncs(model, spec, args, report)
+    guarded("host syncs", report, host_syncs, model, spec, args, report)
     save(report, args.out)
     del model
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    hf_speed(path, args, report, args.out)
+    guarded("transformers", report, hf_speed, path, args, report, args.out)
     save(report, args.out)
     md = markdown(report)
     (args.out / "block_check.md").write_text(md)

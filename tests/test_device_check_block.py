@@ -13,6 +13,7 @@ def test_the_block_device_check_runs_in_tiny_mode(tmp_path, monkeypatch):
     device_check.main(["--part", "block", "--tiny", "--device", "cpu", "--out", str(tmp_path),
                        "--batches", "2", "--prompt-len", "8", "--max-tokens", "4"])
     report = json.loads((tmp_path / "block_check.json").read_text())
+    assert "errors" not in report
     rows = report["unmask"]
     assert {(r["static"], r["mode"]) for r in rows} == {(s, m) for s in (True, False)
                                                          for m in ("topk1", "topk2", "topk4", "topk8", "threshold0.9")}
