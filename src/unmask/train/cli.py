@@ -51,6 +51,9 @@ SUFFIX_HELP = ("Share of blocks whose masked positions are the block's tail (a c
                "commits left to right sees it) instead of an independent draw; block diffusion only.")
 FULL_BLOCK_HELP = ("Share of blocks masked whole: the draft block of policy speculative sees nothing of itself "
                    "(docs/decoding.md); block diffusion only.")
+CORRUPT_HELP = ("Share of the noised positions that hold a random token instead of the mask; the loss also covers "
+                "them and the other filled positions, so the model learns to replace wrong tokens, as the edit rules "
+                "(--edit-threshold) ask of it (docs/training.md).")
 NEXT_TOKEN_HELP = "With a causal context: weight of the next-token loss on the clean rows (0: off)."
 COMPILE_HELP = ("torch.compile each transformer block: 1.2-1.5x faster steps measured on CPU, after ~45 s of "
                 "compiling (needs a C++ compiler).")
@@ -79,6 +82,7 @@ def train(
     next_token_weight: float = typer.Option(1.0, min=0.0, help=NEXT_TOKEN_HELP),
     suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
     full_block_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=FULL_BLOCK_HELP),
+    corrupt_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=CORRUPT_HELP),
 ):
     """Pre-train a masked block-diffusion model from scratch (multi-process: launch with torchrun)."""
     from unmask.errors import UnmaskError
@@ -95,6 +99,7 @@ def train(
         cfg.objective = objective
         cfg.causal_context, cfg.next_token_weight = causal_context, next_token_weight
         cfg.suffix_fraction, cfg.full_block_fraction = suffix_fraction, full_block_fraction
+        cfg.corrupt_fraction = corrupt_fraction
         if tokenizer is None:
             tokenizer = init_from if init_from is not None and (init_from / "tokenizer.json").is_file() \
                 else Path("data/tokenizer")
@@ -125,6 +130,7 @@ def finetune(
     next_token_weight: float = typer.Option(1.0, min=0.0, help=NEXT_TOKEN_HELP + " Models without one ignore it."),
     suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
     full_block_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=FULL_BLOCK_HELP),
+    corrupt_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=CORRUPT_HELP),
 ):
     """Supervised fine-tuning on chat JSONL (loss on assistant tokens only)."""
     from unmask.errors import UnmaskError
@@ -136,7 +142,7 @@ def finetune(
         cfg.sft_pack = pack
         cfg.compile, cfg.bf16 = compile, bf16
         cfg.next_token_weight, cfg.suffix_fraction = next_token_weight, suffix_fraction
-        cfg.full_block_fraction = full_block_fraction
+        cfg.full_block_fraction, cfg.corrupt_fraction = full_block_fraction, corrupt_fraction
         cfg.mix_fraction = _mix_fraction(mix_text, mix_fraction)
         with plain_warnings():
             res = run_finetune(cfg, model, data, eval_path=eval_data, mix_text=mix_text)
@@ -183,6 +189,7 @@ def distill(
     next_token_weight: float = typer.Option(1.0, min=0.0, help=NEXT_TOKEN_HELP + " Models without one ignore it."),
     suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
     full_block_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=FULL_BLOCK_HELP),
+    corrupt_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=CORRUPT_HELP),
 ):
     """Distil a model for parallel decoding: train it on a teacher's answers (self-distillation by default) with
     certainty forcing, so it commits more tokens per forward (docs/training.md, "Distillation")."""
@@ -205,6 +212,7 @@ def distill(
         cfg.compile, cfg.bf16 = compile, bf16
         cfg.confidence_weight, cfg.next_token_weight = confidence_weight, next_token_weight
         cfg.suffix_fraction, cfg.full_block_fraction = suffix_fraction, full_block_fraction
+        cfg.corrupt_fraction = corrupt_fraction
         cfg.mix_fraction = _mix_fraction(mix_text, mix_fraction)
         with plain_warnings():
             res = run_distill(cfg, model, traj, text=text, chat=chat, teacher_dir=teacher, teacher_dtype=teacher_dtype,

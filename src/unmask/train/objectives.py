@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unmask.models.transformer import CAUSAL, DiffusionTransformer
+from unmask.train.corruption import draw_corruption, keep_positions
 
 EPS = 1e-3
 
@@ -65,6 +66,10 @@ class Objective:
     # certainty forcing (dParallel, czg1225/dParallel): plus this weight times the entropy of the prediction at
     # every masked position the model already gets right, so confidence rises on many positions at once
     confidence_weight: float = 0.0
+    # share of the noised positions that hold a random token of [0, vocab_size) instead of the mask, scored like the
+    # masks, with the other filled positions of the noisy stream scored too (corruption.py): edits learn to replace
+    corrupt_fraction: float = 0.0
+    vocab_size: int = 0
 
     def __post_init__(self):
         if self.causal_context and (self.block_sizes is None or not self.shift or self.causal):
@@ -85,20 +90,30 @@ class Objective:
             raise ValueError(f"confidence_weight must be >= 0, got {self.confidence_weight}")
         if self.confidence_weight and self.causal:
             raise ValueError("confidence_weight sharpens masked predictions; a causal objective masks nothing")
+        if not 0.0 <= self.corrupt_fraction <= 1.0:
+            raise ValueError(f"corrupt_fraction must be in [0, 1], got {self.corrupt_fraction}")
+        if self.corrupt_fraction and (self.causal or self.vocab_size < 3):
+            raise ValueError("corrupt_fraction puts random tokens of vocab_size (>= 3) where masks would be; "
+                             "a causal objective masks nothing")
         if self.block_sizes is not None and (not self.block_sizes or min(self.block_sizes) < 1):
             raise ValueError(f"block_sizes must be positive, got {self.block_sizes}")
 
 
 @dataclass
 class Noise:
-    """One batch's corruption: which tokens are masked and with what probability."""
+    """One batch's corruption: which tokens are noised and with what probability; with `Objective.corrupt_fraction`,
+    which of them hold a random token instead of the mask (corruption.py)."""
 
     block_size: int | None
-    masked: Tensor  # [B, L] bool
+    masked: Tensor  # [B, L] bool: noised (masked or, where `corrupt`, a random token), scored with weight 1/p
     p: Tensor       # [B, L] float32, masking probability of each position
+    corrupt: Tensor | None = None  # [B, L] bool, within `masked`
+    tokens: Tensor | None = None   # [B, L] long: the random token where `corrupt`
+    keep: Tensor | None = None     # [B, L] bool: filled positions of the noisy stream, scored with weight 1
 
     def rows(self, sl: slice) -> "Noise":
-        return Noise(self.block_size, self.masked[sl], self.p[sl])
+        part = [None if t is None else t[sl] for t in (self.corrupt, self.tokens, self.keep)]
+        return Noise(self.block_size, self.masked[sl], self.p[sl], *part)
 
 
 def block_diffusion_mask(length: int, block_size: int, causal_context: bool = False) -> Tensor:
@@ -133,10 +148,11 @@ def loss_eligible(loss_mask: Tensor, shift: bool) -> Tensor:
     return out
 
 
-def draw_noise(obj: Objective, loss_mask: Tensor, gen: torch.Generator) -> Noise:
+def draw_noise(obj: Objective, loss_mask: Tensor, gen: torch.Generator, x0: Tensor | None = None) -> Noise:
     """Sample a block size, t and the mask for a [B, L] batch; positions with loss_mask False
     (SFT prompts) are never noised. All randomness comes from `gen`, on the CPU, so every
-    data-parallel rank draws the same global noise and takes its own rows."""
+    data-parallel rank draws the same global noise and takes its own rows. `x0` (the batch) is needed with
+    `obj.corrupt_fraction`: a random token is never the right one."""
     B, L = loss_mask.shape
     if obj.causal:  # every eligible token is scored, with weight 1 (p = 1)
         return Noise(None, loss_eligible(loss_mask.cpu(), True), torch.ones(B, L))
@@ -166,7 +182,13 @@ def draw_noise(obj: Objective, loss_mask: Tensor, gen: torch.Generator) -> Noise
         masked = masked | full
         p = torch.where(full, torch.ones_like(p), p)
     eligible = loss_eligible(loss_mask.cpu(), obj.shift)
-    return Noise(bs, masked & eligible, p)
+    masked = masked & eligible
+    if not obj.corrupt_fraction:
+        return Noise(bs, masked, p)
+    if x0 is None:
+        raise ValueError("corrupt_fraction draws tokens other than the right ones: draw_noise needs x0")
+    corrupt, tokens = draw_corruption(masked, x0, obj.corrupt_fraction, obj.vocab_size, obj.mask_id, gen)
+    return Noise(bs, masked, p, corrupt, tokens, keep_positions(eligible, masked, bs, obj.shift))
 
 
 def certainty_sum(logits: Tensor, target: Tensor) -> Tensor:
@@ -180,13 +202,16 @@ def certainty_sum(logits: Tensor, target: Tensor) -> Tensor:
 
 
 def masked_rows(model: DiffusionTransformer, x0: Tensor, masked: Tensor, obj: Objective,
-                block_size: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                block_size: int | None, noise: Noise | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One pass over the noised batch: (hidden states, then b, j, src: for each masked position (b, j) the hidden
     row that predicts it). Block diffusion reads [x_t ; x_0] under `block_diffusion_mask`, so each block's masked
-    positions see exactly what block-by-block inference with an exact cache sees."""
+    positions see exactly what block-by-block inference with an exact cache sees. A `noise` with corruption puts
+    its random tokens in x_t where it corrupts."""
     B, L = x0.shape
     dev = x0.device
-    xt = torch.where(masked, torch.full_like(x0, obj.mask_id), x0)
+    filled = x0 if noise is None or noise.corrupt is None else noise.tokens.to(dev)
+    hide = masked if noise is None or noise.corrupt is None else masked & ~noise.corrupt.to(dev)
+    xt = torch.where(hide, torch.full_like(x0, obj.mask_id), filled)
     pos = torch.arange(L, device=dev).expand(B, L)
     if obj.causal:
         hidden = model.forward_dense(x0, pos, CAUSAL)  # [B, L, D]; `masked` marks the scored tokens
@@ -196,29 +221,41 @@ def masked_rows(model: DiffusionTransformer, x0: Tensor, masked: Tensor, obj: Ob
         attn = _bd_mask(L, block_size, obj.causal_context).to(dev)[None, None]
         hidden = model.forward_dense(torch.cat([xt, x0], 1), torch.cat([pos, pos], 1), attn)  # [B, 2L, D]
     b, j = masked.nonzero(as_tuple=True)
-    src = j
-    if obj.shift:  # token j is read from row j-1; a block's first token from the clean row j-1,
-        src = j - 1  # as in Fast-dLLM v2 inference where it comes from the previous block's commit pass
-        if block_size is not None and not obj.causal:
-            src = torch.where(j % block_size == 0, L + j - 1, src)
-    return hidden, b, j, src
+    return hidden, b, j, source_rows(j, obj, block_size, L)
+
+
+def source_rows(j: Tensor, obj: Objective, block_size: int | None, length: int) -> Tensor:
+    """The hidden row that predicts position j of the noisy stream."""
+    if not obj.shift:
+        return j
+    # token j is read from row j-1; a block's first token from the clean row j-1, as in Fast-dLLM v2 inference
+    # where it comes from the previous block's commit pass
+    src = j - 1
+    if block_size is not None and not obj.causal:
+        src = torch.where(j % block_size == 0, length + j - 1, src)
+    return src
 
 
 def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, obj: Objective,
                        eligible: Tensor | None = None) -> Tensor:
-    """Sum over masked positions of CE(x0) / p (causal: over scored positions, p = 1). Only those rows
-    go through the LM head. With `obj.next_token_weight` > 0, plus that weight times the next-token CE of
+    """Sum over masked positions of CE(x0) / p (causal: over scored positions, p = 1), plus with corruption the
+    CE of the other filled positions of the noisy stream (`noise.keep`). Only those rows go through the LM head. With `obj.next_token_weight` > 0, plus that weight times the next-token CE of
     every `eligible` token ([B, L] bool, shifted: j >= 1) read from the clean row before it."""
     L = x0.shape[1]
     dev = x0.device
     masked, p = noise.masked.to(dev), noise.p.to(dev)
-    hidden, b, j, src = masked_rows(model, x0, masked, obj, noise.block_size)
+    hidden, b, j, src = masked_rows(model, x0, masked, obj, noise.block_size, noise)
     total = model.logits(hidden[:1, 0]).sum() * 0.0  # keeps every parameter in the graph (DDP) with no rows
     if b.numel():
         logits = model.logits(hidden[b, src])  # [N, V] float32
         total = total + (F.cross_entropy(logits, x0[b, j], reduction="none") / p[b, j]).sum()
         if obj.confidence_weight:
             total = total + obj.confidence_weight * certainty_sum(logits, x0[b, j])
+    if noise.keep is not None:  # corruption: the filled positions are scored too, weight 1 (corruption.py)
+        kb, kj = noise.keep.to(dev).nonzero(as_tuple=True)
+        if kb.numel():
+            ksrc = source_rows(kj, obj, noise.block_size, L)
+            total = total + F.cross_entropy(model.logits(hidden[kb, ksrc]), x0[kb, kj], reduction="sum")
     if obj.next_token_weight and eligible is not None:
         eb, ej = eligible.to(dev).nonzero(as_tuple=True)
         if eb.numel():

@@ -46,7 +46,8 @@ class TrainDivergedError(UnmaskError):
 # settings a resumed run must share with the checkpoint for its batches and noise to line up; the model itself
 # is compared by its architecture (_check_resume), since `cfg.model` only describes a fresh model
 _RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "sft_pack", "mix_fraction", "objective",
-                "causal_context", "next_token_weight", "suffix_fraction", "confidence_weight", "full_block_fraction")
+                "causal_context", "next_token_weight", "suffix_fraction", "confidence_weight", "full_block_fraction",
+                "corrupt_fraction")
 ON_ERROR = ("raise", "skip")
 # what an earlier run leaves in out_dir: a new run without resume or overwrite must not replace it
 _RUN_FILES = (CHECKPOINT, "model", "adapter")
@@ -95,6 +96,7 @@ class TrainConfig:
     suffix_fraction: float = 0.0       # block diffusion: share of blocks masked as a tail (objectives.py)
     full_block_fraction: float = 0.0   # block diffusion: share of blocks masked whole (objectives.py)
     confidence_weight: float = 0.0     # certainty forcing: entropy of right masked predictions (objectives.py)
+    corrupt_fraction: float = 0.0      # share of noised positions holding a random token, not the mask (corruption.py)
     model: ModelShape = field(default_factory=ModelShape)  # fresh pre-training model only
 
     def __post_init__(self):
@@ -123,15 +125,16 @@ class TrainConfig:
             raise TrainConfigError("resume continues the run in out_dir and overwrite starts it over: choose one")
         if self.objective not in ("diffusion", "causal"):
             raise TrainConfigError(f"objective must be 'diffusion' or 'causal', got {self.objective!r}")
-        for name in ("suffix_fraction", "full_block_fraction"):
+        for name in ("suffix_fraction", "full_block_fraction", "corrupt_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise TrainConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.next_token_weight < 0:
             raise TrainConfigError(f"next_token_weight must be >= 0, got {self.next_token_weight}")
         if not (math.isfinite(self.confidence_weight) and self.confidence_weight >= 0):
             raise TrainConfigError(f"confidence_weight must be a finite number >= 0, got {self.confidence_weight}")
-        if self.confidence_weight and self.objective == "causal":
-            raise TrainConfigError("confidence_weight sharpens masked predictions; objective 'causal' masks nothing")
+        for name in ("confidence_weight", "corrupt_fraction"):
+            if getattr(self, name) and self.objective == "causal":
+                raise TrainConfigError(f"{name} acts on masked positions; objective 'causal' masks nothing")
         if self.causal_context and self.objective == "causal":
             raise TrainConfigError("causal_context is a block-diffusion setting; objective 'causal' is all causal")
         if not 0.0 <= self.mix_fraction < 1.0:
@@ -160,8 +163,10 @@ class _LossModule(nn.Module):
         super().__init__()
         self.model, self.obj = model, obj
 
-    def forward(self, x0: Tensor, masked: Tensor, p: Tensor, block_size: int, eligible: Tensor) -> Tensor:
-        return diffusion_loss_sum(self.model, x0, Noise(block_size or None, masked, p), self.obj, eligible)
+    def forward(self, x0: Tensor, masked: Tensor, p: Tensor, block_size: int, eligible: Tensor,
+                corrupt: Tensor | None = None, tokens: Tensor | None = None, keep: Tensor | None = None) -> Tensor:
+        noise = Noise(block_size or None, masked, p, corrupt, tokens, keep)
+        return diffusion_loss_sum(self.model, x0, noise, self.obj, eligible)
 
 
 def _describe(obj: Objective) -> str:
@@ -178,7 +183,10 @@ def _describe(obj: Objective) -> str:
         kind += f", {obj.full_block_fraction:.0%} of blocks masked whole"
     if obj.confidence_weight:
         kind += f", certainty forcing x{obj.confidence_weight:g}"
-    if obj.next_token_weight or obj.suffix_fraction or obj.confidence_weight or obj.full_block_fraction:
+    if obj.corrupt_fraction:
+        kind += f", {obj.corrupt_fraction:.0%} of noised positions a random token"
+    if (obj.next_token_weight or obj.suffix_fraction or obj.confidence_weight or obj.full_block_fraction
+            or obj.corrupt_fraction):
         kind += " (eval: diffusion loss, independent masks)"
     return kind
 
@@ -268,9 +276,10 @@ def _train_step(cfg: TrainConfig, ctx: _Dist, loss_module: nn.Module, obj: Objec
         mine = slice(lo, lo + B // (A * W))
         sync = contextlib.nullcontext() if (W == 1 or m == A - 1) else loss_module.no_sync()
         with sync:
+            mn = noise.rows(mine)
             with autocast:
-                part = loss_module(x0[mine].to(ctx.device), noise.masked[mine], noise.p[mine], noise.block_size or 0,
-                                   eligible[mine])
+                part = loss_module(x0[mine].to(ctx.device), mn.masked, mn.p, noise.block_size or 0, eligible[mine],
+                                   mn.corrupt, mn.tokens, mn.keep)
             (part * (W / n_eligible)).backward()  # DDP divides by W when it averages
         loss_sum += float(part.detach())
     return ctx.sum([loss_sum])[0] / n_eligible
@@ -368,7 +377,8 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         ctx.barrier()
 
     # the diffusion loss alone, under independent masks: comparable across recipes
-    eval_obj = replace(obj, next_token_weight=0.0, suffix_fraction=0.0, confidence_weight=0.0, full_block_fraction=0.0)
+    eval_obj = replace(obj, next_token_weight=0.0, suffix_fraction=0.0, confidence_weight=0.0, full_block_fraction=0.0,
+                       corrupt_fraction=0.0)
 
     def evaluate() -> float:
         model.eval()
@@ -388,7 +398,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         while step < cfg.total_steps:
             t0 = time.perf_counter()
             x0, lm = rows.batch(next(batches))
-            noise = draw_noise(obj, lm, _noise_gen(cfg.seed, step))
+            noise = draw_noise(obj, lm, _noise_gen(cfg.seed, step), x0)
             loss = _train_step(cfg, ctx, loss_module, obj, x0, lm, noise, autocast)
             if not math.isfinite(loss):  # the same value on every rank: all stop together
                 raise TrainDivergedError(_diverged(step + 1, f"the training loss is {loss}", sched))
@@ -522,6 +532,9 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
     """
     ctx = _prepare(cfg)
     try:
+        for name in ("causal_context", "corrupt_fraction"):  # the CLI sets them after the config's own checks
+            if cfg.objective == "causal" and getattr(cfg, name):
+                raise TrainConfigError(f"{name} is a diffusion setting; objective 'causal' masks nothing")
         tok = Tokenizer(tokenizer_dir)
         ids = _special_ids(tok)
         sep = ids["endoftext"] if ids["endoftext"] is not None else ids["eos"]
@@ -544,8 +557,6 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
             gen = {"eos_token_id": stops, "bos_token_id": ids["bos"], "pad_token_id": ids["pad"]}
             tm = fresh_model(config, gen, cfg.seed)
         _check_vocab(tm, rows)
-        if cfg.objective == "causal" and cfg.causal_context:
-            raise TrainConfigError("causal_context is a block-diffusion setting; objective 'causal' is all causal")
         if cfg.objective == "causal":
             if tm.family.shift_key is None and not tm.family.shifted(tm.config):
                 raise TrainConfigError(f"objective 'causal': the {tm.family.name} family has no shifted-logits "
@@ -624,7 +635,8 @@ def _objective(tm: TrainableModel, sizes: tuple[int, ...], cfg: TrainConfig) -> 
     return Objective(mask_id=tm.mask_id, block_sizes=block, shift=shift, causal_context=causal_context,
                      next_token_weight=cfg.next_token_weight if causal_context else 0.0,
                      suffix_fraction=cfg.suffix_fraction, confidence_weight=cfg.confidence_weight,
-                     full_block_fraction=cfg.full_block_fraction)
+                     full_block_fraction=cfg.full_block_fraction, corrupt_fraction=cfg.corrupt_fraction,
+                     vocab_size=tm.arch.vocab_size)
 
 
 def _check_same_tokenizer(tok: Tokenizer, tokenizer_dir: Path, model_dir: Path) -> None:
