@@ -139,6 +139,45 @@ def test_a_committed_stop_is_never_edited_and_ends_the_output():
     assert targets[0] == [4, 5, 6, 7] and all(t == [4, 5] for t in targets[1:]) and len(targets) == 3
 
 
+RIGHT = [4 + i % 10 for i in range(12)]  # the answer a sure model proposes (token ids 4..13; 0 mask, 1 stop)
+
+
+@pytest.mark.parametrize("edit_threshold, fixed", [(0.9, True), (0.5, True), (None, False), (0.9995, False)])
+def test_a_planted_wrong_token_is_corrected_by_a_sure_model(edit_threshold, fixed):
+    """A model that proposes the right token everywhere with p 0.9993 (logit 10 against 15 others at 0); after the
+    first step of each block a wrong token (15) is written over a committed position, once in a block that still
+    has masks (output index 5: index 11 is unsure on its first read) and once in a full block (index 1, repaired by
+    a post-edit step; without edits the full block is final at once, so only index 5 is planted). An edit threshold
+    below the model's confidence puts the right token back; no edits, or a threshold above it, keeps the planted one."""
+    from unmask.engine.sequence import ModelTraits, Sequence
+
+    params = GenerationParams(max_tokens=12, threshold=0.9, edit_threshold=edit_threshold, ignore_eos=True)
+    traits = ModelTraits(attention="block_causal", shift=False, mask_id=0, block_size=8, stop_ids=(1,),
+                         ar_first_token=False, max_context=256)
+    seq = Sequence([2, 3, 2, 3], params, traits)  # a 4-token prompt: output 0..3 end the first block, 4..11 the next
+    reads, planted = {}, []
+    while seq.finish_reason is None:
+        plan = seq.plan(4096)
+        seq.after_forward(plan)
+        idx = (plan.targets - seq.P).tolist()
+        logits = torch.zeros(len(idx), 16)
+        for row, i in enumerate(idx):
+            reads[i] = reads.get(i, 0) + 1
+            logits[row, RIGHT[i]] = 1.0 if i == 11 and reads[i] == 1 else 10.0
+        seq.apply(plan, logits)
+        for i in (1, 5):  # plant once, right after the step that first committed position i
+            if i not in planted and seq.seq[seq.P + i] == RIGHT[i] and seq.block_start <= seq.P + i:
+                seq.seq[seq.P + i] = 15
+                planted.append(i)
+    # without edits a full block settles at once: only index 5 is planted while its block is open
+    assert planted == ([1, 5] if edit_threshold is not None else [5])
+    want = list(RIGHT)
+    for i in planted if not fixed else ():
+        want[i] = 15
+    assert seq.output_ids == want
+    assert seq.stats.edits == (2 if fixed else 0)
+
+
 def test_remask_budget_is_respected():
     """Every committed token stays unsure (p 0.08 < 0.5), so each step would remask all it could: the budget of 3
     per block caps it."""
