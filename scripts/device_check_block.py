@@ -10,8 +10,9 @@
    greedy requests, tokens compared per request.
 3. Speed: unmask with the static step and eagerly, at batch 1, 4, 16, 64: a fixed 1, 2, 4 and 8 tokens per
    forward (policy topk, EOS ignored) and threshold 0.9; random-token prompts of --prompt-len, --max-tokens
-   each; a warm-up run of each configuration first (it captures the graphs), then the timed one. Tokens/s,
-   ms per forward (wall time / engine steps, prefill included), tokens per forward.
+   each; a warm-up run of each static configuration first (it captures the graphs), then the timed one. Tokens/s,
+   ms per forward (wall time / engine steps, prefill included), tokens per forward. The eager engine warms up
+   once per batch size only: its runs are the slow ones, and it has no graphs to capture.
 4. Host synchronisations per step: the torch profiler's cudaStreamSynchronize / cudaDeviceSynchronize /
    cudaEventSynchronize / device-to-host cudaMemcpy events on CUDA, and everywhere the tensor calls that read a
    device tensor back (static_step.HostReads), for one static and one eager run at batch 1.
@@ -90,14 +91,16 @@ def unmask_speed(model, spec, args, report: dict, out: Path) -> None:
         if static and not graphs:
             eng.runner.static.graphs = False
         for batch in args.batches if graphs or not static else [args.batches[0], args.batches[-1]]:
-            for name, knobs in MODES.items() if graphs or not static else [("topk4", MODES["topk4"])]:
+            modes = MODES.items() if graphs or not static else [("topk4", MODES["topk4"])]
+            for i, (name, knobs) in enumerate(modes):
                 if over_budget(args, 25):
                     rows.append({"static": static, "graphs": graphs, "batch": batch, "mode": name,
                                  "skipped": "time budget"})
                     continue
                 params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, **knobs)
                 batch_prompts = prompts(batch, args.prompt_len, spec.arch.vocab_size, seed=batch)
-                run_engine(eng, batch_prompts, params, args.device)  # warm-up: captures this shape's graphs
+                if static or i == 0:  # warm-up: captures the shapes' graphs (eager: one per batch size, for time)
+                    run_engine(eng, batch_prompts, params, args.device)
                 r = run_engine(eng, batch_prompts, params, args.device)
                 outputs = r.pop("outputs")
                 st = eng.runner.static
