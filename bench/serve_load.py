@@ -27,6 +27,8 @@ import time
 
 import httpx
 
+from unmask.loadtest.burst import burst_request  # the same raw-socket request as unmask loadtest --burst
+
 WORDS = ("river stone light paper garden engine window silver morning cloud forest number music "
          "market letter bridge winter orange signal harbor").split()
 
@@ -108,25 +110,6 @@ async def run_level(http: httpx.AsyncClient, args, concurrency: int, rng: random
         "mean_step_batch": delta("unmask:step_batch_size_sum") / steps if steps else float("nan"),
         "tokens_per_forward": delta("unmask:tokens_per_forward_sum") / finished if finished else float("nan"),
     }
-
-
-async def burst_request(host: str, port: int, payload: bytes, go: asyncio.Event) -> dict:
-    """One request of a burst on its own connection: status, latency to the status line, headers, body."""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        await go.wait()
-        t0 = time.perf_counter()
-        writer.write(payload)
-        status_line = await reader.readline()
-        latency = time.perf_counter() - t0
-        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
-        headers = dict((k.strip().lower(), v.strip()) for k, _, v in
-                       (line.partition(":") for line in head.split("\r\n") if line))
-        body = await reader.read() if "content-length" not in headers else \
-            await reader.readexactly(int(headers["content-length"]))
-        return {"status": int(status_line.split()[1]), "latency": latency, "headers": headers, "body": body}
-    finally:
-        writer.close()
 
 
 async def run_burst(args) -> dict:

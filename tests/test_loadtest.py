@@ -31,7 +31,7 @@ KEY = "loadtest-key"
 POINT_KEYS = {"target", "requests", "completed", "failed", "failures", "success_rate", "without_usage", "duration_s",
               "input_tokens", "output_tokens", "request_throughput", "output_throughput", "total_token_throughput",
               "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "cost", "server_metrics", "token_check", "failure_examples",
-              "agreement"}
+              "agreement", "failure_latency_ms", "failures_with_retry_after"}
 
 
 # ------------------------------------------------------------------------------ pure metric functions
@@ -74,6 +74,12 @@ def test_failures_only_and_slo_parsing():
     s = metrics.summarize([Record(start=0, error="timeout"), Record(start=0, error="connection")], 1.0)
     assert s["completed"] == 0 and s["failures"] == {"connection": 1, "timeout": 1} and s["success_rate"] == 0
     assert s["ttft_ms"]["p99"] is None and s["output_throughput"] == 0
+    busy = [Record(start=0, e2e=e, error="http 429", retry_after=i < 2) for i, e in enumerate((0.1, 0.3, 0.2))]
+    s = metrics.summarize(busy + synthetic()[:1], 1.0)
+    assert s["failure_latency_ms"]["http 429"] == {"mean": pytest.approx(200), "p50": pytest.approx(200),
+                                                    "p90": pytest.approx(280), "p99": pytest.approx(298),
+                                                    "max": pytest.approx(300)}
+    assert s["failures_with_retry_after"] == 2 and s["completed"] == 1   # 429s kept out of the latency figures
     assert metrics.parse_slos("ttft:500 tpot:50,e2el:2000") == {"ttft": 500, "tpot": 50, "e2el": 2000}
     for bad in ("ttft", "itl:5", "ttft:-1", "ttft:x"):
         with pytest.raises(ValueError):
@@ -118,7 +124,7 @@ USAGE = json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tok
     (True, lambda: httpx.Response(200, text="hello\n"), "malformed stream"),
     (True, lambda: httpx.Response(503, json={"error": {"message": "busy"}}), "http 503"),
     (False, lambda: httpx.Response(200, text="<html>"), "malformed response"),
-    (False, lambda: httpx.Response(429, json={}), "http 429"),
+    (False, lambda: httpx.Response(429, json={}, headers={"Retry-After": "1"}), "http 429"),
     (False, httpx.ReadTimeout, "timeout"),
     (True, httpx.ConnectError, "connection"),
     (True, httpx.RemoteProtocolError, "connection"),
@@ -138,6 +144,7 @@ def test_failure_kinds(stream, answer, kind):
 
     rec = asyncio.run(go())
     assert rec.ok is (kind is None) and rec.error == kind and rec.e2e > 0
+    assert rec.retry_after is (kind == "http 429")
     if kind is None:
         assert rec.text == "abab" and rec.output_tokens == 2 and rec.prompt_tokens == 4 and len(rec.itl) == 1
 
@@ -235,6 +242,34 @@ def test_compare_interleaves_two_servers(servers, tmp_path):
         assert p["output_tokens"] == 12
 
 
+def test_a_burst_against_a_short_queue(tmp_path):
+    """A 2-slot server: --burst (raw sockets, bench/serve_load.py's) answers exactly 2 requests 200 and the rest 429
+    with Retry-After and the envelope; --rate inf with --preconnect sees the same split and the server's /metrics
+    counted the same 429s."""
+    s = Server(BUILT_IN, tmp_path / "small.log", "--max-num-seqs", "1", "--max-queue", "1").wait_ready()
+    try:
+        out = tmp_path / "burst.json"
+        r = CliRunner().invoke(app, ["loadtest", "--url", s.url, "--burst", "12", "--output-len", "64",
+                                     "--ignore-eos", "--json", str(out)])
+        assert r.exit_code == 0, r.output
+        b = json.loads(out.read_text())["burst"]
+        assert b["statuses"] == {"200": 2, "429": 10} and b["connection_errors"] == 0 and b["200_complete"] == 2
+        assert b["429_with_retry_after"] == b["429_envelopes"] == 10
+        assert 0 < b["429_status_ms"]["p50"] <= b["429_status_ms"]["max"] and b["200_status_ms"]["p50"] > 0
+        assert "statuses {'200': 2, '429': 10}" in r.output
+        res = loadtest(tmp_path, "--url", s.url, "--rate", "inf", "-n", "16", "--preconnect", "16", "--output-len",
+                       "16", "--ignore-eos", "--warmup", "0")
+    finally:
+        s.stop()
+    (p,) = res["points"]
+    busy = p["failures"].get("http 429", 0)
+    assert busy >= 1 and p["completed"] >= 2 and p["completed"] + busy == 16, p["failures"]
+    assert p["failures_with_retry_after"] == busy and p["output_tokens"] == 16 * p["completed"]
+    lat = p["failure_latency_ms"]["http 429"]
+    assert 0 < lat["p50"] <= lat["p99"] <= lat["max"] and res["workload"]["preconnect"] == 16
+    assert p["server_metrics"]["errors"] == busy and p["server_metrics"]["requests"] == p["completed"]
+
+
 def write_jsonl(tmp_path: Path) -> Path:
     f = tmp_path / "prompts.jsonl"
     f.write_text('{"prompt": "def add(a, b):"}\n{"messages": [{"role": "user", "content": "Hello"}]}\n')
@@ -252,6 +287,8 @@ def write_jsonl(tmp_path: Path) -> Path:
     (["--url", "localhost:8000"], "--url"),
     (["--url", "http://127.0.0.1:9", "--model", "m"], "cannot reach"),
     (["--json", "/nonexistent/dir/r.json"], "--json"),
+    (["--preconnect", "-1"], "--preconnect"),
+    (["--burst", "5", "--rate", "inf"], "--burst"),
 ])
 def test_bad_input_is_one_line(args, says):
     r = CliRunner().invoke(app, ["loadtest", "--warmup", "1", *args])

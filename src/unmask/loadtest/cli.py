@@ -91,6 +91,10 @@ def loadtest(
     dollars_per_hour: Optional[float] = typer.Option(None, help="Machine price: cost per 1M output tokens and "
                                                                 "per 1,000 requests."),
     timeout: float = typer.Option(600.0, help="Seconds per request before it fails as a timeout."),
+    preconnect: int = typer.Option(0, help="Open this many connections, untimed, before each round."),
+    burst: int = typer.Option(0, help="Instead of a sweep: write this many requests at once on connections "
+                                      "opened first, and report statuses, Retry-After and latency to the status "
+                                      "line (the overload case; docs/loadtest.md)."),
     seed: int = typer.Option(0, help="Seed of prompts, lengths and arrival times."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     plot: Optional[Path] = typer.Option(None, help="Write latency/throughput plots here (PNG)."),
@@ -108,10 +112,13 @@ def loadtest(
         fail(f"--endpoint must be chat or completions, got {endpoint!r}")
     if dataset not in DATASETS:
         fail(f"--dataset must be one of {', '.join(DATASETS)}, got {dataset!r}")
-    if num_requests < 1 or warmup < 0 or rounds < 0 or not timeout > 0:
-        fail("--num-requests must be >= 1, --warmup and --rounds >= 0, --timeout > 0")
+    if num_requests < 1 or warmup < 0 or rounds < 0 or not timeout > 0 or not 0 <= preconnect <= 10000:
+        fail("--num-requests must be >= 1, --warmup and --rounds >= 0, --timeout > 0, --preconnect 0-10000")
     if concurrency and rate:
         fail("give --concurrency or --rate, not both (sweep one at a time)")
+    if burst and (concurrency or rate or compare or plot or goodput or not 1 <= burst <= 100000):
+        fail("--burst N (1-100000) is a run of its own: not with --concurrency, --rate, --compare, --plot or "
+             "--goodput")
     if max_concurrency is not None and (max_concurrency < 1 or not rate):
         fail("--max-concurrency must be >= 1 and goes with --rate")
     if dollars_per_hour is not None and not (dollars_per_hour >= 0 and math.isfinite(dollars_per_hour)):
@@ -144,6 +151,8 @@ def loadtest(
         fail(str(e))
     except UnicodeDecodeError:
         fail(f"{dataset_path} is not valid UTF-8")
+    if burst:
+        num_requests = burst
     work = workloads.budgets(workloads.cycle(prompts, num_requests, seed), out_range, output_len is None, seed)
 
     common = dict(endpoint=endpoint, stream=stream, ignore_eos=ignore_eos, temperature=temperature,
@@ -154,6 +163,8 @@ def loadtest(
         targets.append(Target("B", _url(compare, "--compare"), compare_model, compare_api_key or api_key,
                               extra_body=_extra_body(compare_extra_body, "--compare-extra-body")
                               if compare_extra_body else dict(targets[0].extra_body), **common))
+    if burst:
+        return _burst(targets[0], work, warmup, timeout, json_out, dataset)
     rounds = rounds or (2 if compare else 1)
     if rounds > num_requests:
         fail(f"--rounds {rounds} is more than --num-requests {num_requests}")
@@ -161,7 +172,8 @@ def loadtest(
     if sweep == "concurrency" and max(values) > per_round:
         typer.echo(f"warning: a round has {per_round} requests (--num-requests / --rounds), fewer than "
                    f"--concurrency {max(values):g}: that level cannot fill", err=True)
-    plan = Plan(sweep, values, work, rounds, max_concurrency, min(warmup, len(work)), seed, slos, dollars_per_hour)
+    plan = Plan(sweep, values, work, rounds, max_concurrency, min(warmup, len(work)), seed, slos, dollars_per_hour,
+                preconnect)
 
     console, err = Console(width=None if Console().is_terminal else 200), Console(stderr=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -179,7 +191,8 @@ def loadtest(
         "workload": {"dataset": dataset, "path": str(dataset_path) if dataset_path else None,
                      "input_len": input_len if dataset == "random" else None, "output_len": output_len,
                      "ignore_eos": ignore_eos, "temperature": temperature, "num_requests": num_requests,
-                     "rounds": rounds, "max_concurrency": max_concurrency, "seed": seed},
+                     "rounds": rounds, "max_concurrency": max_concurrency, "seed": seed,
+                     "preconnect": preconnect},
         "points": points, "ratios": report.ratios(points, sweep) if compare else [],
     }
     report.print_results(results, console)
@@ -189,3 +202,43 @@ def loadtest(
     if plot:
         report.plot(results, plot)
         console.print(f"plots: {plot}")
+
+
+def _burst(target, work: list, warmup: int, timeout: float, json_out: Optional[Path], dataset: str) -> None:
+    import asyncio
+
+    import httpx
+
+    from unmask.loadtest import report
+    from unmask.loadtest.burst import run_burst
+    from unmask.loadtest.client import send
+    from unmask.loadtest.run import LoadtestError, resolve_model
+
+    async def go() -> dict:
+        async with httpx.AsyncClient(timeout=timeout) as http:
+            await resolve_model(http, target)
+            for prompt, max_tokens in work[:warmup]:
+                if (await send(http, target, prompt, max_tokens)).error == "connection":
+                    raise LoadtestError(f"cannot reach {target.url}")
+        return await asyncio.wait_for(run_burst(target, work), timeout)
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    try:
+        result = asyncio.run(go())
+    except LoadtestError as e:
+        fail(str(e))
+    except TimeoutError:
+        fail(f"the burst did not end within --timeout {timeout:g} s")
+    ms = lambda d: "/".join(report._f(d[k], 0) for k in ("p50", "p90", "p99", "max"))  # noqa: E731
+    typer.echo(f"burst of {result['burst']} to {target.url}{target.path}: statuses {result['statuses']}, "
+               f"{result['connection_errors']} connection errors, {result['200_complete']} answers complete, "
+               f"{result['429_with_retry_after']} 429s with Retry-After, {result['429_envelopes']} with the error "
+               f"envelope; to the status line p50/p90/p99/max: 429 {ms(result['429_status_ms'])} ms, "
+               f"200 {ms(result['200_status_ms'])} ms; over in {result['wall_s']:.2f} s")
+    if json_out:
+        report.write_json({"schema_version": report.SCHEMA_VERSION, "tool": "unmask loadtest", "started": started,
+                           "endpoint": target.path, "stream": target.stream, "sweep": "burst",
+                           "targets": [{"name": target.name, "url": target.url, "model": target.model,
+                                        "extra_body": target.extra_body}],
+                           "workload": {"dataset": dataset, "num_requests": len(work)}, "burst": result}, json_out)
+        typer.echo(f"results: {json_out}")

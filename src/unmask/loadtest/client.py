@@ -61,6 +61,7 @@ class Record:
     ok: bool = False
     error: str | None = None      # failure kind: "http 401", "timeout", "connection", "malformed stream"
     detail: str = ""
+    retry_after: bool = False     # an HTTP error answer carried Retry-After (a 429's or 503's promise)
     ttft: float | None = None     # streaming only
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int | None = None      # from the server's usage
@@ -122,7 +123,7 @@ async def _exchange(http: httpx.AsyncClient, target: Target, prompt: Prompt, max
     if not target.stream:
         r = await http.post(target.url + target.path, json=body, headers=target.headers())
         if r.status_code != 200:
-            rec.error, rec.detail = f"http {r.status_code}", r.text[:200]
+            rec.error, rec.detail, rec.retry_after = f"http {r.status_code}", r.text[:200], "retry-after" in r.headers
             return
         try:
             data = r.json()
@@ -135,6 +136,7 @@ async def _exchange(http: httpx.AsyncClient, target: Target, prompt: Prompt, max
     async with http.stream("POST", target.url + target.path, json=body, headers=target.headers()) as r:
         if r.status_code != 200:
             rec.error, rec.detail = f"http {r.status_code}", (await r.aread()).decode(errors="replace")[:200]
+            rec.retry_after = "retry-after" in r.headers
             return
         last, done, pieces = None, False, []
         async for line in r.aiter_lines():
@@ -168,6 +170,13 @@ async def _exchange(http: httpx.AsyncClient, target: Target, prompt: Prompt, max
             raise Malformed("stream ended without data: [DONE]")
         rec.text = "".join(pieces)
         rec.ok = True
+
+
+async def preconnect(http: httpx.AsyncClient, target: Target, n: int) -> None:
+    """Open about n keep-alive connections to the target before a point is timed, as `bench/serve_load.py --burst`
+    opens its sockets first: n concurrent GET /v1/models, whose connections the pool keeps for the requests."""
+    await asyncio.gather(*(http.get(f"{target.url}/v1/models", headers=target.headers()) for _ in range(n)),
+                         return_exceptions=True)
 
 
 async def closed_loop(http: httpx.AsyncClient, target: Target, work: list[tuple[Prompt, int]], concurrency: int,

@@ -96,6 +96,11 @@ def summarize(records: Sequence[Record], duration: float, slos: dict[str, float]
         "tpot_ms": stats_ms([t for r in done if (t := tpot(r)) is not None]),
         "itl_ms": stats_ms([g for r in done for g in r.itl]),
         "e2el_ms": stats_ms([r.e2e for r in done]),
+        # how long each kind of failure took to come back (a 429 on arrival should be fast), max included
+        "failure_latency_ms": {kind: {**stats_ms(xs), "max": 1e3 * max(xs)}
+                               for kind in sorted({r.error for r in records if not r.ok})
+                               if (xs := [r.e2e for r in records if r.error == kind])},
+        "failures_with_retry_after": sum(r.retry_after for r in records if not r.ok),
     }
     if slos:
         good = sum(is_good(r, slos) for r in records)

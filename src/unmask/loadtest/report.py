@@ -60,7 +60,12 @@ def print_results(results: dict, console: Console) -> None:
             console.print(f"{where}: client / server: mean TTFT x{_f(ag['ttft'], 3)}, mean E2E x{_f(ag['e2el'], 3)}, "
                           f"requests x{_f(ag['requests'], 3)}, output tokens x{_f(ag['output_tokens'], 3)}")
         for kind, detail in p.get("failure_examples", {}).items():
-            console.print(f"{where}: {kind} x{p['failures'][kind]}, e.g. {detail}", markup=False, highlight=False)
+            lat = p.get("failure_latency_ms", {}).get(kind) or {}
+            console.print(f"{where}: {kind} x{p['failures'][kind]} in p50/p90/p99/max "
+                          f"{'/'.join(_f(lat.get(k), 0) for k in ('p50', 'p90', 'p99', 'max'))} ms, e.g. {detail}",
+                          markup=False, highlight=False)
+        if p.get("failures_with_retry_after"):
+            console.print(f"{where}: {p['failures_with_retry_after']} of {p['failed']} failures carried Retry-After")
         if tc:
             console.print(f"{where}: local tokenizer agrees with usage on {tc['agree']}/{tc['checked']} answers "
                           f"({tc['local_output_tokens']} vs {tc['server_output_tokens']} tokens)")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import httpx
 
 from unmask.loadtest import metrics
-from unmask.loadtest.client import Record, Target, closed_loop, poisson, send
+from unmask.loadtest.client import Record, Target, closed_loop, poisson, preconnect, send
 from unmask.loadtest.workloads import Prompt
 
 
@@ -30,6 +30,7 @@ class Plan:
     seed: int = 0
     slos: dict | None = None
     dollars_per_hour: float | None = None
+    preconnect: int = 0   # keep-alive connections opened (untimed) before each round on each target
 
 
 async def resolve_model(http: httpx.AsyncClient, target: Target) -> None:
@@ -75,6 +76,8 @@ async def run(targets: list[Target], plan: Plan, timeout: float, advance: Callab
             for r in range(plan.rounds):
                 chunk = plan.work[r * size:(r + 1) * size]
                 for t in targets:
+                    if plan.preconnect:
+                        await preconnect(http, t, plan.preconnect)
                     t0 = time.perf_counter()
                     if plan.sweep == "concurrency":
                         got = await closed_loop(http, t, chunk, int(x), advance)
