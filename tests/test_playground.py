@@ -483,3 +483,27 @@ def test_keyboard_use_and_labels(server, driver):
     box.send_keys(Keys.ENTER)                                         # Enter sends
     wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant[data-done]"), what="the answer")
     assert driver.find_element(By.CSS_SELECTOR, ".msg.user").text == "Hi\nthere"
+
+
+CONTRAST = """
+const rgb = (c) => (c.match(/[\\d.]+/g) || []).map(Number);
+const lum = ([r, g, b]) => { const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+                             return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b); };
+const background = (el) => { for (; el; el = el.parentElement) { const c = rgb(getComputedStyle(el).backgroundColor);
+                                                                  if (c.length < 4 || c[3] > 0) return c; }
+                             return [255, 255, 255]; };
+return [...document.querySelectorAll(arguments[0])].filter((el) => el.offsetParent !== null).map((el) => {
+  const a = lum(rgb(getComputedStyle(el).color)), b = lum(background(el));
+  return [el.id || el.className || el.tagName, (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05)];
+});
+"""
+
+
+def test_text_contrast_is_at_least_4_5_to_1(server, driver):
+    """WCAG AA for normal text, computed in the page from the styles in effect: labels, hints, buttons, the mode
+    tabs, the status line and every token state of the denoising legend (the same classes as the view)."""
+    open_page(driver, server)
+    pairs = driver.execute_script(CONTRAST, "label, .hint, button, [role=tab], #status, .legend li, .legend .tok")
+    assert len(pairs) > 20 and {"tok tok-mask", "tok tok-new", "tok tok-edit", "tok tok-remask"} <= {n for n, _ in pairs}
+    low = [(name, round(ratio, 2)) for name, ratio in pairs if ratio < 4.5]
+    assert low == [], low
