@@ -102,8 +102,27 @@ def test_results_are_cut_to_the_token_budget():
     words = lambda text: len(text.split())   # noqa: E731 - a token counter for the test
     context = fit(search, words, budget=words(FileSearch.context(search, 2)))
     assert search.used == 2 and "[2] f1.md" in context and "[3]" not in context
-    assert [a["file_id"] for a in search.annotations(7)] == ["file-0", "file-1"]
-    assert fit(search, words, budget=3) == "" and search.used == 0 and search.annotations(0) == []
+    assert [a["file_id"] for a in search.annotations("x" * 7)] == ["file-0", "file-1"]
+    assert fit(search, words, budget=3) == "" and search.used == 0 and search.annotations("") == []
+
+
+def test_citations_sit_at_the_sentences_their_excerpts_support():
+    _, search = split_tools([{"type": "file_search", "vector_store_ids": ["vs_a"]}])
+    search.results = [
+        {"file_id": "file-j", "filename": "json.md", "text": "json.dumps serialises an object to a JSON string."},
+        {"file_id": "file-s", "filename": "sockets.txt", "text": "The socket module gives access to the BSD socket "
+                                                                 "interface for network connections."},
+        {"file_id": "file-z", "filename": "zip.py", "text": "zipfile reads and writes ZIP archives."}]
+    search.used = 3
+    text = ("Use json.dumps to turn an object into a JSON string. Hello there! "
+            "For network connections, the socket module wraps the BSD interface.\nDone")
+    notes = search.annotations(text)
+    first, second = text.index("string.") + len("string."), text.index("interface.") + len("interface.")
+    assert [(n["index"], n["file_id"], n["filename"]) for n in notes] == [
+        (first, "file-j", "json.md"), (second, "file-s", "sockets.txt"), (len(text), "file-z", "zip.py")]
+    # a sentence that shares too few words with every excerpt cites nothing; the files then sit at the end
+    assert [(n["index"], n["file_id"]) for n in search.annotations("An object here.")] == [
+        (15, "file-j"), (15, "file-s"), (15, "file-z")]
     with pytest.raises(APIError, match="at most one file_search"):
         split_tools([{"type": "file_search", "vector_store_ids": ["a"]}] * 2)
 

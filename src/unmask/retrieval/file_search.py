@@ -6,10 +6,12 @@ trained to write search queries, so the server does not ask it for one). The res
 instructions as numbered excerpts, best first, as many as fit the model's context next to the prompt and the
 answer's token budget; the answer then carries one `file_search_call` output item (its `results` when
 `include` names `file_search_call.results`) before the message, and the message's text one `file_citation`
-annotation per file whose excerpts the model was given.
+annotation per file whose excerpts the model was given: at the end of each sentence that shares enough words
+with one of that file's excerpts (`cite_spans`), else at the end of the text.
 """
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,13 +51,51 @@ class FileSearch:
         return {"id": self.call_id, "type": "file_search_call", "status": status, "queries": [self.query],
                 "results": results}
 
-    def annotations(self, text_length: int) -> list[dict]:
-        """One file_citation per file given to the model, at the end of the text (the model cites no spans)."""
-        seen: dict[str, str] = {}
-        for r in self.results[:self.used]:
-            seen.setdefault(r["file_id"], r["filename"])
-        return [{"type": "file_citation", "index": text_length, "file_id": fid, "filename": name}
-                for fid, name in seen.items()]
+    def annotations(self, text: str) -> list[dict]:
+        """file_citations for the answer `text`: each file given to the model at the end of the sentences its
+        excerpts support (cite_spans), and every file given that supports none at the end of the text, as
+        before; ordered by position, then by the file's rank."""
+        given = self.results[:self.used]
+        names: dict[str, str] = {}
+        for r in given:
+            names.setdefault(r["file_id"], r["filename"])
+        rank = {fid: i for i, fid in enumerate(names)}
+        notes = cite_spans(text, given)
+        cited = {fid for _, fid in notes}
+        notes += [(len(text), fid) for fid in names if fid not in cited]
+        notes = sorted(set(notes), key=lambda n: (n[0], rank[n[1]]))
+        return [{"type": "file_citation", "index": i, "file_id": fid, "filename": names[fid]} for i, fid in notes]
+
+
+# the model cites nothing itself, so a sentence is attributed by the words it shares with an excerpt: content words
+# (3+ letters or digits, not among the commonest English words), at least MIN_SHARED of them and at least
+# MIN_SHARE of the sentence's own
+_WORD = re.compile(r"[A-Za-z0-9_]{3,}")
+_SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+|$)", re.M)
+_COMMON = frozenset("""the and for are but not you all any can had her was one our out day get has him his how man
+new now old see two way who boy did its let put say she too use that with have this will your from they know want
+been good much some time very when come here just like long make many more only over such take than them well were
+what which their there would about could other into then these those also each used using uses returns return""".split())
+MIN_SHARED, MIN_SHARE = 2, 0.4
+
+
+def _content_words(text: str) -> set[str]:
+    return {w for w in (m.lower() for m in _WORD.findall(text)) if w not in _COMMON}
+
+
+def cite_spans(text: str, results: list[dict]) -> list[tuple[int, str]]:
+    """(index just past the sentence, file id) for each sentence of `text` whose content words overlap one
+    result's text enough; the file of the result with the largest overlap (the better-ranked on a tie)."""
+    vocab = [(_content_words(r["text"]), r["file_id"]) for r in results]
+    out = []
+    for m in _SENTENCE.finditer(text):
+        words = _content_words(m.group())
+        if len(words) < MIN_SHARED:
+            continue
+        best, neg_rank = max(((len(words & v), -i) for i, (v, _) in enumerate(vocab)), default=(0, 0))
+        if best >= MIN_SHARED and best >= MIN_SHARE * len(words):
+            out.append((m.end() - (len(m.group()) - len(m.group().rstrip())), vocab[-neg_rank][1]))
+    return out
 
 
 def split_tools(tools: list[dict] | None) -> tuple[list[dict] | None, FileSearch | None]:

@@ -2,8 +2,8 @@
 
 The same retrieval as in /v1/responses (file_search.py): the last user message is the query, the excerpts that
 fit go into the system message (the first one, or a new one before the conversation). Chat has no item for the
-search, so the answer reports it by its citations only: each choice's message gets `annotations`, one
-`file_citation` per file given to the model (OpenAI's chat messages carry `annotations` for its own web search);
+search, so the answer reports it by its citations only: each choice's message gets `annotations`,
+`file_citation`s of the files given to the model at the sentences they support (file_search.cite_spans) (OpenAI's chat messages carry `annotations` for its own web search);
 streamed, they ride on each choice's last delta, the one with its `finish_reason`.
 """
 from __future__ import annotations
@@ -40,14 +40,14 @@ async def chat(serving, req: ChatCompletionRequest, retrieval, is_disconnected=N
     result = await serving.chat(base, is_disconnected)
     if isinstance(result, BaseModel):
         for choice in result.choices:
-            choice.message.annotations = search.annotations(len(choice.message.content or ""))
+            choice.message.annotations = search.annotations(choice.message.content or "")
         return result
     return _annotated_stream(result, search)
 
 
 async def _annotated_stream(frames: AsyncIterator[str], search: file_search.FileSearch) -> AsyncIterator[str]:
     """Add each choice's citations to its finishing delta (`index` counts the characters streamed before)."""
-    lengths: dict[int, int] = {}
+    texts: dict[int, str] = {}
     async with aclosing(frames):   # a client that leaves closes the inner stream too (its engine requests end)
         async for frame in frames:
             if not frame.startswith("data: {"):
@@ -56,8 +56,8 @@ async def _annotated_stream(frames: AsyncIterator[str], search: file_search.File
             chunk = json.loads(frame[len("data: "):])
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
-                lengths[choice["index"]] = lengths.get(choice["index"], 0) + len(delta.get("content") or "")
+                texts[choice["index"]] = texts.get(choice["index"], "") + (delta.get("content") or "")
                 if choice.get("finish_reason") is not None:
-                    delta["annotations"] = search.annotations(lengths[choice["index"]])
+                    delta["annotations"] = search.annotations(texts[choice["index"]])
                     choice["delta"] = delta
             yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"

@@ -297,7 +297,7 @@ class ResponsesFormat(ChatFormat):
         if self.search is not None:
             cited = next((i for i in output if isinstance(i, ResponseMessageItem)), None)
             if cited is not None:
-                cited.content[0].annotations = self.search.annotations(len(cited.content[0].text))
+                cited.content[0].annotations = self.search.annotations(cited.content[0].text)
             output.insert(0, ResponseFileSearchCallItem(**self.search.item(self.search_results)))
         first = next((i for i in output if isinstance(i, ResponseMessageItem)), None)
         if first is not None:
@@ -403,7 +403,7 @@ class ResponsesFormat(ChatFormat):
                 part = item.content[0]
                 if self.search is not None and not self.cited:
                     self.cited = True
-                    part.annotations = self.search.annotations(len(part.text))
+                    part.annotations = self.search.annotations(part.text)
                     for n, note in enumerate(part.annotations):
                         events.append(self._event("response.output_text.annotation.added", item_id=item.id,
                                                   output_index=index, content_index=0, annotation_index=n,
