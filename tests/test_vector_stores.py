@@ -285,3 +285,19 @@ def test_ingestion_survives_a_crash(tmp_path, request):
         assert "999" in hit.data[0].content[0].text
     finally:
         again.stop()
+
+
+def test_a_pdf_is_searched_by_its_text(served):
+    from test_extract import make_pdf
+
+    server, client, _, _ = served
+    fid = client.files.create(file=("guide.pdf", io.BytesIO(make_pdf(["Cover page.", "The sprocket calibration "
+                                                                      "needs a torque of 12 newton metres."]))),
+                              purpose="assistants").id
+    store = client.vector_stores.create(name="pdf", file_ids=[fid])
+    _wait_completed(client, store.id)
+    hit = client.vector_stores.search(vector_store_id=store.id, query="sprocket torque").data[0]
+    assert hit.filename == "guide.pdf" and "12 newton metres" in hit.content[0].text
+    scan = client.files.create(file=("scan.pdf", io.BytesIO(make_pdf([""]))), purpose="assistants").id
+    r = httpx.post(f"{server.url}/v1/vector_stores/{store.id}/files", json={"file_id": scan}, timeout=30)
+    assert r.status_code == 400 and "'scan.pdf' has no text layer" in r.json()["error"]["message"], r.text
