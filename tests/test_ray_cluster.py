@@ -88,6 +88,9 @@ def address():
         if worker is not None:
             stop(worker)
         stop(head)
+        current = Path("/tmp/ray/ray_current_cluster")   # what `ray stop` would clear: a later ray.init() must not
+        if current.exists() and current.read_text().strip().endswith(f":{port}"):   # try to join this cluster
+            current.unlink()
 
 
 def unmask(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -179,3 +182,27 @@ def test_without_ray_the_flag_says_how_to_install_it(command, tmp_path):
     done = subprocess.run([str(BIN / "unmask"), *command], capture_output=True, text=True, cwd=tmp_path, env=env,
                           timeout=120)
     assert done.returncode == 1 and done.stderr.strip() == HINT, done.stderr
+
+
+@pytest.mark.parametrize("command, message", [
+    (["serve", "--ray", "--autoscale", "3,1"], "error: --autoscale takes MIN,MAX replicas with 0 <= MIN <= MAX and "
+                                               "MAX >= 1, got '3,1'"),
+    (["serve", "--ray", "--port", "0"], "error: --ray needs a fixed --port (Ray Serve's proxy does not report a "
+                                        "port chosen at random)"),
+    (["serve", "--ray", "--root-path", "/u"], "error: --root-path is not supported with --ray (Ray Serve's proxy "
+                                              "serves the application at /)"),
+    (["batch", "IN", "OUT", "--ray", "--address", "127.0.0.1:1"],
+     "error: no Ray cluster answers at 127.0.0.1:1 (Connection refused); start its head with `ray start --head` or "
+     "pass another --address"),
+])
+def test_bad_cluster_flags_are_one_line_errors(command, message, tmp_path):
+    from typer.testing import CliRunner
+
+    from unmask.cli import app
+
+    (tmp_path / "in.jsonl").write_text(json.dumps(LINES[0]) + "\n")
+    command = [str(tmp_path / "in.jsonl") if c == "IN" else str(tmp_path / "out.jsonl") if c == "OUT" else c
+               for c in command]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 1 and result.output.strip() == message, result.output
+    assert not (tmp_path / "out.jsonl").exists()

@@ -17,7 +17,6 @@ openai = pytest.importorskip("openai")
 
 from unmask.cluster import launch  # noqa: E402
 from unmask.defaults import default_model_path  # noqa: E402
-from unmask.server.app import ServerArgs  # noqa: E402
 
 KEY = "sk-ray-test"
 GREEDY = {"temperature": 0, "max_tokens": 12}
@@ -31,12 +30,13 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env=launch.runtime_env(), logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=launch.runtime_env(), logging_level="WARNING")
     port = free_port()
-    args = ServerArgs(model=default_model_path(), served_model_name="unmask-tiny", api_keys=[KEY],
-                      embedding_model="off", max_num_seqs=8, max_queue=16, drain_timeout=2.0)
-    try:
-        launch.deploy(args, launch.Scale(replicas=2, num_cpus=0.5), "127.0.0.1", port)
+    try:   # built as a Serve config file or KubeRay's RayService builds it (`unmask serve --ray` in test_ray_cluster)
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        serve.run(launch.application({"model": str(default_model_path()), "api_keys": [KEY], "embedding_model": "off",
+                                      "max_num_seqs": 8, "max_queue": 16, "drain_timeout": 2.0, "replicas": 2,
+                                      "num_cpus": 0.5}), name="unmask", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         launch.undeploy(stop_serve=True)

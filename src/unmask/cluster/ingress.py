@@ -147,6 +147,9 @@ class Ingress:
         except asyncio.TimeoutError:
             stream.cancel()
             return JSONResponse({"status": "loading"}, status_code=503)
+        except asyncio.CancelledError:   # the client went away before the answer began: so does the replica's work
+            stream.cancel()
+            raise
         except (RayServeException, ray.exceptions.RayError) as e:
             raise as_api_error(e) from None
         headers = [(k, v) for k, v in head["headers"] if k.lower() not in HOP_HEADERS]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from dataclasses import dataclass
 
 from unmask.cluster import ClusterError, require_ray
@@ -35,10 +36,29 @@ def parse_autoscale(text: str) -> tuple[int, int]:
     return low, high
 
 
+# Ray Serve's throughput-optimized mode (user code on the replica's own event loop, gRPC from the proxy, request
+# logs buffered, GC frozen after start), less its direct ingress, which would take over the HTTP port choice:
+# per request, a streamed 1-token chat paid about 165 ms more through Ray without it (docs/scale-out.md)
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+
+
 def runtime_env() -> dict:
-    """The offline switches reach the replicas on every node, whatever their raylet's environment."""
-    return {"env_vars": {k: os.environ.get(k, "false" if k == "TOKENIZERS_PARALLELISM" else "1")
-                         for k in OFFLINE_ENV}}
+    """The offline switches and SERVE_ENV reach the replicas on every node, whatever their raylet's environment."""
+    env = {k: os.environ.get(k, "false" if k == "TOKENIZERS_PARALLELISM" else "1") for k in OFFLINE_ENV}
+    env.update({k: os.environ.get(k, v) for k, v in SERVE_ENV.items()})
+    return {"env_vars": env}
+
+
+def reachable(address: str, timeout: float = 3.0) -> None:
+    """A HOST:PORT that accepts no connection fails at once: ray.init would retry it for minutes."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return   # "auto", ray:// client addresses: left to Ray
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ClusterError(f"no Ray cluster answers at {address} ({e.strerror or e}); start its head with "
+                           "`ray start --head` or pass another --address") from None
 
 
 def connect(address: str | None, num_cpus: int | None = None) -> bool:
@@ -48,11 +68,16 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
 
     if ray.is_initialized():
         return False
+    if address:
+        reachable(address)
+    for k, v in SERVE_ENV.items():   # read when ray.serve is imported, here and in the processes a local cluster starts
+        os.environ.setdefault(k, v)
     try:
         if address:
             ray.init(address=address, runtime_env=runtime_env(), logging_level="WARNING")
             return False
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env(), logging_level="WARNING")
+        # address "local": a new cluster, never one that an earlier `ray start` recorded in /tmp/ray
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env(), logging_level="WARNING")
         return True
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
@@ -111,3 +136,42 @@ def undeploy(app_name: str = APP_NAME, stop_serve: bool = False) -> None:
         pass
     if stop_serve:
         serve.shutdown()
+
+
+BUILDER_KEYS = {"model", "served_model_name", "api_keys", "cors_origins", "max_num_seqs", "max_queue", "device", "dtype",
+                "kv_cache_dtype", "embedding_model", "data_dir", "default_max_tokens", "drain_timeout", "replicas",
+                "autoscale", "num_cpus", "num_gpus"}
+
+
+def application(config: dict):
+    """An application builder for Ray Serve's config files (`serve run unmask.cluster.launch:application
+    model=DIR`, KubeRay's serveConfigV2 `import_path` with `args`): the same application as `unmask serve --ray`,
+    from the keys of BUILDER_KEYS (names as ServerArgs' fields and the Scale's; `autoscale` as "MIN,MAX")."""
+    from pathlib import Path
+
+    from unmask.server.app import ServerArgs
+    from unmask.server.cli import default_served_name
+
+    unknown = sorted(set(config) - BUILDER_KEYS)
+    if unknown:
+        raise ClusterError(f"unknown application argument(s) {', '.join(unknown)}; known: {', '.join(sorted(BUILDER_KEYS))}")
+    if "model" in config:
+        model = Path(config["model"])
+    else:
+        from unmask.defaults import default_model_path
+
+        model = default_model_path()
+    keys = config.get("api_keys") or os.environ.get("UNMASK_API_KEY", "").split()
+    args = ServerArgs(model=model, served_model_name=config.get("served_model_name") or default_served_name(model),
+                      api_keys=[keys] if isinstance(keys, str) else list(keys),
+                      **{k: config[k] for k in ("cors_origins", "max_num_seqs", "max_queue", "device", "dtype",
+                                                "kv_cache_dtype", "embedding_model", "default_max_tokens",
+                                                "drain_timeout") if k in config})
+    for key in ("max_num_seqs", "max_queue", "default_max_tokens"):
+        setattr(args, key, int(getattr(args, key)))
+    if config.get("data_dir"):
+        args.data_dir = Path(config["data_dir"])
+    scale = Scale(replicas=int(config.get("replicas", 1)), num_cpus=float(config.get("num_cpus", 1.0)),
+                  num_gpus=float(config.get("num_gpus", 0.0)),
+                  autoscale=parse_autoscale(str(config["autoscale"])) if config.get("autoscale") else None)
+    return build(args, scale)
