@@ -94,3 +94,27 @@ def test_token_bytes_are_the_bytes_each_piece_stands_for():
     hf = Tokenizer(default_model_path())
     hf._plain = None
     assert [hf.token_bytes(i) for i in ids] == parts
+
+
+def test_transformers_imported_from_two_threads_at_once():
+    """`unmask serve` loads the tokenizer and the embedding model in two threads; transformers' lazy package
+    raises "cannot import name" when both first import from it at once (it did, every start), so both go through
+    from_transformers' lock. A fresh interpreter, as at server start."""
+    import subprocess
+    import sys
+
+    script = (
+        "import threading\n"
+        "from unmask.tokenizer import from_transformers\n"
+        "errors = []\n"
+        "def load(name):\n"
+        "    try:\n"
+        "        from_transformers(name)\n"
+        "    except Exception as e:\n"
+        "        errors.append(repr(e))\n"
+        "ts = [threading.Thread(target=load, args=(n,)) for n in ('AutoTokenizer', 'AutoModel')]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "print(errors)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from pathlib import Path
 
 from unmask.errors import ModelLoadError
@@ -80,6 +81,19 @@ def plain_tokenizer(path: Path):
     return tok
 
 
+
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
+def from_transformers(*names: str) -> tuple:
+    """transformers' `names`, imported under one lock: its lazily loaded package fails with "cannot import name"
+    when two threads first import from it at once (unmask serve loads the model's tokenizer and the embedding
+    model in parallel threads)."""
+    with _TRANSFORMERS_IMPORT:
+        import transformers
+
+        return tuple(getattr(transformers, n) for n in names)
+
 class Tokenizer:
     def __init__(self, path: str | Path, chat_template: str | None = None):
         self.path = Path(path)
@@ -92,7 +106,7 @@ class Tokenizer:
     def _load_hf(self):
         import warnings
 
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        AutoTokenizer, PreTrainedTokenizerFast = from_transformers("AutoTokenizer", "PreTrainedTokenizerFast")
         from transformers.utils import logging as hf_logging
 
         path = self.path

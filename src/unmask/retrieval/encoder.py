@@ -100,7 +100,10 @@ class SentenceEncoder:
     def load(cls, path: Path, name: str | None = None) -> SentenceEncoder:
         import torch
         from tokenizers import Tokenizer
-        from transformers import AutoModel
+
+        from unmask.tokenizer import from_transformers
+
+        (AutoModel,) = from_transformers("AutoModel")
 
         spec = read_spec(path)
         tok_file = next((p for p in (path / "tokenizer.json", path / "0_Transformer" / "tokenizer.json") if p.is_file()),

@@ -51,6 +51,9 @@ def resolve_encoder(option: str | None) -> tuple[Path | None, str]:
 def load(state: RetrievalState, file_store) -> None:
     """Loader thread: the embedding model, then the vector stores (their ingestion resumes)."""
     try:
+        from unmask.tokenizer import from_transformers
+
+        from_transformers()  # the package itself under the shared import lock, before its submodule
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
