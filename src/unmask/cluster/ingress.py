@@ -152,6 +152,8 @@ class Ingress:
             raise
         except (RayServeException, ray.exceptions.RayError) as e:
             raise as_api_error(e) from None
+        except StopAsyncIteration:   # the app ended without a response (a bug): an error, not a hang
+            raise APIError(500, "internal server error") from None
         headers = [(k, v) for k, v in head["headers"] if k.lower() not in HOP_HEADERS]
         headers.append((b"x-unmask-replica", head["replica"].encode()))
         if not head["more"]:

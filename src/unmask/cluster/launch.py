@@ -36,17 +36,10 @@ def parse_autoscale(text: str) -> tuple[int, int]:
     return low, high
 
 
-# Ray Serve's throughput-optimized mode (user code on the replica's own event loop, gRPC from the proxy, request
-# logs buffered, GC frozen after start), less its direct ingress, which would take over the HTTP port choice:
-# per request, a streamed 1-token chat paid about 165 ms more through Ray without it (docs/scale-out.md)
-SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-
-
 def runtime_env() -> dict:
-    """The offline switches and SERVE_ENV reach the replicas on every node, whatever their raylet's environment."""
-    env = {k: os.environ.get(k, "false" if k == "TOKENIZERS_PARALLELISM" else "1") for k in OFFLINE_ENV}
-    env.update({k: os.environ.get(k, v) for k, v in SERVE_ENV.items()})
-    return {"env_vars": env}
+    """The offline switches reach the replicas on every node, whatever their raylet's environment."""
+    return {"env_vars": {k: os.environ.get(k, "false" if k == "TOKENIZERS_PARALLELISM" else "1")
+                         for k in OFFLINE_ENV}}
 
 
 def reachable(address: str, timeout: float = 3.0) -> None:
@@ -70,8 +63,6 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
         return False
     if address:
         reachable(address)
-    for k, v in SERVE_ENV.items():   # read when ray.serve is imported, here and in the processes a local cluster starts
-        os.environ.setdefault(k, v)
     try:
         if address:
             ray.init(address=address, runtime_env=runtime_env(), logging_level="WARNING")

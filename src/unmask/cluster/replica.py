@@ -123,13 +123,21 @@ class EngineReplica:
                     continue
                 if message["type"] != "http.response.body":
                     continue
-                more = message.get("more_body", False)
+                body, more = message.get("body", b""), message.get("more_body", False)
+                while more and not messages.empty():   # frames the app sent meanwhile travel as one item
+                    following = messages.get_nowait()
+                    if following is None:   # the app returned without ending its body
+                        more = False
+                        break
+                    if following["type"] == "http.response.body":
+                        body += following.get("body", b"")
+                        more = following.get("more_body", False)
                 if head is not None:
-                    head.update(body=message.get("body", b""), more=more)
+                    head.update(body=body, more=more)
                     yield head
                     head = None
-                elif message.get("body"):
-                    yield message["body"]
+                elif body:
+                    yield body
                 if not more:
                     break
         finally:
