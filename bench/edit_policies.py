@@ -2,8 +2,9 @@
 edits, on the model card's held-out tasks: quality and tokens per forward, threshold by threshold.
 
 The claim to test (issue 35): a model that may fix its mistakes can commit earlier, at a lower threshold, for
-the same quality. Each threshold runs plain and with `edit_threshold` (LLaDA2.1's joint decoding), in one
-process, interleaved. Greedy, float32; one JSON document out.
+the same quality. Each threshold runs plain, with each `--edit-thresholds` value (LLaDA2.1's joint decoding) and,
+with `--remask-budget` > 0, with ReMDM-style remasking, in one process, interleaved. Greedy, float32; one JSON
+document out (each row also in the output as it comes).
 
     .venv/bin/python bench/edit_policies.py --model src/unmask/assets/unmask-tiny --json docs/bench/edit-policies.json
 """
@@ -21,16 +22,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     heldout.add_args(ap)
     ap.add_argument("--thresholds", default="0.9,0.7,0.5")
-    ap.add_argument("--edit-threshold", type=float, default=0.9)
+    ap.add_argument("--edit-thresholds", "--edit-threshold", default="0.9", help="comma-separated edit thresholds")
+    ap.add_argument("--remask-budget", type=int, default=0, help="> 0: also remasking, this many per block")
+    ap.add_argument("--remask-threshold", type=float, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     llm, _, task_sets = heldout.load(args)
     rows = []
+    variants = [dict()] + [dict(edit_threshold=float(e)) for e in args.edit_thresholds.split(",") if e]
+    if args.remask_budget > 0:
+        variants.append(dict(remask_budget=args.remask_budget, remask_threshold=args.remask_threshold))
     for tau in (float(t) for t in args.thresholds.split(",")):
-        for edit in (None, args.edit_threshold):
+        for knobs in variants:
             for tasks in task_sets:
-                r = evaluate(llm, tasks, "threshold_0.9", threshold=tau, edit_threshold=edit)
-                row = {"threshold": tau, "edit_threshold": edit, "task": r.task, "n": r.n, "exact": r.accuracy,
+                r = evaluate(llm, tasks, "threshold_0.9", threshold=tau, **knobs)
+                row = {"threshold": tau, "edit_threshold": knobs.get("edit_threshold"),
+                       "remask_budget": knobs.get("remask_budget"), "task": r.task, "n": r.n, "exact": r.accuracy,
                        "similarity": r.edit_similarity, "valid": r.valid,
                        "tokens_per_forward": r.tokens_per_forward, "seconds": r.seconds}
                 rows.append(row)
