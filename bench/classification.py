@@ -8,7 +8,8 @@ regression, on the same held-out split of Debian's `fortunes` (bench/classificat
 Sections: `tfidf` (scikit-learn, trained on train.jsonl), `unmask` (`unmask batch` as a subprocess on
 batch-test.jsonl, OMP_NUM_THREADS=--threads), `twin` (bench/classification_twin.py, in this process, torch threads
 =--threads), and, with --speed-lines N, the held-out lines repeated to N lines (custom_ids made unique) through
-`unmask batch` and, with --server, through `unmask serve`'s /v1/batches (bench/batch_pipeline.py's Server). The
+`unmask batch` and, with --server, at the same time through `unmask serve`'s /v1/batches (bench/batch_pipeline.py's
+Server; both at once, so that on a shared machine both see the same load). The
 items/s of `unmask batch` are the runner's own (its last line; model load excluded), as are the server's (from the
 batch's creation to its completion). Prints one JSON object; --json writes it too.
 """
@@ -22,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import classification_data as cd  # noqa: E402
 
 
-def tfidf(train: list[dict], test: list[dict], repeat_to: int = 0) -> dict:
+def tfidf(train: list[dict], test: list[dict], labels, repeat_to: int = 0) -> dict:
     """Word 1-2 grams, sublinear tf, logistic regression at scikit-learn's defaults otherwise (C=1): no tuning."""
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
@@ -44,7 +46,7 @@ def tfidf(train: list[dict], test: list[dict], repeat_to: int = 0) -> dict:
     texts = [r["text"] for r in test]
     t0 = time.perf_counter()
     pred = list(clf.predict(texts))
-    out = {**cd.scores([r["label"] for r in test], pred, cd.LABELS), "fit_s": fit_s,
+    out = {**cd.scores([r["label"] for r in test], pred, labels), "fit_s": fit_s,
            "items_per_s": len(texts) / (time.perf_counter() - t0)}
     if repeat_to:
         many = (texts * (repeat_to // len(texts) + 1))[:repeat_to]
@@ -110,40 +112,48 @@ def main() -> None:
     train, test = cd.read_jsonl(args.data / "train.jsonl"), cd.read_jsonl(args.data / "test.jsonl")
     gold = [r["label"] for r in test]
     meta = json.loads((args.data / "labels.json").read_text()) if (args.data / "labels.json").is_file() else {}
+    labels = meta.get("labels") or sorted({r["label"] for r in train})
     res: dict = {"dataset": meta, "threads": args.threads, "max_num_seqs": args.max_num_seqs,
                  "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at start",
                  "command": " ".join(["python", *sys.argv])}
-    res["tfidf"] = tfidf(train, test, args.speed_lines)
+    res["tfidf"] = tfidf(train, test, labels, args.speed_lines)
     tmp = Path(tempfile.mkdtemp(prefix="bench-cls-"))
     if args.model:
         inp = tmp / "test.jsonl"
-        cd.write_jsonl(inp, (cd.batch_line(r, cd.LABELS) for r in test))
+        cd.write_jsonl(inp, (cd.batch_line(r, labels) for r in test))
         rate, wall = run_batch(args.model, inp, tmp / "out.jsonl", args.threads, args.max_num_seqs)
         got = predictions(tmp / "out.jsonl")
-        res["unmask"] = {**cd.scores(gold, [got.get(r["id"]) for r in test], cd.LABELS), "model": str(args.model),
+        res["unmask"] = {**cd.scores(gold, [got.get(r["id"]) for r in test], labels), "model": str(args.model),
                          "items_per_s": rate, "wall_s": wall}
         if args.speed_lines:
             reps = (test * (args.speed_lines // len(test) + 1))[:args.speed_lines]
             big = tmp / "speed.jsonl"
-            cd.write_jsonl(big, (cd.batch_line(r, cd.LABELS, f"{r['id']}-{i}") for i, r in enumerate(reps)))
+            cd.write_jsonl(big, (cd.batch_line(r, labels, f"{r['id']}-{i}") for i, r in enumerate(reps)))
+            server = {}
+            if args.server:  # at the same time as the offline run, so that both see the same load on a shared machine
+                th = threading.Thread(target=lambda: server.update(r=server_items_per_s(
+                    args.model, big, args.threads, args.max_num_seqs, tmp)))
+                th.start()
             rate, wall = run_batch(args.model, big, tmp / "speed-out.jsonl", args.threads, args.max_num_seqs)
+            if args.server:
+                th.join()
             got = predictions(tmp / "speed-out.jsonl")
             res["speed"] = {"lines": args.speed_lines, "repeated_from": len(test), "offline_items_per_s": rate,
                             "offline_wall_s": wall,
                             "offline_accuracy": sum(got.get(f"{r['id']}-{i}") == r["label"]
                                                     for i, r in enumerate(reps)) / len(reps)}
             if args.server:
-                rate, failed = server_items_per_s(args.model, big, args.threads, args.max_num_seqs, tmp)
+                rate, failed = server["r"]
                 res["speed"].update(server_items_per_s=rate, server_failed=failed,
                                     server_over_offline=rate / res["speed"]["offline_items_per_s"])
     if args.twin:
         from classification_twin import TwinClassifier
 
-        clf = TwinClassifier(args.twin, cd.LABELS, args.threads)
-        prompts = [cd.prompt(r["text"], cd.LABELS) for r in test]
+        clf = TwinClassifier(args.twin, labels, args.threads)
+        prompts = [cd.prompt(r["text"], labels) for r in test]
         t0 = time.perf_counter()
         pred = clf.classify(prompts)
-        res["twin"] = {**cd.scores(gold, pred, cd.LABELS), "model": str(args.twin),
+        res["twin"] = {**cd.scores(gold, pred, labels), "model": str(args.twin),
                        "items_per_s": len(prompts) / (time.perf_counter() - t0)}
     print(json.dumps(res, indent=1))
     if args.json:

@@ -5,6 +5,7 @@ Each file of /usr/share/games/fortunes (Debian package `fortunes`, from fortune-
 (the strfile(8) format). The labels are the collection's own file names: no one here wrote them.
 
     python bench/classification_data.py --out data/fortunes     # writes the files below
+    python bench/classification_data.py --records mine.jsonl --out data/mine   # your own {"text", "label"} lines
 
 Writes, into --out:
   train.jsonl, test.jsonl     {"id", "text", "label"}: a stratified split, seeded (--seed), test share --test-share
@@ -141,15 +142,38 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def read_records(path: Path, max_chars: int = MAX_CHARS) -> list[dict]:
+    """A user's own data: JSONL lines {"text": str, "label": str}; texts over max_chars are dropped."""
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not (isinstance(rec, dict) and isinstance(rec.get("text"), str) and isinstance(rec.get("label"), str)
+                and rec["label"].strip()):
+            raise ValueError(f"{path}:{n}: expected {{\"text\": str, \"label\": non-empty str}}")
+        if len(rec["text"]) <= max_chars:
+            out.append({"text": rec["text"], "label": rec["label"]})
+    if len({r["label"] for r in out}) < 2:
+        raise ValueError(f"{path}: fewer than two labels among the texts of at most {max_chars} characters")
+    return out
+
+
 def prepare(out: Path, directory: Path = FORTUNE_DIR, seed: int = 0, test_share: float = 0.2,
-            per_label: int = PER_LABEL) -> dict:
-    train, test = split(load_dataset(directory, per_label=per_label, seed=seed), test_share, seed)
+            per_label: int = PER_LABEL, records: Path | None = None) -> dict:
+    data = read_records(records) if records else load_dataset(directory, per_label=per_label, seed=seed)
+    labels = sorted({r["label"] for r in data}) if records else list(LABELS)
+    train, test = split(data, test_share, seed)
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "test.jsonl", test)
-    write_jsonl(out / "sft-train.jsonl", (chat_record(r, LABELS) for r in train))
-    write_jsonl(out / "batch-test.jsonl", (batch_line(r, LABELS) for r in test))
-    meta = {"source": f"Debian package fortunes ({directory})", "labels": list(LABELS), "seed": seed,
+    write_jsonl(out / "sft-train.jsonl", (chat_record(r, labels) for r in train))
+    write_jsonl(out / "batch-test.jsonl", (batch_line(r, labels) for r in test))
+    source = str(records) if records else f"Debian package fortunes ({directory})"
+    meta = {"source": source, "labels": labels, "seed": seed,
             "test_share": test_share, "max_chars": MAX_CHARS, "per_label": per_label,
             "train": dict(sorted(Counter(r["label"] for r in train).items())),
             "test": dict(sorted(Counter(r["label"] for r in test).items()))}
@@ -163,13 +187,14 @@ def main() -> None:
     ap.add_argument("--fortunes", type=Path, default=FORTUNE_DIR)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--test-share", type=float, default=0.2)
-    ap.add_argument("--per-label", type=int, default=PER_LABEL)
+    ap.add_argument("--per-label", type=int, default=PER_LABEL, help="fortunes only: quotes kept per label")
+    ap.add_argument("--records", type=Path, help="your own JSONL of {\"text\", \"label\"} instead of fortunes")
     args = ap.parse_args()
     if not 0 < args.test_share < 1:
         sys.exit("error: --test-share must be between 0 and 1")
     try:
-        meta = prepare(args.out, args.fortunes, args.seed, args.test_share, args.per_label)
-    except (FileNotFoundError, UnicodeDecodeError) as e:
+        meta = prepare(args.out, args.fortunes, args.seed, args.test_share, args.per_label, args.records)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         sys.exit(f"error: {e}")
     print(json.dumps(meta))
 

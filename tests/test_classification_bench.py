@@ -104,3 +104,21 @@ def test_real_collections_give_the_documented_split(tmp_path):
     assert meta["train"] == {"computers": 240, "education": 149, "food": 146, "law": 146, "politics": 240,
                              "science": 240, "sports": 106}
     assert sum(meta["test"].values()) == 316
+
+
+def test_own_records_become_the_same_files(tmp_path):
+    src = tmp_path / "mine.jsonl"
+    rows = [{"text": f"great product {i}", "label": "positive"} for i in range(5)]
+    rows += [{"text": f"broke in a week {i}", "label": "negative"} for i in range(5)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    meta = cd.prepare(tmp_path / "out", records=src, test_share=0.4)
+    assert meta["labels"] == ["negative", "positive"] and meta["test"] == {"negative": 2, "positive": 2}
+    line = cd.read_jsonl(tmp_path / "out" / "batch-test.jsonl")[0]
+    assert line["body"]["choice"] == ["negative", "positive"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x", "label": "a"}\n{"text": "y"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected"):
+        cd.read_records(bad)
+    bad.write_text('{"text": "x", "label": "a"}\n')
+    with pytest.raises(ValueError, match="fewer than two labels"):
+        cd.read_records(bad)
