@@ -383,9 +383,10 @@ def continue_run(a, runs: Path, logs: Path, rows, data, shares, summary: dict) -
 def finish(a, runs: Path, logs: Path, summary: dict) -> None:
     model_src = runs / "sft" / "model"
     gen = model_src / "generation_config.json"
-    if gen.is_file():  # the chat default `make model` writes (docs/model-card.md, "Penalties against the loops")
-        g = json.loads(gen.read_text())
+    if gen.is_file():  # the defaults `make model` writes (docs/model-card.md, "Penalties against the loops" and
+        g = json.loads(gen.read_text())   # "Default policy")
         g["chat_defaults"] = {"frequency_penalty": 0.5}
+        g["default_policy"] = {"policy": "speculative", "block_size": 4}
         gen.write_text(json.dumps(g, indent=2) + "\n")
     export_bf16_shards(model_src, runs / "export")
     base = None

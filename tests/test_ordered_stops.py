@@ -61,11 +61,14 @@ def builtin():
 
 
 def test_builtin_infill_is_no_longer_empty(builtin):
-    on = infill(builtin, PREFIX, SUFFIX, GenerationParams(max_tokens=24))
-    off = infill(builtin, PREFIX, SUFFIX, GenerationParams(max_tokens=24, ordered_stops=False))
+    # the threshold rule, whose commit order the switch is about (the model's default policy decodes left to right)
+    on = infill(builtin, PREFIX, SUFFIX, GenerationParams(max_tokens=24, policy="threshold"))
+    off = infill(builtin, PREFIX, SUFFIX, GenerationParams(max_tokens=24, policy="threshold", ordered_stops=False))
     assert off.text == ""                          # the tail's EOS, committed first, ended it at once
     assert on.text == "return result\n"
     assert on.finish_reason == "stop"
+    default = infill(builtin, PREFIX, SUFFIX, GenerationParams(max_tokens=24))
+    assert (default.text, default.finish_reason) == ("return result\n", "stop")
 
 
 def test_ordered_stops_never_changes_one_token_per_forward_left_to_right(builtin):
@@ -79,7 +82,7 @@ def test_ordered_stops_never_changes_one_token_per_forward_left_to_right(builtin
 def test_fim_endpoint_and_the_request_switch(tmp_path):
     s = Server(default_model_path(), tmp_path / "log").wait_ready()
     try:
-        body = {"model": "unmask-tiny", "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 24}
+        body = {"model": "unmask-tiny", "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 24, "policy": "threshold"}
         on = httpx.post(f"{s.url}/v1/fim/completions", json=body, timeout=60).json()
         off = httpx.post(f"{s.url}/v1/completions", json={**body, "ordered_stops": False}, timeout=60).json()
         bad = httpx.post(f"{s.url}/v1/completions", json={**body, "ordered_stops": "yes please"}, timeout=60)

@@ -11,6 +11,7 @@ import torch
 from unmask.engine.engine import Engine
 from unmask.engine.llm import LLM
 from unmask.engine.params import GenerationParams
+from unmask.engine.sequence import Status
 from unmask.errors import InvalidRequestError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,3 +156,17 @@ def test_over_http_the_same_text_and_a_400_for_what_it_cannot_do():
     assert bad.status_code == 400
     err = bad.json()["error"]
     assert err["param"] == "policy" and "cannot be combined with dry_multiplier" in err["message"]
+
+
+def test_snapshots_show_the_draft_block_masked_and_resolving(llm, prompts):
+    seq = llm.engine.add_request(prompts[0], GenerationParams(max_tokens=20, policy="speculative", block_size=4,
+                                                              snapshots=True))
+    frames = []
+    while seq.status != Status.FINISHED:
+        llm.engine.step()
+        frames.append(seq.snapshot())
+    mask = llm.engine.traits.mask_id
+    for f in frames[:-1]:
+        n = len(f) - f.count(mask)
+        assert f[:n] == seq.output_ids[:n] and 0 < f.count(mask) <= 4 and set(f[n:]) == {mask}
+    assert frames[-1] == seq.output_ids and len(seq.output_ids) == 20

@@ -184,5 +184,6 @@ class SpeculativeSequence(Sequence):
         self.drafts, self.draft_probs = draw(q, self.generator).cpu(), q
 
     def snapshot(self) -> list[int]:
-        """The committed output and the drafts waiting for the verifier."""
-        return self.output_ids + self.drafts[:max(0, self.end - self.final_end)].tolist()
+        """The committed output and the draft block's positions, masked: a draft is not committed until the
+        verifier keeps it (a frame that showed drafts as text would call a refused one committed)."""
+        return self.output_ids + [self.traits.mask_id] * max(0, min(self.K, self.end - self.final_end))
