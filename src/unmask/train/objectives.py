@@ -98,6 +98,26 @@ class Objective:
         if self.block_sizes is not None and (not self.block_sizes or min(self.block_sizes) < 1):
             raise ValueError(f"block_sizes must be positive, got {self.block_sizes}")
 
+    def describe(self) -> str:
+        """One line for the trainer's start-up log."""
+        if self.causal:
+            return "causal next-token"
+        kind = f"block diffusion {self.block_sizes}" if self.block_sizes else "bidirectional masked diffusion"
+        kind += ", shifted logits" if self.shift else ""
+        if self.causal_context:
+            kind += ", causal context" + (f" + next-token loss x{self.next_token_weight:g}"
+                                          if self.next_token_weight else "")
+        for share, what in ((self.suffix_fraction, "of blocks masked as a tail"),
+                            (self.full_block_fraction, "of blocks masked whole"),
+                            (self.corrupt_fraction, "of noised positions a random token")):
+            kind += f", {share:.0%} {what}" if share else ""
+        if self.confidence_weight:
+            kind += f", certainty forcing x{self.confidence_weight:g}"
+        if (self.next_token_weight or self.suffix_fraction or self.confidence_weight or self.full_block_fraction
+                or self.corrupt_fraction):
+            kind += " (eval: diffusion loss, independent masks)"
+        return kind
+
 
 @dataclass
 class Noise:

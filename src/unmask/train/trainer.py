@@ -169,28 +169,6 @@ class _LossModule(nn.Module):
         return diffusion_loss_sum(self.model, x0, noise, self.obj, eligible)
 
 
-def _describe(obj: Objective) -> str:
-    if obj.causal:
-        return "causal next-token"
-    kind = f"block diffusion {obj.block_sizes}" if obj.block_sizes else "bidirectional masked diffusion"
-    kind += ", shifted logits" if obj.shift else ""
-    if obj.causal_context:
-        kind += ", causal context" + (f" + next-token loss x{obj.next_token_weight:g}"
-                                      if obj.next_token_weight else "")
-    if obj.suffix_fraction:
-        kind += f", {obj.suffix_fraction:.0%} of blocks masked as a tail"
-    if obj.full_block_fraction:
-        kind += f", {obj.full_block_fraction:.0%} of blocks masked whole"
-    if obj.confidence_weight:
-        kind += f", certainty forcing x{obj.confidence_weight:g}"
-    if obj.corrupt_fraction:
-        kind += f", {obj.corrupt_fraction:.0%} of noised positions a random token"
-    if (obj.next_token_weight or obj.suffix_fraction or obj.confidence_weight or obj.full_block_fraction
-            or obj.corrupt_fraction):
-        kind += " (eval: diffusion loss, independent masks)"
-    return kind
-
-
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     """Linear warmup, then cosine decay to min_lr_ratio at total_steps."""
     def f(step: int) -> float:
@@ -362,7 +340,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
     rep = _Reporter(cfg, ctx.main, step)
     rep.log(f"{tm.family.name} model, {_millions(count_params(model))} parameters "
             f"({_millions(count_params(model, trainable=True))} trained), {len(rows):,} rows x {cfg.seq_len}, "
-            f"{_describe(obj)}, "
+            f"{obj.describe()}, "
             f"{W} process(es) on {ctx.device}, {'bf16 autocast' if bf16 else 'float32'}"
             + (f", resumed at step {step}" if saved else ""))
 
