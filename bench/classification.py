@@ -2,8 +2,8 @@
 model through `unmask batch` (labels forced by `choice`), beside the fine-tuned AR twin and TF-IDF + logistic
 regression, on the same held-out split of Debian's `fortunes` (bench/classification_data.py).
 
-    python bench/classification.py --model runs/cls-fortunes/model --twin runs/cls-fortunes-twin/model \
-        --threads 1 --speed-lines 10000 --server --json docs/bench/classification/fortunes.json
+    python bench/classification.py --model runs/cls-fortunes-100/model --twin runs/cls-fortunes-twin100/model \
+        --threads 1 --json docs/bench/classification/fortunes-100-steps.json
 
 Sections: `tfidf` (scikit-learn, trained on train.jsonl), `unmask` (`unmask batch` as a subprocess on
 batch-test.jsonl, OMP_NUM_THREADS=--threads), `twin` (bench/classification_twin.py, in this process, torch threads

@@ -1,8 +1,8 @@
 """The AR twin (bench/models/ar-twin, Qwen3ForCausalLM) on the classification walkthrough (issue 33 item 4).
 
-    python bench/classification_twin.py finetune --data data/fortunes/sft-train.jsonl --out runs/cls-fortunes-twin \
-        --steps 30 --batch-size 8 --seq-len 384 --warmup 3 --lr 5e-4
-    (then bench/classification.py --twin runs/cls-fortunes-twin/model classifies with it)
+    python bench/classification_twin.py finetune --data data/fortunes/sft-train.jsonl --out runs/cls-fortunes-twin100 \
+        --steps 100 --batch-size 8 --seq-len 384 --warmup 10 --lr 5e-4
+    (then bench/classification.py --twin runs/cls-fortunes-twin100/model classifies with it)
 
 `unmask finetune` trains diffusion models only and unmask does not serve a Qwen3ForCausalLM, so the twin is
 fine-tuned here with the loop that trained it (scripts/train_ar_twin.py's `run_phase`: AdamW, warmup + cosine,
@@ -103,10 +103,10 @@ def main() -> None:
     ft.add_argument("--twin", type=Path, default=ROOT / "bench/models/ar-twin")
     ft.add_argument("--data", type=Path, required=True)
     ft.add_argument("--out", type=Path, required=True)
-    ft.add_argument("--steps", type=int, default=30)
+    ft.add_argument("--steps", type=int, default=100)
     ft.add_argument("--batch-size", type=int, default=8)
     ft.add_argument("--seq-len", type=int, default=384)
-    ft.add_argument("--warmup", type=int, default=3)
+    ft.add_argument("--warmup", type=int, default=10)
     ft.add_argument("--lr", type=float, default=5e-4)
     ft.add_argument("--seed", type=int, default=0)
     ft.add_argument("--threads", type=int, default=None)
