@@ -112,15 +112,9 @@ class Adjuster:
             self.prompt_ids = self.prompt_ids[self.prompt_ids < logits.shape[-1]].to(logits.device)
             self._prompt_placed = True
         r = self.spec.repetition_penalty
-        if counts.dim() == 2:  # per-row seen sets
-            seen = counts > 0
-            seen[:, self.prompt_ids] = True
-            logits.copy_(torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits))
-            return
-        seen = counts > 0
-        seen[self.prompt_ids] = True
-        cols = logits[:, seen]
-        logits[:, seen] = torch.where(cols > 0, cols / r, cols * r)
+        seen = counts > 0                 # [V], or [M, V] with adjust_causal's per-row counts
+        seen[..., self.prompt_ids] = True
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits))
 
     def commit(self, tokens: Tensor) -> None:
         """Count newly committed output tokens."""

@@ -8,6 +8,7 @@ from unmask.decoding import PolicyConfig, SamplingParams
 from unmask.decoding.edits import DEFAULT_POST_EDIT_STEPS, DEFAULT_REMASK_THRESHOLD, EditConfig
 from unmask.decoding.dry import DEFAULT_BREAKERS, DryParams, validate as validate_dry
 from unmask.decoding.logit_adjust import LogitAdjust, validate as validate_adjust
+from unmask.decoding.policies import LEARNED, POLICIES, SPECULATIVE
 from unmask.errors import InvalidRequestError
 from unmask.structured.spec import StructuredSpec
 
@@ -23,6 +24,8 @@ MULTI_BLOCK_POLICIES = ("threshold", "credit", "factor", "entropy_bounded", "top
 DEFAULT_POLICY, FALLBACK_POLICY = "default", "threshold"
 # what a model's `default_policy` may set (a request's own value wins where it has one)
 MODEL_POLICY_KEYS = {"block_size": int, "draft_all_outcomes": bool}
+# what a request may name with multi-block decoding or remasking (the default resolves to threshold with them)
+UNSCHEDULED_POLICIES = (*MULTI_BLOCK_POLICIES, DEFAULT_POLICY)
 CacheMode = Literal["auto", "none", "prefix", "dual"]
 INTERACTIVE_PRIORITY, BATCH_PRIORITY = 0, 1
 
@@ -202,7 +205,7 @@ class GenerationParams:
             raise InvalidRequestError(f"{name} must be in (0, 1], got {t!r}", name)
         if self.small_block_size is not None:  # one narrows the candidates to a slice, the other widens them
             raise InvalidRequestError(f"{name} cannot be combined with small_block_size", name)
-        if self.policy not in (*MULTI_BLOCK_POLICIES, DEFAULT_POLICY):  # the default then resolves to threshold
+        if self.policy not in UNSCHEDULED_POLICIES:
             raise InvalidRequestError(f"{name} needs a policy without a per-block schedule "
                                       f"({', '.join(MULTI_BLOCK_POLICIES)}), not {self.policy!r}", name)
         if self.structured is not None:  # a grammar reads the committed text left to right, one block at a time
@@ -241,7 +244,7 @@ class GenerationParams:
             bad(f"{name} cannot be combined with multi_block_threshold", name)
         if self.structured is not None:  # a grammar reads the committed text once, left to right
             bad(f"{name} cannot be combined with a structured-output constraint", name)
-        if self.remask_budget and self.policy not in (*MULTI_BLOCK_POLICIES, DEFAULT_POLICY):  # a remask would upset a block schedule
+        if self.remask_budget and self.policy not in UNSCHEDULED_POLICIES:  # a remask would upset a block schedule
             bad(f"remask_budget needs a policy without a per-block schedule ({', '.join(MULTI_BLOCK_POLICIES)}), "
                 f"not {self.policy!r}", "remask_budget")
 
@@ -377,8 +380,6 @@ def model_policy(generation_config: dict) -> dict | None:
     "block_size": 4}) as request fields, or None; keys of the wrong type are ignored, as elsewhere in this file."""
     gc = generation_config if isinstance(generation_config, dict) else {}
     cfg = gc.get("default_policy")
-    from unmask.decoding.policies import LEARNED, POLICIES, SPECULATIVE
-
     if not isinstance(cfg, dict) or cfg.get("policy") not in (*POLICIES, LEARNED, SPECULATIVE):
         return None
     out = {"policy": cfg["policy"]}

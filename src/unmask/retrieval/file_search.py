@@ -75,7 +75,8 @@ _SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+|$)", re.M)
 _COMMON = frozenset("""the and for are but not you all any can had her was one our out day get has him his how man
 new now old see two way who boy did its let put say she too use that with have this will your from they know want
 been good much some time very when come here just like long make many more only over such take than them well were
-what which their there would about could other into then these those also each used using uses returns return""".split())
+what which their there would about could other into then these those also each used using uses returns
+return""".split())
 MIN_SHARED, MIN_SHARE = 2, 0.4
 
 
@@ -92,9 +93,10 @@ def cite_spans(text: str, results: list[dict]) -> list[tuple[int, str]]:
         words = _content_words(m.group())
         if len(words) < MIN_SHARED:
             continue
-        best, neg_rank = max(((len(words & v), -i) for i, (v, _) in enumerate(vocab)), default=(0, 0))
-        if best >= MIN_SHARED and best >= MIN_SHARE * len(words):
-            out.append((m.end() - (len(m.group()) - len(m.group().rstrip())), vocab[-neg_rank][1]))
+        shared = [len(words & v) for v, _ in vocab]
+        best = max(range(len(vocab)), key=lambda i: (shared[i], -i), default=None)
+        if best is not None and shared[best] >= max(MIN_SHARED, MIN_SHARE * len(words)):
+            out.append((m.start() + len(m.group().rstrip()), vocab[best][1]))
     return out
 
 
