@@ -25,6 +25,34 @@ def models(family_dirs, tmp_path_factory):
     return {f: load_model(dirs[f]) for f in FAMILIES}
 
 
+def checked_device_decisions(monkeypatch) -> list[int]:
+    """Wraps the engine's `decide`: every commit mask the device made must be what the request's rule in
+    decoding/policies.py gives for the same proposal (plus a forced first row, which `_choose` adds on the host);
+    returns [decisions made on the device, decisions made on the host, device decisions with a forced first row]."""
+    from unmask.decoding.device_select import DeviceDecision
+    from unmask.decoding.policies import POLICIES
+    from unmask.decoding.sampling import Proposal
+    from unmask.engine import sequence
+
+    made = [0, 0, 0]
+    real = sequence.decide
+
+    def decide(cfg, logits, positions, state, sampling, generator=None):
+        if isinstance(logits, DeviceDecision):
+            made[0] += 1
+            host = POLICIES[cfg.name](cfg, Proposal(logits.tokens, logits.probs, logits.entropy, logits.margin,
+                                                    logits.logprobs), state, generator)
+            extra = logits.commit & ~host
+            assert not (host & ~logits.commit).any() and not extra[1:].any(), (cfg.name, host, logits.commit)
+            made[2] += bool(extra[0])
+        else:
+            made[1] += 1
+        return real(cfg, logits, positions, state, sampling, generator)
+
+    monkeypatch.setattr(sequence, "decide", decide)
+    return made
+
+
 def run(model, spec, prompts, params, static, **kw):
     eng = Engine(model, spec, max_num_seqs=16, static_step=static, kv_pool_tokens=kw.pop("pool", 4096), **kw)
     seqs = [eng.add_request(p, params) for p in prompts]
@@ -34,20 +62,35 @@ def run(model, spec, prompts, params, static, **kw):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("knobs", [dict(policy="threshold", threshold=0.3), dict(policy="topk", tokens_per_step=2)])
-def test_static_step_gives_the_eager_tokens(family, knobs, models):
+def test_static_step_gives_the_eager_tokens(family, knobs, models, monkeypatch):
     """Five requests of different lengths (rows padded to a bucket of 8, then fewer as they finish), blocks of
     4 (a row's width 4 inside a block, 8 at a block's first step, which carries the finished block; first steps
-    carry the prompt): token for token the eager path's."""
+    carry the prompt): token for token the eager path's, every decision of the static run made on the device
+    and equal to the host rule's."""
     model, spec = models[family]
     params = GenerationParams(max_tokens=14, block_size=4, **knobs)
     eager, _ = run(model, spec, PROMPTS, params, static=False)
+    made = checked_device_decisions(monkeypatch)
     static, eng = run(model, spec, PROMPTS, params, static=True)
     assert static == eager
+    assert made[0] > 0 and made[1] == 0
     st = eng.runner.static
     assert st.steps == eng.stats.steps  # every step of these short prompts fits the buffers
     assert 8 in {k[0] for k in st.shapes} and len(st.shapes) >= 2, st.shapes.keys()  # buckets and widths change
     assert any(k[3] < k[1] for k in st.shapes)  # the output head reads fewer rows than were fed (K < W)
     assert eng.kv_pool.free_tokens == eng.kv_pool.capacity_tokens  # every run given back
+
+
+def test_the_device_forces_a_blocks_first_token_where_the_family_does(models, monkeypatch):
+    """Fast-dLLM v2 writes each block's first token greedily (ar_first_token): with one token per forward the
+    device's commit adds that row beside the rule's choice, as `Sequence._choose` does on the host."""
+    model, spec = models["fast_dllm_v2"]
+    params = GenerationParams(max_tokens=12, block_size=4, policy="topk", tokens_per_step=1, ignore_eos=True)
+    prompts = [[5 + i, 9, 17 + i] for i in range(3)]
+    eager, _ = run(model, spec, prompts, params, static=False)
+    made = checked_device_decisions(monkeypatch)
+    static, _ = run(model, spec, prompts, params, static=True)
+    assert static == eager and made[2] > 0
 
 
 @pytest.mark.parametrize("family", ["sdar", "unmask_causal_context"])
@@ -161,11 +204,13 @@ def counted_steps(eng, monkeypatch):
 
 @pytest.mark.parametrize("family", ["sdar", "fast_dllm_v2", "unmask_shifted"])
 def test_a_greedy_static_step_reads_the_device_once(family, models, monkeypatch):
-    """The forward, the output head, the mask ban and the proposal stay on the device: the step's one host read is
-    the [4, rows x W] proposal copy. The eager path reads once per segment mask and once for the logits."""
+    """The forward, the output head, the mask ban, the proposal and the threshold rule's commit stay on the
+    device: the step's one host read is the [5, rows x K] copy of proposals and commit flags, and the host runs
+    no rule. The eager path reads once per segment mask and once for the logits."""
     model, spec = models[family]
     params = GenerationParams(max_tokens=12, policy="threshold", threshold=0.5, block_size=4)
     counts = {}
+    made = checked_device_decisions(monkeypatch)
     for static in (True, False):
         eng = Engine(model, spec, max_num_seqs=8, static_step=static, kv_pool_tokens=4096)
         for p in PROMPTS[:3]:
@@ -174,6 +219,7 @@ def test_a_greedy_static_step_reads_the_device_once(family, models, monkeypatch)
         eng.run_to_completion()
         if static:
             assert eng.runner.static.host_reads == 1
+            assert made[0] > 0 and made[1] == 0
     assert counts[True] and set(counts[True]) == {1}
     assert min(counts[False]) > 1
 
@@ -312,8 +358,8 @@ def test_the_capture_path_replays_into_the_captured_outputs(models, monkeypatch)
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
     real_capture = S.StaticStep._capture
 
-    def capture(self, forward, stage, inputs):
-        shape = real_capture(self, forward, stage, inputs)
+    def capture(self, forward, *buffers):
+        shape = real_capture(self, forward, *buffers)
 
         def rerun():
             hidden, packed = forward()

@@ -118,7 +118,9 @@ def decide(cfg: PolicyConfig, logits: Tensor, positions: Tensor, state: BlockSta
     if isinstance(logits, Proposal):  # proposed already (greedy, on the device: unmask.engine.static_step)
         if cfg.name == "credit" or cfg.name in NEEDS_ENTROPY:
             raise ValueError(f"policy {cfg.name!r} needs the logits, not a greedy proposal")
-        commit = POLICIES[cfg.name](cfg, logits, state, generator)
+        commit = getattr(logits, "commit", None)  # decided there too (decoding/device_select.py): the same rule
+        if commit is None:
+            commit = POLICIES[cfg.name](cfg, logits, state, generator)
         state.step += 1
         return Decision(commit=commit, tokens=logits.tokens, probs=logits.probs)
     m = logits.shape[0]

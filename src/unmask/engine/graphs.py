@@ -30,9 +30,16 @@ from unmask.models.attention import AttentionBatch, Segment
 log = logging.getLogger("unmask.engine")
 
 
-def graphs_enabled(model: torch.nn.Module, device: torch.device) -> bool:
+def graphs_requested(explicit: bool | None = None) -> bool:
+    """An engine option (`--cuda-graphs/--no-cuda-graphs`) wins; else UNMASK_CUDA_GRAPHS (on unless 0/false/no/off)."""
+    if explicit is not None:
+        return explicit
+    return os.environ.get("UNMASK_CUDA_GRAPHS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def graphs_enabled(model: torch.nn.Module, device: torch.device, explicit: bool | None = None) -> bool:
     """On by default for models that declare graph-safe decoder steps on CUDA; UNMASK_CUDA_GRAPHS=0 turns off."""
-    if os.environ.get("UNMASK_CUDA_GRAPHS", "1").lower() in ("0", "false", "no", "off"):
+    if not graphs_requested(explicit):
         return False
     return device.type == "cuda" and bool(getattr(model, "graph_decode_steps", False))
 

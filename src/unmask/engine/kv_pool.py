@@ -20,9 +20,21 @@ import bisect
 import torch
 
 from unmask.engine import memory
+from unmask.errors import InvalidRequestError
 from unmask.models.attention import KVCache
 
 PAGE = 16  # tokens per page: the allocation unit (vLLM's default block size is 16 too)
+
+
+def check_pool_options(utilization: float, tokens: int | None,
+                       names: tuple[str, str] = ("memory_utilization", "kv_pool_tokens")) -> None:
+    """InvalidRequestError (one line, naming the option as `names` spell it: the engine's keywords or the CLI's
+    flags) for a share of free memory outside (0, 1] or an explicit pool smaller than one page."""
+    if not 0 < utilization <= 1:  # written so that NaN fails too
+        raise InvalidRequestError(f"{names[0]} must be in (0, 1], got {utilization}", names[0])
+    if tokens is not None and tokens < PAGE:
+        raise InvalidRequestError(f"{names[1]} must be at least {PAGE} (one page of the KV pool), got {tokens}",
+                                  names[1])
 
 
 class PooledCache(KVCache):
@@ -69,13 +81,18 @@ class KVPool:
                   scratch: int, cap: int | None = None) -> "KVPool":
         """A pool of `max_tokens` (None: what `utilization` of the memory free now allows, less the reserve that
         engine.memory keeps for activations, and at most `cap`)."""
+        check_pool_options(utilization, max_tokens)
         probe = model.new_cache(capacity=0, dtype=dtype)
         if max_tokens is None:
-            if not 0 < utilization <= 1:
-                raise ValueError(f"memory utilization must be in (0, 1], got {utilization}")
             free = memory.available_bytes(probe.device)
             usable = max(0, int(free * utilization) - memory.RESERVED_BYTES)
-            max_tokens = usable // max(probe.bytes_per_token(), 1)
+            per_token = max(probe.bytes_per_token(), 1)
+            max_tokens = usable // per_token
+            if max_tokens < PAGE:  # refused at start, not as a MemoryLimitError on every request
+                raise InvalidRequestError(
+                    f"memory_utilization {utilization} leaves no room for a KV pool on {probe.device}: "
+                    f"{memory.mib(free)} free, {memory.mib(memory.RESERVED_BYTES)} of it kept for activations, "
+                    f"{per_token} bytes per token", "memory_utilization")
             if cap is not None:
                 max_tokens = min(max_tokens, cap)
         return cls(probe.shapes, max_tokens, probe.dtype, probe.device, scratch)

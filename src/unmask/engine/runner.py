@@ -61,12 +61,14 @@ class ForwardTimer:
 
 
 class ModelRunner:
-    def __init__(self, model: DiffusionTransformer, static=None):
-        """static: an engine.static_step.StaticStep, which takes the steps whose shape fits its buffers."""
+    def __init__(self, model: DiffusionTransformer, static=None, cuda_graphs: bool | None = None):
+        """static: an engine.static_step.StaticStep, which takes the steps whose shape fits its buffers;
+        cuda_graphs: replay repeated canvas steps as CUDA graphs (None: UNMASK_CUDA_GRAPHS)."""
         self.model = model
         self.static = static
         self.device = model.lm_head.weight.device
-        self.graphs = DecodeGraphs(model, self.device) if graphs_enabled(model, self.device) else None
+        on = graphs_enabled(model, self.device, cuda_graphs)
+        self.graphs = DecodeGraphs(model, self.device) if on else None
         self.timer = ForwardTimer(self.device)
 
     def settle_timing(self) -> float:

@@ -12,7 +12,8 @@ on fixed buffers instead, and the whole forward is replayed from a CUDA graph:
     K), captured the first time that shape runs (warm-up on a side stream with synchronising ops refused, as
     engine/graphs.py does), replayed after.
   * inputs: token ids, positions, block ids, each row's cache start and pool offset, the pool index every
-    fed token's K/V is written to and the K rows it reads, copied in with one host-to-device copy.
+    fed token's K/V is written to, the K rows it reads and its commit rule, copied in with one host-to-device
+    copy (and one of the rows' thresholds).
   * padding cannot reach real rows: a padding token has block id PAD_BLOCK, above every real one, so no real
     query sees it (`block_id[k] <= block_id[q]`); a real row's padding tokens write K/V past its segment, at
     positions the next step overwrites before anything reads them (the eager path's scratch rule); padding
@@ -22,11 +23,13 @@ on fixed buffers instead, and the whole forward is replayed from a CUDA graph:
     from its run and masks them (the cached prefix whole, the row's own tokens by block id), so no dense
     T x T mask over the whole sequence exists, only [rows, W, context].
   * decoding on the device: the output head (over the K read rows of each row only: a block's committed half
-    and the finished block it carries need none), the mask-token ban and the greedy proposal (argmax, p(x0),
-    p1 - p2, log p(x0); `decoding.sampling.propose`, the same function the host runs) run inside the graph;
-    one copy of [4, rows x K] numbers to the host is the step's only synchronisation. Each
-    request's policy rule then reads its M proposals there (a handful of numbers, the rule functions of
-    `decoding.policies`, unchanged) and commits. Requests that sample, adjust logits or record top
+    and the finished block it carries need none), the mask-token ban, the greedy proposal (argmax, p(x0),
+    p1 - p2, log p(x0); `decoding.sampling.propose`, the same function the host runs) and, for threshold and
+    topk requests, the commit rule (`decoding.device_select`, the batched form of `decoding.policies`'
+    rules, with the block's forced first token) run inside the graph; one copy of [5, rows x K] numbers
+    (tokens, confidences, commit flags) to the host is the step's only synchronisation, and it carries the
+    events the server streams. The host then writes the committed tokens into its canvas; requests under
+    another rule run it there over their M proposals. Requests that sample, adjust logits or record top
     alternatives get their rows' logits instead (projected from the graph's hidden states: a second copy).
 
 Off the GPU, or with UNMASK_CUDA_GRAPHS=0, the same buffers and the same forward run without capture, which
@@ -40,15 +43,17 @@ import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from unmask.decoding.device_select import HOST, DeviceDecision, commit_rows, rule_code
 from unmask.decoding.policies import LEARNED, NEEDS_ENTROPY, SPECULATIVE
 from unmask.decoding.sampling import Proposal, SamplingParams, propose
+from unmask.engine.graphs import graphs_requested
 from unmask.engine.kv_pool import KVPool, PooledCache
 from unmask.engine.sequence import Sequence, StepPlan
 from unmask.models.attention import _SDPA_HAS_GQA, repeat_kv
@@ -70,8 +75,8 @@ def static_step_requested(explicit: bool | None) -> bool:
     return os.environ.get("UNMASK_STATIC_STEP", "0").lower() not in _OFF
 
 
-def cuda_graphs_on(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("UNMASK_CUDA_GRAPHS", "1").lower() not in _OFF
+def cuda_graphs_on(device: torch.device, explicit: bool | None = None) -> bool:
+    return device.type == "cuda" and graphs_requested(explicit)
 
 
 def _pow2(n: int, lo: int) -> int:
@@ -137,27 +142,63 @@ class StaticBatch:
         return F.scaled_dot_product_attention(qh, keys, vals, attn_mask=self.mask, **kwargs).transpose(1, 2)
 
 
+class _Columns(NamedTuple):
+    """Views of a staging tensor [rows, 4W + 6 + K] (host or device); one copy moves them all."""
+
+    ids: Tensor      # [rows, W] token ids
+    pos: Tensor      # [rows, W] positions
+    bids: Tensor     # [rows, W] block ids (padding: PAD_BLOCK)
+    widx: Tensor     # [rows, W] pool index each token's K/V is written to
+    start: Tensor    # [rows] segment start (the row's cached length)
+    offset: Tensor   # [rows] start of the row's run in the pool
+    count: Tensor    # [rows] read rows that are real (the request's masked targets)
+    rule: Tensor     # [rows] device_select rule code
+    quota: Tensor    # [rows] topk's tokens per step
+    first: Tensor    # [rows] read row forced into the commit (-1: none)
+    reads: Tensor    # [rows, K] which of its W rows each row projects to logits
+
+
+def _columns(stage: Tensor, w: int) -> _Columns:
+    wide = [stage[:, i * w:(i + 1) * w] for i in range(4)]
+    narrow = [stage[:, 4 * w + i] for i in range(6)]
+    return _Columns(*wide, *narrow, stage[:, 4 * w + 6:])
+
+
 @dataclass
 class _Shape:
-    stage: Tensor      # host [rows, 4W + 2] long: ids | positions | block ids | write indices | start | offset
-    inputs: Tensor     # the same on the device
+    stage: Tensor      # host [rows, 4W + 6 + K] long (_Columns)
+    taus: Tensor       # host [rows] float32: each row's threshold
+    inputs: Tensor     # the stage on the device
+    dtaus: Tensor      # the thresholds on the device
     hidden: Tensor | None  # [rows x K, D]: final hidden states of the read rows (for logits the host needs)
-    packed: Tensor | None  # [4, rows x K] float64: proposed token, p(x0), p1 - p2, log p(x0)
+    packed: Tensor | None  # [5, rows x K] float64: proposed token, p(x0), p1 - p2, log p(x0), committed (0/1)
     run: Callable[[], None]
     captured: bool
     copied: object = None  # CUDA event after an input copy that no host read waited for (a step without logits)
+
+
+def device_rule(seq: Sequence) -> tuple[int, int, float, int]:
+    """(rule code, tokens per step, threshold, block start whose first token is forced or -1) of a request whose
+    commit the device decides: a greedy proposal (`proposed_on_device`) under threshold or topk. Others: HOST."""
+    if not proposed_on_device(seq):
+        return HOST, 0, 1.0, -1
+    code = rule_code(seq.policy.name)
+    if code == HOST:
+        return HOST, 0, 1.0, -1
+    forced = seq.block_start if seq.traits.ar_first_token and seq.block.step == 0 else -1
+    return code, seq.policy.tokens_per_step or 1, seq.policy.threshold, forced
 
 
 class StaticStep:
     """Runs qualifying steps on static buffers; `execute` returns None for a step it does not take."""
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, mask_id: int, max_width: int = MAX_WIDTH,
-                 max_graphs: int = 128):
+                 max_graphs: int = 128, cuda_graphs: bool | None = None):
         self.model, self.pool, self.mask_id = model, pool, mask_id
         self.device = pool.device
         self.max_width = min(max_width, pool.scratch)
         self.max_graphs = max_graphs
-        self.graphs = cuda_graphs_on(self.device)
+        self.graphs = cuda_graphs_on(self.device, cuda_graphs)
         self.mempool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.shapes: OrderedDict[tuple, _Shape] = OrderedDict()
         self.steps = self.captures = self.replays = 0
@@ -194,12 +235,13 @@ class StaticStep:
         if shape is not None and shape.copied is not None:  # the last copy out of this staging tensor must be done
             shape.copied.synchronize()
             shape.copied = None
-        stage = self._fill(key, plans, shape.stage if shape is not None else None)
+        stage, taus = self._fill(key, plans, *((shape.stage, shape.taus) if shape is not None else (None, None)))
         if shape is None:
-            shape = self._build(key, stage)
+            shape = self._build(key, stage, taus)
         else:
             self.shapes.move_to_end(key)
             shape.inputs.copy_(shape.stage, non_blocking=True)
+            shape.dtaus.copy_(shape.taus, non_blocking=True)
         shape.run()
         self.steps += 1
         self.replays += shape.captured
@@ -213,59 +255,79 @@ class StaticStep:
             shape.copied.record()
         return out
 
-    def _fill(self, key: tuple, plans: list[StepPlan], stage: Tensor | None) -> Tensor:
-        """The step's inputs into the host staging tensor: ~15 tensor ops whatever the batch size."""
+    def _fill(self, key: tuple, plans: list[StepPlan], stage: Tensor | None, taus: Tensor | None
+              ) -> tuple[Tensor, Tensor]:
+        """The step's inputs into the host staging tensors: ~20 tensor ops whatever the batch size. `stage` [rows,
+        4W + 6 + K] long (see `_columns`); `taus` [rows] float32, each row's threshold."""
         rows, w, _, k = key
+        pin = self.device.type == "cuda"
         if stage is None:
-            stage = torch.empty(rows, 4 * w + 2 + k, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            stage = torch.empty(rows, 4 * w + 6 + k, dtype=torch.long, pin_memory=pin)
+            taus = torch.empty(rows, dtype=torch.float32, pin_memory=pin)
+        c = _columns(stage, w)
         n = len(plans)
         j = torch.arange(w)
         lengths = torch.tensor([p.segment.length for p in plans])
         starts = torch.tensor([p.segment.start for p in plans])
         offsets = torch.tensor([_cache(p).offset for p in plans])
         valid = j[None, :] < lengths[:, None]
-        ids, pos, bids, widx = (stage[:, i * w:(i + 1) * w] for i in range(4))
-        ids.zero_()
-        bids.fill_(PAD_BLOCK)
-        ids[:n][valid] = torch.cat([p.token_ids for p in plans])  # host tensors (Sequence.seq)
-        bids[:n][valid] = torch.cat([p.segment.block_ids for p in plans])
-        pos[:n] = starts[:, None] + j
-        pos[n:] = j
-        widx[:n] = (offsets + starts)[:, None] + j
-        widx[n:] = self.pool.tokens - self.pool.scratch + j
-        stage[:n, 4 * w] = starts
-        stage[n:, 4 * w] = 0
-        stage[:n, 4 * w + 1] = offsets
-        stage[n:, 4 * w + 1] = self.pool.tokens - self.pool.scratch
-        reads = stage[:, 4 * w + 2:]  # which of its W rows each row projects (padding: row 0)
-        reads.zero_()
-        reads[:n][torch.arange(k)[None, :] < torch.tensor([p.logit_rows.numel() for p in plans])[:, None]] = \
-            torch.cat([p.logit_rows for p in plans])
-        return stage
+        c.ids.zero_()
+        c.bids.fill_(PAD_BLOCK)
+        c.ids[:n][valid] = torch.cat([p.token_ids for p in plans])  # host tensors (Sequence.seq)
+        c.bids[:n][valid] = torch.cat([p.segment.block_ids for p in plans])
+        c.pos[:n] = starts[:, None] + j
+        c.pos[n:] = j
+        c.widx[:n] = (offsets + starts)[:, None] + j
+        c.widx[n:] = self.pool.tokens - self.pool.scratch + j
+        c.start[:n] = starts
+        c.start[n:] = 0
+        c.offset[:n] = offsets
+        c.offset[n:] = self.pool.tokens - self.pool.scratch
+        counts = torch.tensor([p.logit_rows.numel() for p in plans])
+        c.reads.zero_()  # which of its W rows each row projects (padding: row 0)
+        c.reads[:n][torch.arange(k)[None, :] < counts[:, None]] = torch.cat([p.logit_rows for p in plans])
+        c.count[:n] = counts
+        c.count[n:] = 0
+        # the commit rule of each request the device decides for (decoding/device_select.py); HOST: the host does
+        rules = [device_rule(p.seq) for p in plans]
+        c.rule[:n] = torch.tensor([r for r, _, _, _ in rules])
+        c.rule[n:] = HOST
+        c.quota[:n] = torch.tensor([q for _, q, _, _ in rules])
+        taus[:n] = torch.tensor([t for _, _, t, _ in rules], dtype=torch.float32)
+        taus[n:] = 1.0
+        # a family that writes a block's first token autoregressively: the read row of that token (-1: none)
+        c.first[:n] = torch.tensor([f - p.segment.start - int(p.seq.traits.shift) if f >= 0 else -1
+                                    for p, (_, _, _, f) in zip(plans, rules)])
+        c.first[n:] = -1
+        return stage, taus
 
-    def _build(self, key: tuple, stage: Tensor) -> _Shape:
+    def _build(self, key: tuple, stage: Tensor, taus: Tensor) -> _Shape:
         rows, w, context, k = key
-        inputs = stage.to(self.device).clone()
-        ids, pos, bids, widx = (inputs[:, i * w:(i + 1) * w] for i in range(4))
-        batch = StaticBatch(self.pool, ids, bids, inputs[:, 4 * w], inputs[:, 4 * w + 1], widx, context)
-        reads = inputs[:, 4 * w + 2:]
+        inputs, dtaus = stage.to(self.device).clone(), taus.to(self.device).clone()
+        c = _columns(inputs, w)
+        batch = StaticBatch(self.pool, c.ids, c.bids, c.start, c.offset, c.widx, context)
         greedy = SamplingParams()
         model, mask_id = self.model, self.mask_id
+        columns = torch.arange(k, device=self.device)
 
         def forward() -> tuple[Tensor, Tensor]:
             batch.prepare()
-            hidden = model(ids, pos, batch)                      # [rows, W, D]
-            hidden = hidden.gather(1, reads[:, :, None].expand(-1, -1, hidden.shape[-1])).reshape(rows * k, -1)
+            hidden = model(c.ids, c.pos, batch)                  # [rows, W, D]
+            hidden = hidden.gather(1, c.reads[:, :, None].expand(-1, -1, hidden.shape[-1])).reshape(rows * k, -1)
             logits = model.logits(hidden)                        # [rows x K, V]: the rows a policy reads
             logits[:, mask_id] = float("-inf")                   # never propose the mask (Sequence.apply does too)
             prop = propose(logits, greedy, need_entropy=False)
+            # the commit rule on the device too (threshold / topk; decoding/device_select.py)
+            valid = columns[None, :] < c.count[:, None]
+            first = c.reads[:, 0] == c.first
+            commit = commit_rows(prop.probs.view(rows, k), valid, c.rule, dtaus, c.quota, first)
             packed = torch.stack([prop.tokens.double(), prop.probs.double(), prop.margin.double(),
-                                  prop.logprobs.double()])
+                                  prop.logprobs.double(), commit.reshape(-1).double()])
             return hidden, packed
 
-        shape = self._capture(forward, stage, inputs) if self.graphs else None
+        shape = self._capture(forward, stage, taus, inputs, dtaus) if self.graphs else None
         if shape is None:  # uncaptured: the same forward on the same buffers, run each step
-            shape = _Shape(stage, inputs, None, None, lambda: None, False)
+            shape = _Shape(stage, taus, inputs, dtaus, None, None, lambda: None, False)
 
             def run() -> None:
                 shape.hidden, shape.packed = forward()
@@ -276,7 +338,8 @@ class StaticStep:
             self.shapes.popitem(last=False)
         return shape
 
-    def _capture(self, forward: Callable, stage: Tensor, inputs: Tensor) -> _Shape | None:
+    def _capture(self, forward: Callable, stage: Tensor, taus: Tensor, inputs: Tensor,
+                 dtaus: Tensor) -> _Shape | None:
         try:
             graph = torch.cuda.CUDAGraph()
             side = torch.cuda.Stream()
@@ -297,7 +360,7 @@ class StaticStep:
                         str(e).splitlines()[0][:200])
             return None
         self.captures += 1
-        return _Shape(stage, inputs, hidden, packed, graph.replay, True)
+        return _Shape(stage, taus, inputs, dtaus, hidden, packed, graph.replay, True)
 
     # ------------------------------------------------------------------ results
     def _outputs(self, key: tuple, shape: _Shape, plans: list[StepPlan]) -> list[Tensor | Proposal]:
@@ -310,7 +373,7 @@ class StaticStep:
             self.host_reads += 1
             # typed once for the whole step; each request below takes views (a few us, not a few ops each)
             cols = (packed[0].long(), packed[1].float(), packed[2].float(), packed[3].float(),
-                    torch.full((packed.shape[1],), float("nan")))
+                    torch.full((packed.shape[1],), float("nan")), packed[4].bool())
         want = [i for i, (d, p) in enumerate(zip(on_device, plans)) if not d and p.logit_rows.numel()]
         host_logits = None
         if want:  # sampled or adjusted requests: their rows' logits, projected from the graph's hidden states
@@ -325,8 +388,12 @@ class StaticStep:
             if m == 0:
                 out.append(torch.empty(0, vocab))
             elif d:
-                tokens, probs, margin, logprobs, entropy = (c[i * k:i * k + m] for c in cols)
-                out.append(Proposal(tokens=tokens, probs=probs, entropy=entropy, margin=margin, logprobs=logprobs))
+                tokens, probs, margin, logprobs, entropy, commit = (c[i * k:i * k + m] for c in cols)
+                if rule_code(p.seq.policy.name) == HOST:  # the request's rule runs on the host, over the proposal
+                    out.append(Proposal(tokens=tokens, probs=probs, entropy=entropy, margin=margin, logprobs=logprobs))
+                else:
+                    out.append(DeviceDecision(tokens=tokens, probs=probs, entropy=entropy, margin=margin,
+                                              logprobs=logprobs, commit=commit))
             else:
                 out.append(host_logits[taken:taken + m])
                 taken += m
