@@ -1,6 +1,6 @@
 """Memory (issue 34, item 4): a request whose KV cache cannot fit is refused up front with the number of tokens
-that would (engine, CLI, HTTP 400), and a KV cache kept in bfloat16 (--kv-cache-dtype) attends in the compute
-dtype with logits close to a float32 cache's.
+that would (engine, CLI, HTTP 400), counting the copy attention reads a cache of another dtype back into, and a
+KV cache kept in bfloat16 (--kv-cache-dtype) attends in the compute dtype with logits close to a float32 cache's.
 
 The memory reading (unmask.engine.memory.available_bytes) is an input of the check: tests set it."""
 import math
@@ -30,9 +30,12 @@ def free_memory(monkeypatch, tokens: int, bytes_per_token: int) -> int:
 def test_bytes_per_token_from_the_config(family_dirs):
     model, spec = load_model(family_dirs["sdar"])
     a = spec.arch
-    assert Engine(model, spec).kv_bytes_per_token == a.num_layers * a.num_kv_heads * a.head_dim * 2 * 4  # float32
+    f32 = Engine(model, spec)
+    assert f32.kv_bytes_per_token == f32.memory_per_token == a.num_layers * a.num_kv_heads * a.head_dim * 2 * 4
     bf16 = Engine(model, spec, kv_cache_dtype=torch.bfloat16)
     assert bf16.kv_bytes_per_token == a.num_layers * a.num_kv_heads * a.head_dim * 2 * 2
+    # under float32 weights one layer's K/V is read back as a float32 copy while it attends: counted too
+    assert bf16.memory_per_token == bf16.kv_bytes_per_token + a.num_kv_heads * a.head_dim * 2 * 4
 
 
 def test_a_request_that_cannot_fit_is_refused_with_the_tokens_that_would(family_dirs, monkeypatch):
@@ -50,14 +53,21 @@ def test_a_request_that_cannot_fit_is_refused_with_the_tokens_that_would(family_
     assert seq.num_generated == 16
 
 
-def test_a_bfloat16_cache_holds_twice_the_tokens(family_dirs, monkeypatch):
-    model, spec = load_model(family_dirs["sdar"])
+def test_a_bfloat16_cache_holds_more_tokens(tmp_path, monkeypatch):
+    from tiny_checkpoints import make_sdar
+
+    model, spec = load_model(make_sdar(tmp_path / "sdar4", num_hidden_layers=4))
     f32, bf16 = Engine(model, spec), Engine(model, spec, kv_cache_dtype=torch.bfloat16)
-    free_memory(monkeypatch, 40, f32.kv_bytes_per_token)
+    free_memory(monkeypatch, 40, f32.memory_per_token)
+    # 4 layers x 2 kv heads x head dim 8: 512 bytes a token in float32, 256 + a 128-byte read copy in bfloat16
+    assert (f32.memory_per_token, bf16.memory_per_token) == (512, 384)
     params = GenerationParams(max_tokens=16, block_size=4)
-    with pytest.raises(MemoryLimitError):
-        f32.add_request(list(range(20, 84)), params)
-    seq = bf16.add_request(list(range(20, 84)), params)  # 80 tokens in the memory of 40 float32 ones
+    with pytest.raises(MemoryLimitError, match="at most 40 tokens"):
+        f32.add_request(list(range(20, 20 + 53 - 16)), params)
+    with pytest.raises(MemoryLimitError, match=r"bfloat16 KV cache \(and 0 MiB to read a layer of it back\).*"
+                                               "at most 53 tokens"):
+        bf16.add_request(list(range(20, 20 + 54 - 16)), params)
+    seq = bf16.add_request(list(range(20, 20 + 53 - 16)), params)  # 53 = 40 x 512 // 384
     assert seq.cache.k[0].dtype == torch.bfloat16
 
 
@@ -84,22 +94,22 @@ def _block_logits(model, prompt: list[int], block: list[int], dtype) -> torch.Te
     return model.logits(hidden)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])  # int8: unmask.models.kv_int8
 @pytest.mark.parametrize("family", ["sdar", "llada2"])
-def test_bfloat16_cache_logits_close_to_float32(family, family_dirs):
+def test_narrow_cache_logits_close_to_float32(family, dtype, family_dirs):
     model, spec = load_model(family_dirs[family])  # float32 weights (tests/conftest.py)
     prompt, block = list(range(20, 52)), [spec.mask_id] * 4
     exact = _block_logits(model, prompt, block, torch.float32)
-    rounded = _block_logits(model, prompt, block, torch.bfloat16)
+    rounded = _block_logits(model, prompt, block, dtype)
     assert rounded.dtype == torch.float32
     err = (rounded - exact).abs().max().item()
-    assert 0 < err < 2e-2 * exact.abs().max().item()  # bf16 keeps 8 bits of mantissa: close, not equal
+    assert 0 < err < 2e-2 * exact.abs().max().item()  # bf16: 8 bits of mantissa, int8: 1/254 of each vector's max
     assert torch.equal(rounded.argmax(-1), exact.argmax(-1))
 
 
 def test_generate_refuses_in_one_line(family_dirs, monkeypatch):
     model, spec = load_model(family_dirs["sdar"])
-    a = spec.arch
-    free_memory(monkeypatch, 10, a.num_layers * a.num_kv_heads * a.head_dim * 2 * 2)
+    free_memory(monkeypatch, 10, Engine(model, spec, kv_cache_dtype=torch.bfloat16).memory_per_token)
     r = CliRunner().invoke(app, ["generate", "--model", str(family_dirs["sdar"]), "--max-tokens", "16",
                                  "--block-size", "4", "--kv-cache-dtype", "bfloat16", "hello world"])
     assert r.exit_code != 0
@@ -113,7 +123,7 @@ def test_server_answers_400_with_the_tokens_that_fit(monkeypatch):
         live.wait_model()
         engine = live.app.state.serving.llm.engine
         assert engine.kv_cache_dtype == torch.bfloat16
-        free_memory(monkeypatch, 100, engine.kv_bytes_per_token)
+        free_memory(monkeypatch, 100, engine.memory_per_token)
         r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "def add(a, b):" * 20, "max_tokens": 64},
                        timeout=60)
         assert r.status_code == 400, r.text
@@ -127,7 +137,7 @@ def test_server_answers_400_with_the_tokens_that_fit(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["sdar", "fast_dllm_v2"])  # same-position and shifted logits
-def test_cached_loss_equals_the_training_forward_and_bf16_moves_it_little(family, family_dirs):
+def test_cached_loss_equals_the_training_forward_and_narrow_caches_move_it_little(family, family_dirs):
     from pathlib import Path
 
     from unmask.engine.llm import LLM
@@ -143,3 +153,5 @@ def test_cached_loss_equals_the_training_forward_and_bf16_moves_it_little(family
     rounded = cached_masked_token_loss(llm, docs, 4, torch.bfloat16, seq_len=64, max_rows=8)
     assert exact == pytest.approx(dense, rel=1e-5)
     assert rounded != exact and rounded == pytest.approx(exact, rel=1e-2)
+    quantized = cached_masked_token_loss(llm, docs, 4, torch.int8, seq_len=64, max_rows=8)
+    assert quantized != exact and quantized == pytest.approx(exact, rel=1e-2)

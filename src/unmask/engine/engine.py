@@ -49,11 +49,19 @@ class Engine:
         `memory_utilization` of the memory free now allows, at most what max_num_seqs full contexts need)."""
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.kv_cache_dtype = kv_cache_dtype  # None: the weights' dtype
-        self.kv_bytes_per_token = model.new_cache(capacity=0, dtype=kv_cache_dtype).bytes_per_token()
+        probe = model.new_cache(capacity=0, dtype=kv_cache_dtype)
+        self.kv_bytes_per_token = probe.bytes_per_token()
+        # what the memory check counts per token of context: the cache and, for a cache in another dtype than the
+        # weights', one layer's K/V read back in the compute dtype while it attends
+        self.memory_per_token = self.kv_bytes_per_token + memory.read_copy_per_token(
+            probe.shapes, probe.dtype, model.lm_head.weight.dtype)
         self.scheduler = Scheduler(max_num_seqs, max_batch_tokens)
         self.kv_pool, static = None, None
         if (static_step_requested(static_step) and spec.family.attention == "block_causal"
                 and spec.family.sequence_class is None):
+            if kv_cache_dtype == torch.int8:  # the static step attends the pool's tensors directly
+                raise InvalidRequestError("an int8 KV cache is not supported with the static step "
+                                          "(UNMASK_STATIC_STEP); choose auto, bfloat16 or float32", "kv_cache_dtype")
             cap = max_num_seqs * (spec.max_context + MAX_WIDTH)
             self.kv_pool = KVPool.for_model(model, kv_pool_tokens, memory_utilization, kv_cache_dtype, MAX_WIDTH, cap)
             static = StaticStep(model, self.kv_pool, spec.mask_id)
@@ -159,12 +167,14 @@ class Engine:
                     f"({memory.mib(self.kv_pool.nbytes())}): at most {fit} tokens (prompt plus max_tokens, rounded up "
                     f"to whole blocks) would fit", "max_tokens")
             return
-        room = memory.budget(self.kv_bytes_per_token, self.model.lm_head.weight.device)
+        room = memory.budget(self.memory_per_token, self.model.lm_head.weight.device)
         if total > room.tokens:
             dtype = str(self.kv_cache_dtype or self.model.lm_head.weight.dtype).removeprefix("torch.")
+            copy = self.memory_per_token - self.kv_bytes_per_token
+            read = f" (and {memory.mib(total * copy)} to read a layer of it back)" if copy else ""
             raise MemoryLimitError(
                 f"prompt ({n_prompt} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"{memory.mib(total * self.kv_bytes_per_token)} of {dtype} KV cache, more than the "
+                f"{memory.mib(total * self.kv_bytes_per_token)} of {dtype} KV cache{read}, more than the "
                 f"{memory.mib(room.available)} of memory free now allows: at most {room.tokens} tokens "
                 f"(prompt plus max_tokens) would fit", "max_tokens")
 

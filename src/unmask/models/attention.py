@@ -44,6 +44,23 @@ class KVCache:
         """Whether this layer stores positions [0, capacity) (a subclass may keep some layers otherwise)."""
         return True
 
+    def _width(self, head_dim: int) -> int:
+        """Stored elements per head and position (a quantised cache appends its scale)."""
+        return head_dim
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
+        """Store k/v [kv heads, n, head dim] at positions [start, start + n) of `layer`."""
+        n = k.shape[1]
+        self.k[layer][:, start:start + n] = k
+        self.v[layer][:, start:start + n] = v
+
+    def read(self, layer: int, end: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """K/V of positions [0, end) of `layer` in `dtype` (views when the cache keeps that dtype, else copies)."""
+        k, v = self.k[layer][:, :end], self.v[layer][:, :end]
+        if k.dtype != dtype:  # a cache kept in another dtype (--kv-cache-dtype): attend in the compute dtype
+            k, v = k.to(dtype), v.to(dtype)
+        return k, v
+
     def _grow(self, need: int) -> None:
         if need <= self.capacity:
             return
@@ -52,7 +69,7 @@ class KVCache:
             if not self._absolute(i):
                 continue
             for store in (self.k, self.v):
-                new = torch.empty(h, cap, d, dtype=self.dtype, device=self.device)
+                new = torch.empty(h, cap, self._width(d), dtype=self.dtype, device=self.device)
                 if store[i] is not None:
                     new[:, : self.length] = store[i][:, : self.length]
                 store[i] = new
@@ -76,7 +93,7 @@ class KVCache:
     def bytes_per_token(self) -> int:
         """K and V of one more position over the layers that keep every position (the cache's growth rate)."""
         per = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * h * d * per for i, (h, d) in enumerate(self.shapes) if self._absolute(i))
+        return sum(2 * h * self._width(d) * per for i, (h, d) in enumerate(self.shapes) if self._absolute(i))
 
 
 @dataclass
@@ -193,6 +210,18 @@ def _flash_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: floa
     return out[0], lse[0]
 
 
+def _flash_lse_shared(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> tuple[Tensor, Tensor]:
+    """_flash_lse without a mask for grouped-query heads, with no copy of K/V: the query heads that share a KV
+    head are stacked along the query axis ([Hkv, groups x Lq, D]; without a mask every query row is independent),
+    so a long cached prefix is read once per KV head instead of being repeated to the query heads."""
+    h, lq, d = q.shape
+    hk = k.shape[0]
+    if h == hk:
+        return _flash_lse(q, k, v, None, scale)
+    out, lse = _flash_lse(q.reshape(hk, h // hk * lq, d), k, v, None, scale)  # head i reads KV head i // groups
+    return out.reshape(h, lq, out.shape[-1]), lse.reshape(h, lq)
+
+
 def _merge_lse(oa: Tensor, la: Tensor, ob: Tensor, lb: Tensor, dtype: torch.dtype) -> Tensor:
     """Softmax attention over key sets A ++ B from each set's output and log-sum-exp."""
     m = torch.maximum(la, lb)
@@ -209,7 +238,7 @@ def attend_prefix_causal(q: Tensor, k: Tensor, v: Tensor, start: int, scale: flo
     """Queries at positions start.. over keys 0.. (k/v cover [0, start + Lq)): the prefix [0, start) is seen
     whole, the queries' own keys causally; two flash calls with no mask, merged by log-sum-exp."""
     groups = q.shape[0] // k.shape[0]
-    oa, la = _flash_lse(q, repeat_kv(k[:, :start], groups), repeat_kv(v[:, :start], groups), None, scale)
+    oa, la = _flash_lse_shared(q, k[:, :start], v[:, :start], scale)
     ob, lb = _flash_lse(q, repeat_kv(k[:, start:], groups), repeat_kv(v[:, start:], groups), None, scale,
                         causal=True)
     return _merge_lse(oa, la, ob, lb, q.dtype)
@@ -220,11 +249,10 @@ def _attend_split(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | 
     in one call without a mask and only the segment's own keys carry one; own-key calls take OWN_ROWS query
     rows and read own keys only up to the last one those rows' blocks allow (block ids never decrease
     along a segment). The two softmaxes merge exactly through their log-sum-exps. Equal to the single
-    masked call up to float rounding (tested)."""
+    masked call up to float rounding (tested). The prefix call makes no copy of the cached K/V
+    (_flash_lse_shared)."""
     start, lq, groups = seg.start, q.shape[1], q.shape[0] // k.shape[0]
-    kp, vp = repeat_kv(k[:, :start], groups), repeat_kv(v[:, :start], groups)
-    oa, la = _flash_lse(q, kp, vp, None, scale)
-    del kp, vp
+    oa, la = _flash_lse_shared(q, k[:, :start], v[:, :start], scale)
     ko, vo = repeat_kv(k[:, start:start + lq], groups), repeat_kv(v[:, start:start + lq], groups)
     ends = torch.searchsorted(seg.block_ids, seg.block_ids, right=True).tolist()  # own keys each row sees
     obs, lbs = [], []
@@ -265,12 +293,8 @@ def ragged_attention(q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch, lay
             # write this segment's K/V in place and attend to the cache view: no per-layer concat.
             # Positions past `write` are scratch that the next step overwrites; for the dual cache
             # they replace the active block's stale K/V, as Fast-dLLM's replace_position does.
-            span = slice(seg.start, seg.start + seg.length)
-            cache.k[layer][:, span] = ks
-            cache.v[layer][:, span] = vs
-            ks, vs = cache.k[layer][:, : seg.num_keys], cache.v[layer][:, : seg.num_keys]
-            if ks.dtype != qs.dtype:  # a cache kept in another dtype (--kv-cache-dtype): attend in the compute dtype
-                ks, vs = ks.to(qs.dtype), vs.to(qs.dtype)
+            cache.write(layer, seg.start, ks, vs)
+            ks, vs = cache.read(layer, seg.num_keys, qs.dtype)
         outs.append(_attend_chunked(qs, ks, vs, seg, scale).transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from unmask.errors import InvalidRequestError
 from unmask.models.attention import (AttentionBatch, KVCache, Segment, attend_prefix_causal, can_split_on,
                                      repeat_kv, sdpa)
 from unmask.models.diffusion_gemma_checkpoint import (FULL, SLIDING, GemmaArch, from_canonical_names,
@@ -539,6 +540,9 @@ class DiffusionGemmaLM(nn.Module):
     def new_cache(self, capacity: int = 256, max_capacity: int | None = None,
                   dtype: torch.dtype | None = None) -> "GemmaKVCache":
         a, p = self.cfg, self.lm_head.weight
+        if dtype == torch.int8:  # its attention writes and reads the sliding buffers directly (_segment)
+            raise InvalidRequestError("an int8 KV cache is not supported for the diffusion_gemma family; choose "
+                                      "auto, bfloat16 or float32", "kv_cache_dtype")
         return GemmaKVCache(list(zip(a.kv_heads, a.head_dims)), [t == SLIDING for t in a.layer_types],
                             a.sliding_window, dtype or p.dtype, p.device, capacity, max_capacity)
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unmask.models.attention import AttentionBatch, KVCache, ragged_attention
+from unmask.models.kv_int8 import Int8KVCache
 from unmask.models.layers import GatedMLP, GroupLimitedMoE, RMSNorm, Rotary
 
 CAUSAL = "causal"  # forward_dense mask for left-to-right training (the AR base of an AR-initialised model)
@@ -165,8 +166,11 @@ class DiffusionTransformer(nn.Module):
 
     def new_cache(self, capacity: int = 256, max_capacity: int | None = None,
                   dtype: torch.dtype | None = None) -> KVCache:
-        """dtype: the cache's (None: the weights'); attention reads it back in the compute dtype."""
+        """dtype: the cache's (None: the weights'; torch.int8: Int8KVCache); attention reads it back in the compute
+        dtype."""
         c = self.cfg
         p = self.lm_head.weight
+        if dtype == torch.int8:
+            return Int8KVCache([(c.num_kv_heads, c.head_dim)] * c.num_layers, p.device, capacity, max_capacity)
         return KVCache([(c.num_kv_heads, c.head_dim)] * c.num_layers, dtype or p.dtype, p.device, capacity,
                        max_capacity)
