@@ -10,8 +10,7 @@ from typing import Optional
 
 import typer
 
-from unmask.defaults import (CUDA_GRAPHS_HELP, DEVICE_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES,
-                             KV_POOL_TOKENS_HELP, MEMORY_UTILIZATION_HELP, STATIC_STEP_HELP)
+from unmask.defaults import DEVICE_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's levels
@@ -97,11 +96,6 @@ def serve(
                                         help=DTYPE_HELP),
     kv_cache_dtype: str = typer.Option("auto", envvar="UNMASK_KV_CACHE_DTYPE", help=KV_CACHE_DTYPE_HELP),
     device: str = typer.Option("auto", envvar="UNMASK_DEVICE", help=DEVICE_HELP),
-    static_step: Optional[bool] = typer.Option(None, "--static-step/--no-static-step", help=STATIC_STEP_HELP),
-    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help=CUDA_GRAPHS_HELP),
-    gpu_memory_utilization: Optional[float] = typer.Option(None, envvar="UNMASK_GPU_MEMORY_UTILIZATION",
-                                                           help=MEMORY_UTILIZATION_HELP),
-    kv_pool_tokens: Optional[int] = typer.Option(None, envvar="UNMASK_KV_POOL_TOKENS", help=KV_POOL_TOKENS_HELP),
     served_model_name: Optional[str] = typer.Option(None, envvar="UNMASK_SERVED_MODEL_NAME",
                                                     help="Model id in the API (default: the directory name; for a "
                                                          "training run's model/ folder, the run's name)."),
@@ -157,8 +151,8 @@ def serve(
 
     if dtype is not None and dtype not in ("auto", *DTYPES):  # checked before the port is bound
         _fail(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
-    if kv_cache_dtype not in ("auto", "bfloat16", "float32"):
-        _fail(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose one of auto, bfloat16, float32")
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
+        _fail(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose one of auto, {', '.join(KV_CACHE_DTYPES)}")
     from unmask.errors import UnmaskError
     from unmask.models.loader import check_device, load_spec, resolve_device
 
