@@ -11,8 +11,9 @@ from typing import Optional
 
 import typer
 
-from unmask.cli_util import check_output_file, check_utf8, fail
-from unmask.defaults import DEVICE_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP
+from unmask.cli_util import check_output_file, check_utf8, fail, static_step_options
+from unmask.defaults import (CUDA_GRAPHS_HELP, DEVICE_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP, KV_POOL_TOKENS_HELP,
+                             MEMORY_UTILIZATION_HELP, STATIC_STEP_HELP)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -123,6 +124,11 @@ def generate(
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     kv_cache_dtype: str = typer.Option("auto", help=KV_CACHE_DTYPE_HELP),
     device: str = typer.Option("auto", help=DEVICE_HELP),
+    static_step: Optional[bool] = typer.Option(None, "--static-step/--no-static-step", help=STATIC_STEP_HELP),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help=CUDA_GRAPHS_HELP),
+    gpu_memory_utilization: Optional[float] = typer.Option(None, envvar="UNMASK_GPU_MEMORY_UTILIZATION",
+                                                           help=MEMORY_UTILIZATION_HELP),
+    kv_pool_tokens: Optional[int] = typer.Option(None, envvar="UNMASK_KV_POOL_TOKENS", help=KV_POOL_TOKENS_HELP),
 ):
     """Generate text for one prompt and print it."""
     from unmask.engine.llm import LLM
@@ -142,8 +148,9 @@ def generate(
                      dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
                      dry_sequence_breakers=_breakers(dry_sequence_breaker))
         _params(**knobs)  # bad flags fail before the model loads
+        fast = static_step_options(static_step, cuda_graphs, gpu_memory_utilization, kv_pool_tokens)
         check_utf8(prompt, "the prompt")
-        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+        llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, **fast)
         params = _params(**_with_model_defaults(llm, knobs, chat=chat))  # --chat: a chat answer, as the server's
         ids = llm.chat_prompt([{"role": "user", "content": prompt}]) if chat else llm.encode(prompt)
         if not ids:

@@ -37,3 +37,42 @@ def check_output_file(path: Path | None, flag: str) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
         fail(f"{flag} {path} cannot be written (a directory, or its folder is missing or read-only)")
+
+
+def static_step_options(static_step: bool | None, cuda_graphs: bool | None, memory_utilization: float | None,
+                        kv_pool_tokens: int | None) -> dict:
+    """The LLM keywords of --static-step, --cuda-graphs, --gpu-memory-utilization and --kv-pool-tokens (`unmask
+    generate` and `unmask serve`), or a one-line error: a value out of range, or a pool size without the static
+    step that would use it."""
+    from unmask.engine.kv_pool import check_pool_options
+    from unmask.errors import InvalidRequestError
+
+    # the variables are read here (not by typer, whose error for a bad boolean is a box of lines), strictly
+    static_step = env_switch("UNMASK_STATIC_STEP", static_step, False)
+    cuda_graphs = env_switch("UNMASK_CUDA_GRAPHS", cuda_graphs, True)
+    try:
+        check_pool_options(0.9 if memory_utilization is None else memory_utilization, kv_pool_tokens,
+                           names=("--gpu-memory-utilization", "--kv-pool-tokens"))
+    except InvalidRequestError as e:
+        fail(str(e))
+    if not static_step:
+        for flag, value in (("--kv-pool-tokens", kv_pool_tokens), ("--gpu-memory-utilization", memory_utilization)):
+            if value is not None:
+                fail(f"{flag} sizes the static step's KV pool: add --static-step (or UNMASK_STATIC_STEP=1)")
+    return dict(static_step=static_step, cuda_graphs=cuda_graphs, kv_pool_tokens=kv_pool_tokens,
+                memory_utilization=0.9 if memory_utilization is None else memory_utilization)
+
+
+SWITCH_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def env_switch(name: str, flag: bool | None, default: bool) -> bool:
+    """A --x/--no-x flag, else the variable `name` (1/true/yes/on or 0/false/no/off), else `default`."""
+    if flag is not None:
+        return flag
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    if raw.strip().lower() not in SWITCH_VALUES:
+        fail(f"{name} must be one of {', '.join(SWITCH_VALUES)}, got {raw!r}")
+    return SWITCH_VALUES[raw.strip().lower()]

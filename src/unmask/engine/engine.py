@@ -1,6 +1,7 @@
 """The step-level engine: accepts requests any time, one batched forward per step, per-request events."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from unmask.models.loader import ModelSpec
 from unmask.models.transformer import DiffusionTransformer
 from unmask.tokenizer import Tokenizer
 
+log = logging.getLogger("unmask.engine")
 
 @dataclass
 class EngineStats:
@@ -43,10 +45,12 @@ class Engine:
     def __init__(self, model: DiffusionTransformer, spec: ModelSpec, tokenizer: Tokenizer | None = None,
                  max_num_seqs: int = 64, max_batch_tokens: int = 4096, prefix_cache_bytes: int = 256 << 20,
                  kv_cache_dtype: torch.dtype | None = None, static_step: bool | None = None,
-                 kv_pool_tokens: int | None = None, memory_utilization: float = 0.9):
+                 kv_pool_tokens: int | None = None, memory_utilization: float = 0.9,
+                 cuda_graphs: bool | None = None):
         """static_step: run decode steps on static buffers over a preallocated KV pool, replayed as CUDA graphs on
         a GPU (engine/static_step.py; None: UNMASK_STATIC_STEP); the pool holds `kv_pool_tokens` (None: what
-        `memory_utilization` of the memory free now allows, at most what max_num_seqs full contexts need)."""
+        `memory_utilization` of the memory free now allows, at most what max_num_seqs full contexts need).
+        cuda_graphs: capture and replay steps as CUDA graphs on a GPU (None: UNMASK_CUDA_GRAPHS, on by default)."""
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.kv_cache_dtype = kv_cache_dtype  # None: the weights' dtype
         probe = model.new_cache(capacity=0, dtype=kv_cache_dtype)
@@ -64,9 +68,11 @@ class Engine:
                                           "(UNMASK_STATIC_STEP); choose auto, bfloat16 or float32", "kv_cache_dtype")
             cap = max_num_seqs * (spec.max_context + MAX_WIDTH)
             self.kv_pool = KVPool.for_model(model, kv_pool_tokens, memory_utilization, kv_cache_dtype, MAX_WIDTH, cap)
-            static = StaticStep(model, self.kv_pool, spec.mask_id)
+            static = StaticStep(model, self.kv_pool, spec.mask_id, cuda_graphs=cuda_graphs)
             self.scheduler.admit = lambda seq: seq.cache is not None or self._attach_cache(seq)
-        self.runner = ModelRunner(model, static)
+            log.info("static step: a KV pool of %d tokens (%s) on %s, CUDA graphs %s", self.kv_pool.capacity_tokens,
+                     memory.mib(self.kv_pool.nbytes()), self.kv_pool.device, "on" if static.graphs else "off")
+        self.runner = ModelRunner(model, static, cuda_graphs)
         self.traits = ModelTraits(
             attention=spec.family.attention, shift=spec.shift, mask_id=spec.mask_id,
             block_size=spec.block_size, stop_ids=spec.stop_ids, ar_first_token=spec.ar_first_token,

@@ -90,7 +90,8 @@ class KVPool:
             max_tokens = usable // per_token
             if max_tokens < PAGE:  # refused at start, not as a MemoryLimitError on every request
                 raise InvalidRequestError(
-                    f"memory_utilization {utilization} leaves no room for a KV pool on {probe.device}: "
+                    f"the static step's KV pool would hold no tokens at a memory utilization of {utilization} on "
+                    f"{probe.device}: "
                     f"{memory.mib(free)} free, {memory.mib(memory.RESERVED_BYTES)} of it kept for activations, "
                     f"{per_token} bytes per token", "memory_utilization")
             if cap is not None:

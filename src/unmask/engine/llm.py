@@ -20,9 +20,10 @@ class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str | None = None, device: str = "auto",
                  max_num_seqs: int = 64, max_batch_tokens: int = 4096, chat_template: str | None = None,
                  kv_cache_dtype: str | None = None, static_step: bool | None = None,
-                 kv_pool_tokens: int | None = None, memory_utilization: float = 0.9):
-        """static_step, kv_pool_tokens, memory_utilization: the block-causal static-buffer step and its KV pool
-        (Engine; engine/static_step.py)."""
+                 kv_pool_tokens: int | None = None, memory_utilization: float = 0.9,
+                 cuda_graphs: bool | None = None):
+        """static_step, kv_pool_tokens, memory_utilization, cuda_graphs: the block-causal static-buffer step, its KV
+        pool and graph capture (Engine; engine/static_step.py)."""
         if model is None and not default_model_path().is_dir():
             raise ModelLoadError(f"the built-in model is not installed at {default_model_path()}; pass --model DIR")
         path = Path(model) if model is not None else default_model_path()
@@ -30,7 +31,8 @@ class LLM:
         self.tokenizer = Tokenizer(self.spec.path, chat_template=chat_template)
         self.engine = Engine(self.model, self.spec, self.tokenizer, max_num_seqs, max_batch_tokens,
                              kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype), static_step=static_step,
-                             kv_pool_tokens=kv_pool_tokens, memory_utilization=memory_utilization)
+                             kv_pool_tokens=kv_pool_tokens, memory_utilization=memory_utilization,
+                             cuda_graphs=cuda_graphs)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, (list, tuple)):

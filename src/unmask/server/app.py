@@ -69,6 +69,11 @@ class ServerArgs:
     data_dir: Path | None = None         # files and batches (unmask.store); None: a temporary directory
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     batch_max_inflight: int = 0          # batch lines decoded at once (0: default_batch_inflight(max_num_seqs))
+    # the block-causal fast path (engine/static_step.py): None = UNMASK_STATIC_STEP / UNMASK_CUDA_GRAPHS
+    static_step: bool | None = None
+    cuda_graphs: bool | None = None
+    memory_utilization: float = 0.9      # of the memory free after loading, for the static step's KV pool
+    kv_pool_tokens: int | None = None    # or the pool's size in tokens
 
 
 def load_serving(app: FastAPI, args: ServerArgs) -> None:
@@ -83,7 +88,9 @@ def load_serving(app: FastAPI, args: ServerArgs) -> None:
 
         t0 = time.perf_counter()
         llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                  chat_template=args.chat_template, kv_cache_dtype=args.kv_cache_dtype)
+                  chat_template=args.chat_template, kv_cache_dtype=args.kv_cache_dtype, static_step=args.static_step,
+                  cuda_graphs=args.cuda_graphs, memory_utilization=args.memory_utilization,
+                  kv_pool_tokens=args.kv_pool_tokens)
         if llm.tokenizer.has_chat_template:  # load the template's tokenizer now, not in the first chat request
             try:                              # (0.9 s with the built-in model on 2 CPU cores)
                 llm.tokenizer.apply_chat_template([{"role": "user", "content": "warm-up"}])

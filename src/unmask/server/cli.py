@@ -10,7 +10,8 @@ from typing import Optional
 
 import typer
 
-from unmask.defaults import DEVICE_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
+from unmask.defaults import (CUDA_GRAPHS_HELP, DEVICE_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES,
+                             KV_POOL_TOKENS_HELP, MEMORY_UTILIZATION_HELP, STATIC_STEP_HELP)
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's levels
@@ -96,6 +97,11 @@ def serve(
                                         help=DTYPE_HELP),
     kv_cache_dtype: str = typer.Option("auto", envvar="UNMASK_KV_CACHE_DTYPE", help=KV_CACHE_DTYPE_HELP),
     device: str = typer.Option("auto", envvar="UNMASK_DEVICE", help=DEVICE_HELP),
+    static_step: Optional[bool] = typer.Option(None, "--static-step/--no-static-step", help=STATIC_STEP_HELP),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help=CUDA_GRAPHS_HELP),
+    gpu_memory_utilization: Optional[float] = typer.Option(None, envvar="UNMASK_GPU_MEMORY_UTILIZATION",
+                                                           help=MEMORY_UTILIZATION_HELP),
+    kv_pool_tokens: Optional[int] = typer.Option(None, envvar="UNMASK_KV_POOL_TOKENS", help=KV_POOL_TOKENS_HELP),
     served_model_name: Optional[str] = typer.Option(None, envvar="UNMASK_SERVED_MODEL_NAME",
                                                     help="Model id in the API (default: the directory name; for a "
                                                          "training run's model/ folder, the run's name)."),
@@ -153,6 +159,9 @@ def serve(
         _fail(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
         _fail(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose one of auto, {', '.join(KV_CACHE_DTYPES)}")
+    from unmask.cli_util import static_step_options
+
+    fast = static_step_options(static_step, cuda_graphs, gpu_memory_utilization, kv_pool_tokens)
     from unmask.errors import UnmaskError
     from unmask.models.loader import check_device, load_spec, resolve_device
 
@@ -191,6 +200,8 @@ def serve(
                       data_dir=_data_dir(data_dir), batch_max_inflight=batch_max_inflight)
     args.embedding_model, args.vector_store = embedding_model, vector_store
     args.kv_cache_dtype = kv_cache_dtype
+    args.static_step, args.cuda_graphs = fast["static_step"], fast["cuda_graphs"]
+    args.memory_utilization, args.kv_pool_tokens = fast["memory_utilization"], fast["kv_pool_tokens"]
     if on_ray:
         from unmask.cluster.cli import serve_on_ray
 
