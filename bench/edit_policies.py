@@ -4,7 +4,8 @@ edits, on the model card's held-out tasks: quality and tokens per forward, thres
 The claim to test (issue 35): a model that may fix its mistakes can commit earlier, at a lower threshold, for
 the same quality. Each threshold runs plain, with each `--edit-thresholds` value (LLaDA2.1's joint decoding) and,
 with `--remask-budget` > 0, with ReMDM-style remasking, in one process, interleaved. Greedy, float32; one JSON
-document out (each row also in the output as it comes).
+document out, rewritten after every row (so a run cut short keeps what it measured), with the command line and the
+load average at the start and the end (each row also in the output as it comes).
 
     .venv/bin/python bench/edit_policies.py --model src/unmask/assets/unmask-tiny --json docs/bench/edit-policies.json
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 from benchlib import heldout
@@ -29,6 +32,13 @@ def main() -> None:
     args = ap.parse_args()
     llm, _, task_sets = heldout.load(args)
     rows = []
+    doc = {"model": args.model, "command": " ".join(sys.argv), "loadavg_start": os.getloadavg(), "rows": rows}
+
+    def write() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({**doc, "loadavg_now": os.getloadavg()}, indent=1) + "\n")
+
     variants = [dict()] + [dict(edit_threshold=float(e)) for e in args.edit_thresholds.split(",") if e]
     if args.remask_budget > 0:
         variants.append(dict(remask_budget=args.remask_budget, remask_threshold=args.remask_threshold))
@@ -42,9 +52,7 @@ def main() -> None:
                        "tokens_per_forward": r.tokens_per_forward, "seconds": r.seconds}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": args.model, "rows": rows}, indent=1) + "\n")
+                write()
 
 
 if __name__ == "__main__":
