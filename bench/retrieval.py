@@ -9,6 +9,7 @@ results. This asks "which section is about <topic>?", a fair stand-in for a user
 set of real questions: its figures compare the modes and settings here, not the absolute quality a user sees.
 
     .venv/bin/python bench/retrieval.py [--chunking 800,400 --chunking 200,50] [--backend sqlite|postgres]
+                                        [--embedding-model DIR]
 
 Prints a table, then one JSON line.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
@@ -138,11 +140,18 @@ def main() -> None:
     ap.add_argument("--limit-docs", type=int, default=0, help="index only this many sections (0: all; a quick run)")
     ap.add_argument("--answers", type=int, default=0, help="also answer this many questions with the built-in model, "
                     "with and without the retrieved context (first chunking only)")
+    ap.add_argument("--embedding-model", default=None, help="a sentence-transformers directory (default: the "
+                    "packaged default embedder), as `unmask serve --embedding-model DIR` takes it")
     ap.add_argument("--model", default=str(ROOT / "src" / "unmask" / "assets" / "unmask-tiny"))
     args = ap.parse_args()
     if args.answers:   # imported first: the engine is needed only at the end
         import unmask.engine.llm  # noqa: F401
-    encoder = SentenceEncoder.load(default_encoder_path(), DEFAULT_ENCODER_NAME)
+    if args.embedding_model:
+        encoder = SentenceEncoder.load(Path(args.embedding_model))
+    else:
+        encoder = SentenceEncoder.load(default_encoder_path(), DEFAULT_ENCODER_NAME)
+    print(f"embedder {encoder.name}: {encoder.dimension} dimensions, {encoder.spec.max_seq_length}-token window",
+          flush=True)
     docs, questions = load_set()
     if args.limit_docs:
         keep = {q["id"] for q in questions}
@@ -167,6 +176,7 @@ def main() -> None:
                 index.add("bench", d["id"], [NewChunk(c.index, c.text, v) for c, v in zip(chunks, vectors)])
                 n_chunks += len(chunks)
             ingest = time.perf_counter() - t0
+            load = os.getloadavg()[0]
             result = evaluate(index, encoder, questions, "bench")
             if args.answers and spec == (args.chunking or ["800,400"])[0]:
                 support = answers(index, encoder, questions, "bench", args.answers, args.model)
@@ -181,14 +191,14 @@ def main() -> None:
                 print(f"{spec:>8s} {args.backend:8s} {mode:8s} recall@5 {m['recall@5']:.3f}  MRR {m['mrr']:.3f}  "
                       f"search p50 {m['p50_ms']:.1f} ms", flush=True)
             print(f"{spec:>8s} ingestion: {n_chunks} chunks in {ingest:.0f} s ({n_chunks / ingest:.1f} chunks/s, "
-                  "embedding included)", flush=True)
+                  f"embedding included; load average {load:.1f} at its end)", flush=True)
             rows.append({"chunking": spec, "backend": args.backend, "chunks": n_chunks,
-                         "ingest_chunks_per_s": n_chunks / ingest})
+                         "ingest_chunks_per_s": n_chunks / ingest, "load_average": load})
     finally:
         if pg is not None:
             pg.stop()
             shutil.rmtree(pg.root, ignore_errors=True)
-    print(json.dumps({"bench": "retrieval", "questions": len(questions), "sections": len(docs), "results": rows}))
+    print(json.dumps({"bench": "retrieval", "embedder": encoder.name, "questions": len(questions), "sections": len(docs), "results": rows}))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import pytest
 
 from unmask.errors import UnmaskError
 from unmask.retrieval.embeddings import EmbeddingRequest, embed
-from unmask.retrieval.encoder import DEFAULT_ENCODER_NAME, SentenceEncoder, default_encoder_path, read_spec
+from unmask.retrieval.encoder import (DEFAULT_ENCODER_NAME, STATIC_MAX_TOKENS, SentenceEncoder, default_encoder_path,
+                                     read_spec)
 from unmask.server.protocol import APIError
 
 TEXTS = ["How do I open a file in Python?", "The cat sat on the mat.", "os.path.join joins path components",
@@ -112,6 +113,91 @@ def test_matryoshka_flag_from_the_model_card_or_unmask_json(encoder_dir, tmp_pat
     (path / "unmask.json").unlink()
     (path / "README.md").write_text("trained with\n- loss: MatryoshkaLoss\n")
     assert read_spec(path).matryoshka
+
+
+# ------------------------------------------------------------- other layouts: static, no token types
+# a static model (sentence-transformers' StaticEmbedding layout, as WordLlama and model2vec models load) and a
+# transformer without token types (MPNet, the family of all-mpnet-base-v2), built small here by
+# sentence-transformers itself, the reference; they borrow the default model's tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="module")
+def static_dir(encoder_dir, tmp_path_factory):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, StaticEmbedding
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(encoder_dir / "tokenizer.json"))
+    table = np.random.default_rng(0).standard_normal((tokenizer.get_vocab_size(), 32)).astype(np.float32)
+    out = tmp_path_factory.mktemp("static") / "model"
+    SentenceTransformer(modules=[StaticEmbedding(tokenizer, embedding_weights=table), Normalize()],
+                        device="cpu").save(str(out))
+    return out
+
+
+def test_static_model_matches_sentence_transformers(static_dir):
+    from sentence_transformers import SentenceTransformer
+
+    spec = read_spec(static_dir)
+    assert (spec.pooling, spec.normalize, spec.dimension, spec.max_seq_length, spec.matryoshka) == \
+        ("mean_tokens", True, 32, STATIC_MAX_TOKENS, False)
+    assert spec.static is not None and (spec.static / "model.safetensors").is_file()
+    ours = SentenceEncoder.load(static_dir).encode_texts(TEXTS)
+    reference = SentenceTransformer(str(static_dir), device="cpu").encode(TEXTS)
+    np.testing.assert_allclose(ours.vectors, reference, atol=1e-5)   # 800-term means, summed in another order
+    # no special tokens, no window: the long text is read whole (800 tokens, past the BERT model's 256)
+    assert ours.token_counts[3] == 1 and ours.token_counts[4] == 800
+
+
+def test_model2vec_weights_and_what_is_refused(static_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    path = tmp_path / "m2v"
+    shutil.copytree(static_dir, path)
+    module = read_spec(path).static
+    table = load_file(str(module / "model.safetensors"))["embedding.weight"]
+    save_file({"embeddings": table}, str(module / "model.safetensors"))   # model2vec's key
+    expected = SentenceEncoder.load(static_dir).encode_texts(TEXTS[:2]).vectors
+    np.testing.assert_allclose(SentenceEncoder.load(path).encode_texts(TEXTS[:2]).vectors, expected, atol=1e-7)
+    save_file({"embeddings": table, "mapping": np.arange(len(table))}, str(module / "model.safetensors"))
+    with pytest.raises(UnmaskError, match="quantised static embeddings"):
+        read_spec(path)
+    save_file({"embeddings": table[:100]}, str(module / "model.safetensors"))
+    with pytest.raises(UnmaskError, match="100 embedding rows for a tokenizer of 30522 tokens"):
+        SentenceEncoder.load(path)
+    modules = json.loads((path / "modules.json").read_text())
+    (path / "modules.json").write_text(json.dumps(
+        [*modules, {"idx": 2, "name": "2", "path": "2_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (path / "2_Pooling").mkdir()
+    (path / "2_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    with pytest.raises(UnmaskError, match="pools itself"):
+        read_spec(path)
+
+
+def test_transformer_without_token_types_matches_sentence_transformers(encoder_dir, tmp_path):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import MPNetConfig, MPNetModel
+
+    base = tmp_path / "mpnet-base"
+    config = MPNetConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=130)
+    MPNetModel(config).save_pretrained(str(base))
+    for name in TOKENIZER_FILES:
+        shutil.copy(encoder_dir / name, base / name)
+    reference = SentenceTransformer(modules=[Transformer(str(base), max_seq_length=128), Pooling(32, "mean"),
+                                             Normalize()], device="cpu")
+    out = tmp_path / "mpnet"
+    reference.save(str(out))
+    enc = SentenceEncoder.load(out)
+    assert not enc._token_types   # MPNet's forward takes no token_type_ids
+    ours = enc.encode_texts(TEXTS)
+    np.testing.assert_allclose(ours.vectors, reference.encode(TEXTS), atol=1e-5)
+    assert ours.token_counts[4] == 128   # sentence-transformers 6 keeps max_seq_length in tokenizer_config.json
+    (out / "1_Pooling" / "config.json").write_text('{"embedding_dimension": 32, "pooling_mode": "weightedmean"}')
+    with pytest.raises(UnmaskError, match="pooling mode 'weightedmean' is not supported"):
+        read_spec(out)
 
 
 # ---------------------------------------------------------------------------------------- over HTTP
