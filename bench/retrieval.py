@@ -198,7 +198,8 @@ def main() -> None:
         if pg is not None:
             pg.stop()
             shutil.rmtree(pg.root, ignore_errors=True)
-    print(json.dumps({"bench": "retrieval", "embedder": encoder.name, "questions": len(questions), "sections": len(docs), "results": rows}))
+    print(json.dumps({"bench": "retrieval", "embedder": encoder.name, "questions": len(questions),
+                      "sections": len(docs), "results": rows}))
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ def read_spec(path: Path) -> EncoderSpec:
                     raise UnmaskError(f"{sub / 'config.json'}: pooling mode {cfg['pooling_mode']!r} is not supported "
                                       f"({', '.join(POOLING_NAMES)} are)")
             if len(modes) != 1:
-                raise UnmaskError(f"{sub / 'config.json'}: exactly one pooling mode is supported, got {modes or 'none'}")
+                raise UnmaskError(f"{sub / 'config.json'}: exactly one pooling mode is supported, "
+                                  f"got {modes or 'none'}")
             pooling = modes[0]
         elif kind == "Normalize":
             normalize = True
