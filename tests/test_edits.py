@@ -64,12 +64,15 @@ def test_block_settled(cfg, had, has, post, changed, settled):
 
 
 # ------------------------------------------------------------------------------------------ the engine, model-free
-def drive_edits(params: GenerationParams, want, prompt_len: int = 4, block: int = 8, vocab: int = 16):
-    """Decode with logits from `want(canvas) -> (tokens, logit)` over the output positions (mask id 0, stop 1)."""
+def drive_edits(params: GenerationParams, want, prompt_len: int = 4, block: int = 8, vocab: int = 16,
+                shift: bool = False, after=None):
+    """Decode with logits from `want(canvas) -> (tokens, logit)` over the output positions (mask id 0, stop 1);
+    `shift`: a shifted family (its first token of a block committed by the block's first step, as the engine's
+    shifted block-causal families are); `after(seq)` runs after each step."""
     from unmask.engine.sequence import ModelTraits, Sequence
 
-    traits = ModelTraits(attention="block_causal", shift=False, mask_id=0, block_size=block, stop_ids=(1,),
-                         ar_first_token=False, max_context=256)
+    traits = ModelTraits(attention="block_causal", shift=shift, mask_id=0, block_size=block, stop_ids=(1,),
+                         ar_first_token=shift, max_context=256)
     seq = Sequence([2 + i for i in range(prompt_len)], params, traits)
     targets, outs = [], []
     while seq.finish_reason is None:
@@ -81,6 +84,8 @@ def drive_edits(params: GenerationParams, want, prompt_len: int = 4, block: int 
         logits = torch.zeros(idx.numel(), vocab)
         logits[torch.arange(idx.numel()), torch.tensor(toks)[idx]] = torch.tensor(score)[idx]
         outs.append(seq.apply(plan, logits))
+        if after is not None:
+            after(seq)
         assert len(targets) < 100
     return seq, targets, outs
 
@@ -188,15 +193,92 @@ def test_remask_budget_is_respected():
         assert seq.stats.remasks == 2 * budget and seq.output_ids == [5] * 12  # two blocks (4 + 8 positions)
 
 
+def text_counts(seq, vocab: int = 16) -> list[float]:
+    out = seq.seq[seq.P:seq.end]
+    return torch.bincount(out[out != 0], minlength=vocab).float().tolist()
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(edit_threshold=0.5, frequency_penalty=0.5, presence_penalty=0.5), first_guess_then_fix),
+    (dict(remask_budget=3, repetition_penalty=1.5), lambda c: ([5] * c.numel(), [1.0] * c.numel())),
+])
+def test_penalties_count_only_the_tokens_in_the_text(kw, want):
+    """After every step the penalties' counts are the histogram of the output tokens the canvas holds: an edit
+    (10 -> 11) takes the 10 out and puts the 11 in, a remask takes its token out."""
+    seen = []
+
+    def check(seq):
+        if seq.adjuster.counts is not None:
+            assert seq.adjuster.counts.tolist() == text_counts(seq)
+            seen.append(1)
+
+    p = GenerationParams(max_tokens=12, threshold=0.9, ignore_eos=True, **kw)
+    seq, _, _ = drive_edits(p, want, after=check)
+    assert len(seen) == seq.stats.forwards and seq.stats.edits + seq.stats.remasks > 0
+
+
+def sure_of_right(canvas, unsure_first_read={}):
+    """Proposes RIGHT with logit 10 (p 0.9993); a block's last index (7, 15) with logit 1 on its first read, so the
+    block is still open after its first step."""
+    n = canvas.numel()
+    toks, score = RIGHT[:n] + [4] * (n - len(RIGHT)), [10.0] * n
+    for i in (7, 15):
+        if i < n and canvas[i] == 0 and not unsure_first_read.setdefault(i, False):
+            unsure_first_read[i], score[i] = True, 1.0
+    return toks, score
+
+
+@pytest.mark.parametrize("edit_threshold", [0.9, None])
+def test_a_shifted_blocks_first_position_is_revised(edit_threshold):
+    """A shifted family reads a block's first token from the row before the block, which later forwards do not
+    compute: the engine keeps that row from the block's first forward, so a wrong token planted at the first
+    position (output indices 0 and 8, after a prompt of one block) is put back by the edit rule, with no extra
+    forward; without edits it stays."""
+    planted = []
+
+    def plant(seq):
+        for i in (0, 8):
+            if i not in planted and seq.seq[seq.P + i] == RIGHT[i] and seq.block_start == seq.P + i:
+                seq.seq[seq.P + i] = 15
+                planted.append(i)
+
+    p = GenerationParams(max_tokens=16, threshold=0.9, edit_threshold=edit_threshold, ignore_eos=True)
+    seq, targets, _ = drive_edits(p, lambda c: sure_of_right(c, {}), prompt_len=8, shift=True, after=plant)
+    assert planted == [0, 8]
+    want = RIGHT + [4] * 4
+    if edit_threshold is None:
+        want[0] = want[8] = 15
+    assert seq.output_ids == want and seq.stats.edits == (2 if edit_threshold else 0)
+    # the forwards after a block's first one start at the block, so the first position is none of their rows: the
+    # edit reads the kept row (three forwards a block with edits: fill, fill + edit, an edit-only step that ends it)
+    first, rest = list(range(8, 16)), list(range(9, 16))
+    blocks = [first, rest, rest] if edit_threshold else [first, [15]]
+    assert targets == blocks + [[t + 8 for t in b] for b in blocks]
+
+
+def test_remasking_leaves_a_shifted_blocks_first_position():
+    """Every token unsure (p 0.08 < 0.5) and a budget of the whole block: remasking takes any filled position but
+    the block's first, whose row never sees the block (decoded again, it would read the same row)."""
+    remasked = []
+    unsure = lambda canvas: ([5] * canvas.numel(), [1.0] * canvas.numel())  # noqa: E731
+    p = GenerationParams(max_tokens=16, threshold=0.9, remask_budget=8, ignore_eos=True)
+    seq, _, _ = drive_edits(p, unsure, prompt_len=8, shift=True, after=lambda s: remasked.extend(s.edited))
+    assert seq.output_ids == [5] * 16 and seq.stats.remasks == len(remasked) > 0
+    assert 0 not in remasked and 8 not in remasked
+
+
 # ------------------------------------------------------------------------------------------ the engine vs dense
 def naive_edit_generate(model, spec, prompt, params: GenerationParams):
     """Dense decode with edits and remasking, from docs/decoding.md: every step recomputes the canvas up to the
     active block's end; the policy commits among the block's masks before the first committed stop token;
     filled non-prompt positions before that stop are replaced when the proposal differs with p above
     edit_threshold (never by a stop token), or, while the block has masks, put back to mask when their own
-    token's p is below remask_threshold (least likely first, a budget per block); after the block is full, edit-only
-    steps until one changes nothing or max_post_edit_steps. The output ends at the first stop token."""
+    token's p is below remask_threshold (least likely first, a budget per block; on a shifted block-causal
+    family never the block's first position, whose row cannot see the block); after the block is full, edit-only
+    steps until one changes nothing or max_post_edit_steps. The output ends at the first stop token. Presence and
+    frequency penalties count the output tokens the canvas holds before the step (not those edited out)."""
     cfg = params.edit_config()
+    adj = params.logit_adjust()
     mask, B = spec.mask_id, params.block_size or spec.block_size
     P, end = len(prompt), len(prompt) + params.max_tokens
     seq = torch.full((end,), mask)
@@ -223,6 +305,10 @@ def naive_edit_generate(model, spec, prompt, params: GenerationParams):
                 break
             with torch.no_grad():
                 logits = model.logits(model.forward_dense(seq[None, :L], pos[None], m))[0].float()
+            if adj.penalised:
+                out_now = seq[P:end][seq[P:end] != mask]
+                counts = torch.bincount(out_now, minlength=logits.shape[1]).float()
+                logits -= adj.frequency_penalty * counts + adj.presence_penalty * (counts > 0).float()
             logits[:, mask] = float("-inf")
             had = bool(masked)
             if had:
@@ -251,7 +337,9 @@ def naive_edit_generate(model, spec, prompt, params: GenerationParams):
                 rem = torch.zeros_like(rep)
                 if had and budget:
                     own = torch.softmax(fl, -1).gather(1, cur[:, None])[:, 0]
-                    low = [(float(own[j]), j) for j in range(len(filled)) if not rep[j] and own[j] < cfg.remask_threshold]
+                    fixed_row = spec.shift and not bidir  # the block's first position reads the row before it
+                    low = [(float(own[j]), j) for j in range(len(filled)) if not rep[j] and own[j] < cfg.remask_threshold
+                           and not (fixed_row and filled[j] == start)]
                     for _, j in sorted(low)[:budget]:
                         rem[j] = True
                     budget -= int(rem.sum())
@@ -286,19 +374,35 @@ EDIT_CASES = [dict(edit_threshold=0.1), dict(edit_threshold=0.0, max_post_edit_s
               dict(remask_budget=3, remask_threshold=0.6), dict(edit_threshold=0.2, remask_budget=2)]
 
 
-@pytest.mark.parametrize("family", ["sdar", "llada2", "llada", "dream"])
-def test_edits_match_the_dense_loop(family, family_dirs):
-    model, spec = load_model(family_dirs[family])
-    total = 0
-    for kw in EDIT_CASES:
+def engine_matches_dense(model, spec, cases: list[dict]) -> list:
+    """Both prompts under each case, in one engine, equal the dense loop's tokens; returns the engine's sequences."""
+    out = []
+    for kw in cases:
         p = GenerationParams(max_tokens=12, threshold=0.3, block_size=4, seed=0, ignore_eos=True, **kw)
         eng = Engine(model, spec, max_num_seqs=4)
         seqs = [eng.add_request(prompt, p) for prompt in PROMPTS]
         eng.run_to_completion()
         for prompt, s in zip(PROMPTS, seqs):
             assert s.output_ids == naive_edit_generate(model, spec, prompt, p), (kw, prompt)
-            total += s.stats.edits + s.stats.remasks
-    assert total > 0  # the random models' predictions move: the rules did act
+        out += seqs
+    return out
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2", "llada", "dream", "fast_dllm_v2"])
+def test_edits_match_the_dense_loop(family, family_dirs):
+    seqs = engine_matches_dense(*load_model(family_dirs[family]), EDIT_CASES)
+    assert sum(s.stats.edits + s.stats.remasks for s in seqs) > 0  # the random models' predictions move
+
+
+@pytest.mark.parametrize("family", ["sdar", "fast_dllm_v2"])
+def test_edits_under_penalties_match_the_dense_loop(family, family_dirs):
+    """Frequency / presence penalties with edits and remasks: the dense loop counts the canvas's output tokens each
+    step, so a token edited out or remasked stops counting (the engine counted every token ever written before)."""
+    seqs = engine_matches_dense(*load_model(family_dirs[family]),
+                                [dict(edit_threshold=0.0, max_post_edit_steps=2, frequency_penalty=2.0),
+                                 dict(remask_budget=3, remask_threshold=0.6, presence_penalty=2.0)])
+    # each case acted in both prompts: edits in the first two sequences, remasks in the last two
+    assert all(s.stats.edits for s in seqs[:2]) and all(s.stats.remasks for s in seqs[2:])
 
 
 @pytest.mark.parametrize("family", ["sdar", "llada"])

@@ -37,6 +37,19 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
         assert "repetition_penalty must be in (0, 10] (1 = off)" in validate(None, 0.0, 0.0, bad)
 
 
+def test_withdrawn_tokens_stop_counting():
+    """An edit or a remask takes a token out of the text (decoding.edits): `withdraw` uncounts it, before the first
+    step (held with the commits) as after, so presence, frequency and repetition see only what the text holds."""
+    a = Adjuster(LogitAdjust(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0))
+    a.commit(torch.tensor([2, 2, 3]))
+    a.withdraw(torch.tensor([2, 3]))            # an edit replaced one 2 and the 3 before V was known
+    a.commit(torch.tensor([4]))                 # ... by a 4
+    # token 2: count 1 -> 2 / 2 - 0.25 - 0.5; token 3: nothing; token 4: 2 / 2 - 0.75
+    assert a.adjust(torch.full((1, 5), 2.0)).tolist() == [[2.0, 2.0, 0.25, 2.0, 0.25]]
+    a.withdraw(torch.tensor([2, 4]))            # remasked: no output token left
+    assert a.adjust(torch.full((1, 5), 2.0)).tolist() == [[2.0] * 5]
+
+
 def test_params_reject_out_of_range_with_the_param_named():
     for kw, param in ((dict(frequency_penalty=-3.0), "frequency_penalty"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
                       (dict(logit_bias={1: 200.0}), "logit_bias"), (dict(repetition_penalty=0.0), "repetition_penalty")):

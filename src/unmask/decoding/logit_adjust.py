@@ -9,9 +9,11 @@ token seen in the prompt or the output so far: a positive logit is divided by it
 multiplied, as vLLM and transformers apply it (vLLM too adds the bias first and the additive penalties
 after it; llama.cpp's `repeat_penalty` is the same rule over a window of recent tokens). For a diffusion
 model "so far" means the output tokens committed before this step (in any earlier block or step), so
-tokens committed together in one step do not penalise each other. Tensors only: a sequence owns one
-`Adjuster`, calls `adjust` on each step's logits before the policy sees them and `commit` with the
-tokens it committed.
+tokens committed together in one step do not penalise each other; where a step revises committed tokens
+(docs/decoding.md, "Editing committed tokens"), the counts follow the text: a token an edit replaced or a
+remask took back no longer counts. Tensors only: a sequence owns one `Adjuster`, calls `adjust` on each
+step's logits before the policy sees them, `commit` with the tokens it committed and `withdraw` with those
+it took out of the text.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ class Adjuster:
         self.bias_ids = torch.tensor([t for t, _ in spec.bias], dtype=torch.long)
         self.bias_values = torch.tensor([v for _, v in spec.bias], dtype=torch.float32)
         self.counts: Tensor | None = None   # [V], allocated at the first step (the logits give V)
-        self._pending: list[Tensor] = []
+        self._pending: list[tuple[Tensor, float]] = []  # (tokens, +1 committed / -1 withdrawn) before that
 
     def adjust(self, logits: Tensor) -> Tensor:
         """In place on [M, V] logits (every row is a position of this request); returns them."""
@@ -90,8 +92,8 @@ class Adjuster:
             if self.counts is None or self.counts.device != logits.device:
                 self.counts = (torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
                                if self.counts is None else self.counts.to(logits.device))
-                for t in self._pending:
-                    self.commit(t)
+                for t, weight in self._pending:
+                    self._count(t, weight)
                 self._pending = []
             counts = self.counts
             if earlier is not None and earlier.numel():  # [M, V]: row i's counts take earlier[:i] in
@@ -118,13 +120,21 @@ class Adjuster:
 
     def commit(self, tokens: Tensor) -> None:
         """Count newly committed output tokens."""
+        self._count(tokens, 1.0)
+
+    def withdraw(self, tokens: Tensor) -> None:
+        """Uncount output tokens taken out of the text (an edit replaced them, a remask put their position back to
+        mask): the penalties count the tokens the output holds, not every token ever written."""
+        self._count(tokens, -1.0)
+
+    def _count(self, tokens: Tensor, weight: float) -> None:
         if not self.spec.penalised or not tokens.numel():
             return
         if self.counts is None:
-            self._pending.append(tokens.reshape(-1).cpu())
+            self._pending.append((tokens.reshape(-1).cpu(), weight))
             return
         t = tokens.reshape(-1).to(self.counts.device)
-        self.counts.index_add_(0, t, torch.ones(t.numel(), dtype=self.counts.dtype, device=t.device))
+        self.counts.index_add_(0, t, torch.full((t.numel(),), weight, dtype=self.counts.dtype, device=t.device))
 
 
 def ban_early_stops(logits: Tensor, output_index: Tensor, min_tokens: int, stops: set[int]) -> None:

@@ -193,6 +193,13 @@ class Sequence:
         self.settled = self.revise is None
         self.post_edit_steps = 0
         self.remask_left = self.revise.remask_budget if self.revise is not None else 0
+        self.first_row: Tensor | None = None  # shifted block-causal: the logits that predict the block's first token
+
+    @property
+    def _first_row_fixed(self) -> bool:
+        """Whether the block's first position is predicted by a row that sees nothing of the block: a shifted
+        block-causal family reads it from the last row before the block, whose attention stops at that row."""
+        return self.traits.shift and not self.bidirectional
 
     @property
     def canvas_end(self) -> int:
@@ -321,6 +328,8 @@ class Sequence:
     def apply(self, plan: StepPlan, logits: Tensor) -> list[int]:
         """Commit tokens chosen by the policy; returns newly final generated token ids."""
         self.edited = []
+        if self.revise is not None and self._first_row_fixed and not isinstance(logits, Proposal):
+            plan, logits = self._with_first_row(plan, logits)
         if plan.targets.numel() == 0:
             if self.revise is not None and not self.settled:  # nothing left to read: the block is what it is
                 self.settled = True
@@ -370,6 +379,30 @@ class Sequence:
             commit = defer_late_stops(commit, d.tokens, targets, first_hole, self.stop_tensor)
         return d, commit
 
+    def _with_first_row(self, plan: StepPlan, logits: Tensor) -> tuple[StepPlan, Tensor]:
+        """Revising on a shifted block-causal family: the row that predicts the block's first position (the one
+        before the block) is computed only by the block's first forward; later forwards start at the block, whose
+        first row predicts its second position. That row attends to nothing of the block, so its logits are the
+        same at every step of the block: kept (unadjusted) from that forward, they are read again with the other
+        filled positions so that edits reach the first position too. Returns the plan and logits with that row
+        first where the position is editable."""
+        first = self.block_start
+        if first < self.P:  # a prompt token: never revised
+            return plan, logits
+        if plan.targets.numel() and int(plan.targets[0]) == first:
+            self.first_row = logits[0].detach().clone()
+            return plan, logits
+        editable = self.editable_positions()
+        if self.first_row is None or not editable.numel() or int(editable[0]) != first:
+            return plan, logits
+        at = torch.tensor([first])
+        plan = replace(plan, targets=torch.cat([at, plan.targets]),
+                       logit_rows=torch.cat([torch.tensor([-1]), plan.logit_rows]))  # -1: no row of this forward
+        row = self.first_row[None]
+        if not plan.targets.numel() - 1:  # a forward that read no row (the rest of the block is past a stop)
+            return plan, row.clone()
+        return plan, torch.cat([row.to(logits.device, logits.dtype), logits])
+
     def _apply_revising(self, plan: StepPlan, logits: Tensor) -> list[int]:
         """A step with edits or remasking (unmask.decoding.edits): the policy commits among the masked rows as
         usual; the filled rows may be replaced (edits) or put back to mask (remasks); the block's tokens become
@@ -391,12 +424,17 @@ class Sequence:
                                  self.stop_tensor)
             if had_masks and self.remask_left:  # remasking only while the block is still being filled
                 own = own_token_probs(f_logits, current).cpu()
-                remask = remask_rows(own, ~replace_, self.revise.remask_threshold, self.remask_left)
+                candidates = ~replace_
+                if self._first_row_fixed:  # its row never sees the block: decoded again, it would read the same row
+                    candidates &= f_targets != self.block_start
+                remask = remask_rows(own, candidates, self.revise.remask_threshold, self.remask_left)
                 self.remask_left -= int(remask.sum())
         if had_masks:
             pos = m_targets[commit]
             self.seq[pos] = d.tokens[commit].cpu()
             self._record(pos, d.tokens[commit], d.probs[commit], m_logits[commit.to(m_logits.device)])
+        if self.adjuster is not None:  # the penalties count what the text holds: out go the replaced and remasked
+            self.adjuster.withdraw(current[replace_ | remask])
         if bool(replace_.any()):
             pos = f_targets[replace_]
             self.seq[pos] = prop.tokens.cpu()[replace_]

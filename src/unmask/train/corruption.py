@@ -12,7 +12,8 @@ on masks never sees a wrong token in its input, so nothing teaches it that propo
 - and it covers the other filled positions of the noisy stream with weight 1 (the *keep* term): the model cannot
   tell a planted token from a right one by looking at it, so without this term it would learn that a filled token
   is always wrong and propose to replace every one. A shifted model's block-first position is read from the clean
-  row before the block (as decoding reads it), which sees no token of the block: it is left out of the keep term.
+  row before the block (as decoding reads it, at every step of the block), which sees no token of the block: it is
+  left out of the keep term.
 
 Only the noisy stream is corrupted; the clean stream of block diffusion (the exact KV cache of committed blocks at
 inference) stays clean, as edits never reach a settled block.
