@@ -3,6 +3,7 @@
     python scripts/device_check.py --device cuda --out $OUT          # on a lent GPU machine
     python scripts/device_check.py --device cpu --quick              # the same code path here (smoke run)
     python scripts/device_check.py --part block --out $OUT           # issue 31: block-causal fast path, 1.7B shape
+    python scripts/device_check.py --part block --shapes llada2-mini --out $OUT   # its MoE shape alone
 
 1. Correctness, float32 (TF32 off): for the built-in model and a tiny random checkpoint of each family that
    builds without transformers' model classes, the device's logits for one ragged forward against the CPU's
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="engine: the parts above; block: issue 31's block-causal fast path at the Qwen3-1.7B shape "
                          "(scripts/device_check_block.py); all: both")
     ap.add_argument("--tiny", action="store_true", help="block part: tiny shapes (the CPU suite's smoke run)")
+    ap.add_argument("--shapes", choices=("all", "qwen3-1.7b", "llada2-mini"), default="all",
+                    help="block part: the dense 1.7B shape, LLaDA2.0-mini's MoE (scripts/device_check_moe.py; after "
+                         "the dense one, in what the time budget leaves), or both")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="block part: batch sizes (default 1,4,16,64; --tiny 1,4)")
     ap.add_argument("--prompt-len", type=int, default=None, help="block part: prompt tokens (default 128; --tiny 16)")

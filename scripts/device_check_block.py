@@ -20,6 +20,9 @@
    at each batch, and with a static cache + torch.compile (transformers' CompileConfig, mode reduce-overhead)
    at batch 1 (skipped with --tiny or when the time budget is spent; compile time reported apart).
 
+6. LLaDA2.0-mini's MoE shape (scripts/device_check_moe.py), in what the time budget leaves, or alone with
+   `--shapes llada2-mini` (the dense shape alone: `--shapes qwen3-1.7b`).
+
 Writes block_check.json (after every part) and block_check.md (the table for docs/benchmarks.md). Sections
 that would overrun --budget-s are skipped and marked so, so that the one call ends inside its limit.
 """
@@ -81,57 +84,68 @@ def new_engine(model, spec, static: bool, batches: list[int], prompt_len: int, m
                   static_step=static, kv_pool_tokens=per_request * max(batches))
 
 
-def unmask_speed(model, spec, args, report: dict, out: Path) -> None:
+def unmask_speed(model, spec, args, report: dict, out: Path, key: str = "unmask", modes: tuple[str, ...] = tuple(MODES),
+                 eager_runs: list[tuple[int, str]] | None = None) -> None:
+    """Rows into report[key]; the static step at every batch and mode, eagerly likewise or only `eager_runs`
+    ((batch, mode) pairs: the MoE shape's eager step is too slow for all), and (on CUDA) the static step
+    without capture at the smallest and largest batch with 4 tokens per forward."""
     from unmask.engine.params import GenerationParams
 
-    rows = report.setdefault("unmask", [])
+    rows = report.setdefault(key, [])
+    outputs = report.setdefault(f"_{key}_outputs", {})
 
     def variant(static: bool, graphs: bool) -> None:
         eng = new_engine(model, spec, static, args.batches, args.prompt_len, args.max_tokens)
         if static and not graphs:
             eng.runner.static.graphs = False
-        for batch in args.batches if graphs or not static else [args.batches[0], args.batches[-1]]:
-            modes = MODES.items() if graphs or not static else [("topk4", MODES["topk4"])]
-            for i, (name, knobs) in enumerate(modes):
-                if over_budget(args, 25):
-                    rows.append({"static": static, "graphs": graphs, "batch": batch, "mode": name,
-                                 "skipped": "time budget"})
-                    continue
-                params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, **knobs)
-                batch_prompts = prompts(batch, args.prompt_len, spec.arch.vocab_size, seed=batch)
-                if static or i == 0:  # warm-up: captures the shapes' graphs (eager: one per batch size, for time)
-                    run_engine(eng, batch_prompts, params, args.device)
-                r = run_engine(eng, batch_prompts, params, args.device)
-                outputs = r.pop("outputs")
-                st = eng.runner.static
-                row = {"static": static, "graphs": bool(st and st.graphs), "batch": batch, "mode": name, **r,
-                       "captures": st.captures if st else 0, "replays": st.replays if st else 0}
-                rows.append(row)
-                if graphs or not static:
-                    report.setdefault("_outputs", {})[f"{static}-{batch}-{name}"] = outputs
-                log(f"unmask static={static} graphs={graphs} batch={batch} {name}: {r['tokens_per_s']:,.0f} tokens/s, "
-                    f"{r['ms_per_forward']:.2f} ms/forward, {r['tokens_per_forward']:.2f} tokens/forward")
+        runs = [(b, m) for b in args.batches for m in modes]
+        if static and not graphs:
+            runs = [(b, "topk4") for b in dict.fromkeys([args.batches[0], args.batches[-1]])]
+        elif not static and eager_runs is not None:
+            runs = eager_runs
+        warmed = set()
+        for batch, name in runs:
+            knobs = MODES[name]
+            if over_budget(args, 25):
+                rows.append({"static": static, "graphs": graphs, "batch": batch, "mode": name,
+                             "skipped": "time budget"})
+                continue
+            params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, **knobs)
+            batch_prompts = prompts(batch, args.prompt_len, spec.arch.vocab_size, seed=batch)
+            if static or batch not in warmed:  # warm-up: captures the shapes' graphs (eager: once per batch)
+                run_engine(eng, batch_prompts, params, args.device)
+                warmed.add(batch)
+            r = run_engine(eng, batch_prompts, params, args.device)
+            got = r.pop("outputs")
+            st = eng.runner.static
+            row = {"static": static, "graphs": bool(st and st.graphs), "batch": batch, "mode": name, **r,
+                   "captures": st.captures if st else 0, "replays": st.replays if st else 0}
+            rows.append(row)
+            if graphs or not static:
+                outputs[f"{static}-{batch}-{name}"] = got
+            log(f"{key} static={static} graphs={graphs} batch={batch} {name}: {r['tokens_per_s']:,.0f} tokens/s, "
+                f"{r['ms_per_forward']:.2f} ms/forward, {r['tokens_per_forward']:.2f} tokens/forward")
 
     # the static step with graphs, eagerly, and (on CUDA, two rows) on its buffers without capture: what the
     # graphs alone buy
     uncaptured = args.device.startswith("cuda")
     for static, graphs in ((True, True), (False, False)) + (((True, False),) if uncaptured else ()):
-        guarded(f"unmask static={static} graphs={graphs}", report, variant, static, graphs)
+        guarded(f"{key} static={static} graphs={graphs}", report, variant, static, graphs)
         save(report, out)
 
     same = total = 0
-    outs = report.get("_outputs", {})
-    for key, o in outs.items():
-        if key.startswith("True-") and "False-" + key[5:] in outs:
-            other = outs["False-" + key[5:]]
+    for run, o in outputs.items():
+        if run.startswith("True-") and "False-" + run[5:] in outputs:
+            other = outputs["False-" + run[5:]]
             same += sum(a == b for a, b in zip(o, other))
             total += len(o)
-    report["identity"] = {"identical_requests": same, "of": total,
-                          "note": "static step vs eager, greedy, same prompts (bf16: rounding may differ)"}
-    log(f"identity: {same}/{total} requests token-identical")
+    report["identity" if key == "unmask" else f"{key}_identity"] = {
+        "identical_requests": same, "of": total,
+        "note": "static step vs eager, greedy, same prompts (bf16: rounding may differ)"}
+    log(f"{key} identity: {same}/{total} requests token-identical")
 
 
-def host_syncs(model, spec, args, report: dict) -> None:
+def host_syncs(model, spec, args, report: dict, key: str = "host_syncs") -> None:
     """Host reads per step (any device) and, on CUDA, the profiler's synchronising calls per step."""
     from unmask.engine.params import GenerationParams
     from unmask.engine.static_step import HostReads
@@ -169,7 +183,7 @@ def host_syncs(model, spec, args, report: dict) -> None:
         row["steps"] = r["steps"]
         out["static" if static else "eager"] = row
         log(f"host syncs static={static}: {row}")
-    report["host_syncs"] = out
+    report[key] = out
 
 
 def hf_speed(path: Path, args, report: dict, out: Path) -> None:
@@ -265,13 +279,16 @@ def save(report: dict, out: Path) -> None:
     (out / "block_check.json").write_text(json.dumps(public, indent=1) + "\n")
 
 
-def markdown(report: dict) -> str:
-    md = [f"# Block-causal fast path: {report['name']} ({report['device']}), torch {report['torch']}, "
-          f"{report['shape']} shape, bf16, prompt {report['prompt_len']}, {report['max_tokens']} new tokens\n",
-          "| engine | batch | decoding | tokens/s | ms/forward | tokens/forward per request |",
+HEADER = ["| engine | batch | decoding | tokens/s | ms/forward | tokens/forward per request |",
           "|---|---:|---|---:|---:|---:|"]
-    for r in report.get("unmask", []):
-        cuda = report["device"].startswith("cuda")
+
+
+def engine_rows(rows: list[dict], cuda: bool) -> list[str]:
+    md = []
+    for r in rows:
+        if "static" not in r:  # a whole section skipped
+            md.append(f"| (section skipped: {r.get('skipped')}) | | | | | |")
+            continue
         name = ("unmask static step" + (" (CUDA graphs)" if r.get("graphs") else " (no capture)") * cuda
                 if r["static"] else "unmask eager")
         if "skipped" in r:
@@ -279,25 +296,47 @@ def markdown(report: dict) -> str:
             continue
         md.append(f"| {name} | {r['batch']} | {r['mode']} | {r['tokens_per_s']:,.0f} | {r['ms_per_forward']:.2f} "
                   f"| {r['tokens_per_forward']:.2f} |")
-    hf = report.get("transformers", {})
-    for r in hf.get("rows", []):
-        name = f"transformers {hf.get('version', '')} generate, {r['cache']} cache"
-        if "tokens_per_s" not in r:
-            md.append(f"| {name} | {r['batch']} | next token | {r.get('skipped') or r.get('error')} | | |")
-            continue
-        md.append(f"| {name} | {r['batch']} | next token | {r['tokens_per_s']:,.0f} | {r['ms_per_forward']:.2f} "
-                  f"| {r['tokens_per_forward']:.2f} |")
-    if "skipped" in hf:
-        md.append(f"\ntransformers: {hf['skipped']}")
-    for err in report.get("errors", []):
-        md.append(f"\nFailed: {err}")
-    ident = report.get("identity")
+    return md
+
+
+def checks(report: dict, identity: str, syncs: str) -> list[str]:
+    md = []
+    ident = report.get(identity)
     if ident:
         md.append(f"\nStatic step vs eager: {ident['identical_requests']}/{ident['of']} requests token-identical.")
-    for name, row in report.get("host_syncs", {}).items():
+    for name, row in report.get(syncs, {}).items():
         cuda = (f", {row['cuda_sync_calls_per_step']:.2f} synchronising CUDA calls per step "
                 f"({', '.join(row['cuda_sync_names'])})") if "cuda_sync_calls_per_step" in row else ""
         md.append(f"\nHost reads per step, {name}: {row['host_reads_per_step']:.2f}{cuda}.")
+    return md
+
+
+def markdown(report: dict) -> str:
+    cuda = report["device"].startswith("cuda")
+    md = [f"# Block-causal fast path: {report['name']} ({report['device']}), torch {report['torch']}, bf16, "
+          f"prompt {report['prompt_len']}, {report['max_tokens']} new tokens\n"]
+    if "unmask" in report:
+        md += [f"## {report['shape']} shape (SDAR's format, {report['parameters'] / 1e9:.2f}B parameters)\n", *HEADER,
+               *engine_rows(report["unmask"], cuda)]
+        hf = report.get("transformers", {})
+        for r in hf.get("rows", []):
+            name = f"transformers {hf.get('version', '')} generate, {r['cache']} cache"
+            if "tokens_per_s" not in r:
+                md.append(f"| {name} | {r['batch']} | next token | {r.get('skipped') or r.get('error')} | | |")
+                continue
+            md.append(f"| {name} | {r['batch']} | next token | {r['tokens_per_s']:,.0f} | {r['ms_per_forward']:.2f} "
+                      f"| {r['tokens_per_forward']:.2f} |")
+        if "skipped" in hf:
+            md.append(f"\ntransformers: {hf['skipped']}")
+        md += checks(report, "identity", "host_syncs")
+    if "moe" in report:
+        shape = report.get("moe_shape", {})
+        built = (f", {shape['parameters'] / 1e9:.2f}B parameters drawn on the device in {shape['build_s']:.0f} s"
+                 if shape else "")
+        md += [f"\n## {shape.get('name', 'LLaDA2.0-mini')} MoE shape{built}\n", *HEADER,
+               *engine_rows(report["moe"], cuda), *checks(report, "moe_identity", "moe_host_syncs")]
+    for err in report.get("errors", []):
+        md.append(f"\nFailed: {err}")
     return "\n".join(md) + "\n"
 
 
@@ -311,19 +350,25 @@ def run(args) -> dict:
     report = {"device": args.device, "torch": torch.__version__, "shape": "tiny" if args.tiny else "Qwen3-1.7B",
               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
               "name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()}
-    tmp = Path(tempfile.mkdtemp())
-    path = build_checkpoint(tmp / "sdar", args.tiny)
-    log(f"checkpoint written: {path}")
-    model, spec = load_model(path, dtype="bfloat16", device=args.device)
-    report["parameters"] = sum(p.numel() for p in model.parameters())
-    unmask_speed(model, spec, args, report, args.out)
-    guarded("host syncs", report, host_syncs, model, spec, args, report)
-    save(report, args.out)
-    del model
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    guarded("transformers", report, hf_speed, path, args, report, args.out)
-    save(report, args.out)
+    if args.shapes in ("all", "qwen3-1.7b"):
+        tmp = Path(tempfile.mkdtemp())
+        path = build_checkpoint(tmp / "sdar", args.tiny)
+        log(f"checkpoint written: {path}")
+        model, spec = load_model(path, dtype="bfloat16", device=args.device)
+        report["parameters"] = sum(p.numel() for p in model.parameters())
+        unmask_speed(model, spec, args, report, args.out)
+        guarded("host syncs", report, host_syncs, model, spec, args, report)
+        save(report, args.out)
+        del model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        guarded("transformers", report, hf_speed, path, args, report, args.out)
+        save(report, args.out)
+    if args.shapes in ("all", "llada2-mini"):  # what the time budget leaves (or a call of its own)
+        from device_check_moe import run_moe
+
+        guarded("moe", report, run_moe, args, report)
+        save(report, args.out)
     md = markdown(report)
     (args.out / "block_check.md").write_text(md)
     print(md)

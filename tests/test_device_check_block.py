@@ -1,5 +1,6 @@
 """scripts/device_check.py --part block (issue 31's prepared GPU check) in its tiny mode on the CPU, so the
-script a lent GPU runs once cannot rot: every section runs and the JSON and the table come out."""
+script a lent GPU runs once cannot rot: every section runs, the dense shape's and the MoE shape's (weights drawn
+on the device, scripts/device_check_moe.py), and the JSON and the table come out."""
 import json
 from pathlib import Path
 
@@ -24,5 +25,13 @@ def test_the_block_device_check_runs_in_tiny_mode(tmp_path, monkeypatch):
     hf = report["transformers"]
     assert hf["rows"][0]["cache"] == "dynamic" and hf["rows"][0]["tokens"] == 8
     assert hf["rows"][-1] == {"cache": "static+compile", "batch": 1, "skipped": "--tiny"}
+    moe = report["moe"]
+    assert {(r["static"], r["mode"]) for r in moe} == {(True, "topk1"), (True, "topk4"), (True, "threshold0.9"),
+                                                       (False, "topk4")}
+    assert all(r["tokens"] == 2 * 4 for r in moe) and report["moe_identity"]["of"] == 2
+    assert report["moe_shape"]["name"] == "tiny" and report["moe_shape"]["parameters"] > 0
+    # the MoE's grouped GEMMs read nothing back in the static step; its eager loop reads the chosen experts
+    assert report["moe_host_syncs"]["static"]["host_reads_per_step"] == 1
+    assert report["moe_host_syncs"]["eager"]["host_reads_per_step"] > 2
     md = (tmp_path / "block_check.md").read_text()
-    assert "| unmask static step | 2 | topk4 |" in md and "transformers" in md
+    assert "| unmask static step | 2 | topk4 |" in md and "transformers" in md and "## tiny MoE shape" in md
