@@ -83,18 +83,19 @@ def evaluate(index, encoder, questions, store: str) -> dict:
     out = {}
     qvecs = encoder.encode_texts([q["title"] for q in questions]).vectors
     for mode in ("keyword", "vector", "hybrid"):
-        hits, rr, times = 0, 0.0, []
+        hits, rr, times, ranks = 0, 0.0, [], []
         for q, v in zip(questions, qvecs):
             t = time.perf_counter()
             found = index.search([store], q["title"], v, 50, mode)
             times.append(time.perf_counter() - t)
             ranked = list(dict.fromkeys(h.file_id for h in found))
-            if q["id"] in ranked:
-                rank = ranked.index(q["id"]) + 1
+            rank = ranked.index(q["id"]) + 1 if q["id"] in ranked else 0
+            ranks.append(rank)   # per question (0: not in the 50 results), for paired comparisons of runs
+            if rank:
                 hits += rank <= K
                 rr += 1 / rank
         out[mode] = {"recall@5": hits / len(questions), "mrr": rr / len(questions),
-                     "p50_ms": sorted(times)[len(times) // 2] * 1000}
+                     "p50_ms": sorted(times)[len(times) // 2] * 1000, "ranks": ranks}
     return out
 
 
