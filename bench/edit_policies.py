@@ -2,8 +2,9 @@
 edits, on the model card's held-out tasks: quality and tokens per forward, threshold by threshold.
 
 The claim to test (issue 35): a model that may fix its mistakes can commit earlier, at a lower threshold, for
-the same quality. Each threshold runs plain, with each `--edit-thresholds` value (LLaDA2.1's joint decoding) and,
-with `--remask-budget` > 0, with ReMDM-style remasking, in one process, interleaved. Greedy, float32; one JSON
+the same quality. Each threshold runs plain (unless `--no-plain`), with each `--edit-thresholds` value (LLaDA2.1's
+joint decoding) at each `--post-edit-steps` value and, with `--remask-budget` > 0, with ReMDM-style remasking, in
+one process, interleaved. Greedy, float32; one JSON
 document out, rewritten after every row (so a run cut short keeps what it measured), with the command line and the
 load average at the start and the end (each row also in the output as it comes).
 
@@ -26,6 +27,10 @@ def main() -> None:
     heldout.add_args(ap)
     ap.add_argument("--thresholds", default="0.9,0.7,0.5")
     ap.add_argument("--edit-thresholds", "--edit-threshold", default="0.9", help="comma-separated edit thresholds")
+    ap.add_argument("--post-edit-steps", default="16",
+                    help="comma-separated max_post_edit_steps, each run with each edit threshold (0: edits only "
+                         "while the block has masks, no forward added)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the runs without edits (rows measured before)")
     ap.add_argument("--remask-budget", type=int, default=0, help="> 0: also remasking, this many per block")
     ap.add_argument("--remask-threshold", type=float, default=None)
     ap.add_argument("--json", type=Path, default=None)
@@ -39,7 +44,9 @@ def main() -> None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({**doc, "loadavg_now": os.getloadavg()}, indent=1) + "\n")
 
-    variants = [dict()] + [dict(edit_threshold=float(e)) for e in args.edit_thresholds.split(",") if e]
+    variants = [] if args.no_plain else [dict()]
+    variants += [dict(edit_threshold=float(e), max_post_edit_steps=int(k))
+                 for e in args.edit_thresholds.split(",") if e for k in args.post_edit_steps.split(",")]
     if args.remask_budget > 0:
         variants.append(dict(remask_budget=args.remask_budget, remask_threshold=args.remask_threshold))
     for tau in (float(t) for t in args.thresholds.split(",")):
@@ -47,6 +54,7 @@ def main() -> None:
             for tasks in task_sets:
                 r = evaluate(llm, tasks, "threshold_0.9", threshold=tau, **knobs)
                 row = {"threshold": tau, "edit_threshold": knobs.get("edit_threshold"),
+                       "max_post_edit_steps": knobs.get("max_post_edit_steps"),
                        "remask_budget": knobs.get("remask_budget"), "task": r.task, "n": r.n, "exact": r.accuracy,
                        "similarity": r.edit_similarity, "valid": r.valid,
                        "tokens_per_forward": r.tokens_per_forward, "seconds": r.seconds}
