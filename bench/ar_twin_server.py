@@ -6,7 +6,8 @@ at a time (no batching), greedy or temperature sampling, one token per forward w
 
 Routes: GET /health, GET /v1/models, POST /v1/completions and /v1/chat/completions (prompt / messages,
 max_tokens, temperature, stream, stream_options.include_usage, ignore_eos; the chat template of the
-tokenizer). Streamed chunks carry each token's new text; usage counts token ids."""
+tokenizer). Streamed chunks carry each token's new text; usage counts token ids. A body that is not JSON, lacks its
+prompt / messages or has a bad max_tokens is a 400, another model id a 404, each in OpenAI's error envelope."""
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,26 @@ def build_app(model_dir: str, name: str) -> FastAPI:
         body["_usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(out),
                           "total_tokens": len(ids) + len(out)}
 
+    def refuse(status: int, message: str, param: str | None, code: str | None) -> JSONResponse:
+        """OpenAI's error envelope, so that a load tester counts the failure by its status."""
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                       "code": code}}, status_code=status)
+
     async def complete(request: Request, chat: bool):
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:
+            return refuse(400, "the body is not JSON", None, None)
+        if not isinstance(body, dict):
+            return refuse(400, "the body is not a JSON object", None, None)
+        if body.get("model") not in (None, name):
+            return refuse(404, f"the model {body['model']!r} does not exist (this server has {name!r})", "model",
+                          "model_not_found")
+        field = "messages" if chat else "prompt"
+        if not isinstance(body.get(field), list if chat else str) or not body[field]:
+            return refuse(400, f"{field!r} is required", field, None)
+        if not isinstance(body.get("max_tokens", 16), int) or body.get("max_tokens", 16) < 1:
+            return refuse(400, "'max_tokens' must be a positive integer", "max_tokens", None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         kind = "chat.completion" if chat else "text_completion"
 

@@ -31,7 +31,7 @@ KEY = "loadtest-key"
 POINT_KEYS = {"target", "requests", "completed", "failed", "failures", "success_rate", "without_usage", "duration_s",
               "input_tokens", "output_tokens", "request_throughput", "output_throughput", "total_token_throughput",
               "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "cost", "server_metrics", "token_check", "failure_examples",
-              "agreement", "failure_latency_ms", "failures_with_retry_after"}
+              "agreement", "failure_latency_ms", "failures_with_retry_after", "wire_ttft_ms", "client_own_ms"}
 
 
 # ------------------------------------------------------------------------------ pure metric functions
@@ -68,6 +68,26 @@ def test_metric_definitions_on_hand_computed_records():
     # $3.6/h for 2 s = $0.002, over 9 output tokens and 3 completed requests
     assert s["cost"]["run_dollars"] == ap(0.002)
     assert s["cost"]["per_1m_output_tokens"] == ap(0.002 / 9 * 1e6) and s["cost"]["per_1k_requests"] == ap(2 / 3)
+
+
+def test_wire_ttft_and_the_clients_own_share_on_hand_computed_records():
+    """The wire TTFT runs from the request's first byte written to the read of the first chunk's bytes; the rest of
+    vLLM's TTFT is the client's own, before writing and after reading; the agreement divides both by the server's
+    mean time to first chunk."""
+    recs = [Record(start=0, sent=0.002, first_read=0.042, ttft=0.043, e2e=0.5, ok=True, output_tokens=4, usage=True),
+            Record(start=1, sent=1.004, first_read=1.064, ttft=0.066, e2e=0.6, ok=True, output_tokens=4, usage=True),
+            Record(start=2, sent=2.001, e2e=0.01, error="http 429")]   # failed: in no latency
+    s = metrics.summarize(recs, duration=2.0)
+    ap = pytest.approx
+    assert s["ttft_ms"]["mean"] == ap(54.5) and s["wire_ttft_ms"]["mean"] == ap(50) and s["wire_ttft_ms"]["p50"] == ap(50)
+    assert s["client_own_ms"] == {"before_write": ap(3), "after_read": ap(1.5)}
+    point = {**s, "server_metrics": {"ttfc_mean_ms": 40.0, "e2el_mean_ms": 500.0, "requests": 2, "output_tokens": 8}}
+    ag = metrics.agreement(point)
+    assert ag["ttft"] == ap(54.5 / 40) and ag["wire_ttft"] == ap(1.25) and ag["e2el"] == ap(1.1)
+    # not streamed: no first chunk, no wire TTFT
+    plain = metrics.summarize([Record(start=0, sent=0.001, e2e=0.2, ok=True, output_tokens=2, usage=True)], 1.0)
+    assert plain["wire_ttft_ms"]["mean"] is None and plain["client_own_ms"] == {"before_write": None,
+                                                                                "after_read": None}
 
 
 def test_failures_only_and_slo_parsing():
@@ -192,8 +212,45 @@ def check_against_server(point: dict, n: int) -> None:
     assert 0 < sm["e2el_mean_ms"] <= point["e2el_ms"]["mean"] and ag["e2el"] >= 1
     if point["ttft_ms"]["mean"] is None:                       # not streamed: no chunk to time
         assert sm["ttfc_mean_ms"] is None and ag["ttft"] is None
-    else:                                                       # the first token is committed before its chunk
-        assert 0 < sm["ttft_mean_ms"] <= sm["ttfc_mean_ms"] <= point["ttft_ms"]["mean"] and ag["ttft"] >= 1
+    else:   # the first token is committed before its chunk, which is handed over before the client reads it
+        assert 0 < sm["ttft_mean_ms"] <= sm["ttfc_mean_ms"] <= point["wire_ttft_ms"]["mean"] <= point["ttft_ms"]["mean"]
+        assert ag["ttft"] >= ag["wire_ttft"] >= 1 and point["client_own_ms"]["before_write"] > 0
+
+
+def test_time_to_first_chunk_covers_arrival_to_each_choices_first_text_chunk(servers):
+    """What the server's histograms cover, request by request: unmask:time_to_first_chunk_seconds one observation
+    per choice of a streamed request (none without streaming), unmask:time_to_first_token_seconds one per choice
+    either way, and the interval inside the client's wire TTFT (the request's first byte written to the first
+    chunk's bytes read), itself inside vLLM's TTFT."""
+    url = servers[0].url
+    names = ("unmask:time_to_first_chunk_seconds", "unmask:time_to_first_token_seconds",
+             "unmask:e2e_request_latency_seconds")
+
+    def histograms() -> dict[str, float]:
+        m = metrics.scrape(httpx.get(url + "/metrics", timeout=30).text)
+        return {f"{n}_{k}": m.get(f"{n}_{k}", 0.0) for n in names for k in ("count", "sum")}
+
+    async def one(target: Target) -> Record:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await send(http, target, Prompt(text="Say hello"), 4)
+
+    def delta(target: Target) -> tuple[Record, dict[str, float]]:
+        before = histograms()
+        rec = asyncio.run(one(target))
+        assert rec.ok, rec.detail
+        return rec, {k: v - before[k] for k, v in histograms().items()}
+
+    ttfc, ttft, e2e = names
+    rec, d = delta(Target("A", url, "unmask-tiny", ignore_eos=True, extra_body={"n": 2}))
+    assert (d[f"{ttfc}_count"], d[f"{ttft}_count"], d[f"{e2e}_count"]) == (2, 2, 1)
+    rec, d = delta(Target("A", url, "unmask-tiny", stream=False, ignore_eos=True))
+    assert (d[f"{ttfc}_count"], d[f"{ttft}_count"], d[f"{e2e}_count"]) == (0, 1, 1) and rec.first_read is None
+    for endpoint in ("chat", "completions"):
+        rec, d = delta(Target("A", url, "unmask-tiny", endpoint=endpoint, ignore_eos=True))
+        assert (d[f"{ttfc}_count"], d[f"{ttft}_count"], d[f"{e2e}_count"]) == (1, 1, 1), endpoint
+        assert rec.start <= rec.sent < rec.first_read <= rec.start + rec.ttft
+        assert 0 < d[f"{ttft}_sum"] <= d[f"{ttfc}_sum"] <= rec.first_read - rec.sent <= rec.ttft
+        assert d[f"{e2e}_sum"] <= rec.e2e
 
 
 def test_streamed_chat_concurrency_sweep(servers, tmp_path):
@@ -333,11 +390,20 @@ def test_compare_against_a_second_engine(servers, tmp_path):
                 time.sleep(0.2)
         res = loadtest(tmp_path, "--url", servers[0].url, "--compare", f"http://127.0.0.1:{port}", "-n", "2",
                        "--output-len", "3", "--ignore-eos", "--concurrency", "2")
+        # a model id the second engine does not serve: every request fails as its 404, none is dropped
+        wrong = loadtest(tmp_path, "--url", f"http://127.0.0.1:{port}", "--model", "no-such-model", "-n", "3",
+                         "--output-len", "2", "--warmup", "0", "--goodput", "e2el:600000")
     finally:
         twin.terminate()
         twin.wait(30)
     a, b = res["points"]
     assert res["targets"][1]["model"] == "ar-twin" and (a["target"], b["target"]) == ("A", "B")
     check_against_server(a, 2)
-    assert b["completed"] == 2 and b["output_tokens"] == 6 and b["server_metrics"] is None
-    assert b["ttft_ms"]["p50"] is not None and res["ratios"][0]["output_throughput"] > 0
+    assert set(b) >= POINT_KEYS and b["requests"] == b["completed"] == 2 and b["failures"] == {}
+    assert b["output_tokens"] == 6 and b["without_usage"] == 0 and b["input_tokens"] > 0
+    assert b["server_metrics"] is None and b["agreement"] is None
+    assert b["ttft_ms"]["p50"] is not None and b["wire_ttft_ms"]["mean"] <= b["ttft_ms"]["mean"]
+    assert res["ratios"][0]["output_throughput"] > 0
+    (w,) = wrong["points"]
+    assert (w["requests"], w["completed"], w["failures"]) == (3, 0, {"http 404": 3})
+    assert w["success_rate"] == 0 and w["goodput"]["share"] == 0 and "no-such-model" in w["failure_examples"]["http 404"]

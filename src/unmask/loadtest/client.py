@@ -4,14 +4,20 @@
 Times are time.perf_counter() seconds. Streaming: TTFT is the arrival of the first chunk that carries
 generated text (or a tool-call / reasoning delta), ITL the gaps between such chunks; a chunk that carries a
 whole block of a diffusion model counts once, as vLLM counts a chunk. Failures are records too, with a kind:
-`http <status>`, `timeout`, `connection` or `malformed stream`."""
+`http <status>`, `timeout`, `connection` or `malformed stream`.
+
+Besides vLLM's clock (from before the request is built to the first chunk parsed), each record keeps the moments
+its request started to be written to the socket (httpcore's trace) and the bytes of its first chunk with text came
+out of the HTTP library (before SSE and JSON parsing): the wire TTFT between them is the interval a server can
+time, and the rest is this client's own work (docs/loadtest.md, "Against the server's own /metrics")."""
 from __future__ import annotations
 
 import asyncio
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import httpx
@@ -63,6 +69,8 @@ class Record:
     detail: str = ""
     retry_after: bool = False     # an HTTP error answer carried Retry-After (a 429's or 503's promise)
     ttft: float | None = None     # streaming only
+    sent: float | None = None     # when the request's headers started to be written (None: never written)
+    first_read: float | None = None   # when the bytes holding the first chunk with text were read (streaming)
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int | None = None      # from the server's usage
     output_tokens: int | None = None      # from the server's usage, else a local tokenizer's count, else None
@@ -100,6 +108,19 @@ def _usage(rec: Record, usage: object) -> None:
         rec.usage = True
 
 
+async def _sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[float, str]]:
+    """(read time, line) for each line of an SSE byte stream, the time being when the bytes that end the line came
+    out of the HTTP library; lines end at \n, a trailing \r is dropped (what SSE servers send)."""
+    buf = b""
+    async for data in chunks:
+        now = time.perf_counter()
+        *complete, buf = (buf + data).split(b"\n")
+        for line in complete:
+            yield now, line.rstrip(b"\r").decode("utf-8", errors="replace")
+    if buf:
+        yield time.perf_counter(), buf.rstrip(b"\r").decode("utf-8", errors="replace")
+
+
 async def send(http: httpx.AsyncClient, target: Target, prompt: Prompt, max_tokens: int) -> Record:
     rec = Record(start=time.perf_counter(), prompt=prompt)
     try:
@@ -120,8 +141,14 @@ async def _exchange(http: httpx.AsyncClient, target: Target, prompt: Prompt, max
     """Send one request and fill `rec` as it answers; raises on transport errors and malformed answers."""
     chat = target.endpoint == "chat"
     body = target.body(prompt, max_tokens)
+
+    async def trace(event: str, info: dict) -> None:   # httpcore calls it around each stage of the exchange
+        if event == "http11.send_request_headers.started" and rec.sent is None:
+            rec.sent = time.perf_counter()
+
+    ext = {"trace": trace}
     if not target.stream:
-        r = await http.post(target.url + target.path, json=body, headers=target.headers())
+        r = await http.post(target.url + target.path, json=body, headers=target.headers(), extensions=ext)
         if r.status_code != 200:
             rec.error, rec.detail, rec.retry_after = f"http {r.status_code}", r.text[:200], "retry-after" in r.headers
             return
@@ -133,43 +160,50 @@ async def _exchange(http: httpx.AsyncClient, target: Target, prompt: Prompt, max
         _usage(rec, data.get("usage"))
         rec.ok = True
         return
-    async with http.stream("POST", target.url + target.path, json=body, headers=target.headers()) as r:
+    async with http.stream("POST", target.url + target.path, json=body, headers=target.headers(),
+                           extensions=ext) as r:
         if r.status_code != 200:
             rec.error, rec.detail = f"http {r.status_code}", (await r.aread()).decode(errors="replace")[:200]
             rec.retry_after = "retry-after" in r.headers
             return
-        last, done, pieces = None, False, []
-        async for line in r.aiter_lines():
-            if not line.strip() or line.startswith((":", "event:", "id:", "retry:")):  # comments, SSE fields
-                continue
-            if not line.startswith("data:"):
-                raise Malformed(f"not an SSE data line: {line[:80]!r}")
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                done = True
-                break
-            try:
-                chunk = json.loads(payload)
-            except json.JSONDecodeError:
-                raise Malformed(f"chunk is not JSON: {payload[:80]!r}") from None
-            if not isinstance(chunk, dict):
-                raise Malformed("chunk is not a JSON object")
-            if "error" in chunk:  # an error after the 200: the server gave up mid-stream
-                raise Malformed(f"error event: {str(chunk['error'])[:160]}")
-            _usage(rec, chunk.get("usage"))
-            text = "".join(_delta_text(c, chat) for c in chunk.get("choices") or [] if isinstance(c, dict))
-            if text:
-                now = time.perf_counter()
-                if rec.ttft is None:
-                    rec.ttft = now - rec.start
-                else:
-                    rec.itl.append(now - last)
-                last = now
-                pieces.append(text)
-        if not done:
-            raise Malformed("stream ended without data: [DONE]")
-        rec.text = "".join(pieces)
-        rec.ok = True
+        async with aclosing(_sse_lines(r.aiter_bytes())) as lines:
+            await _read_stream(lines, rec, chat)
+
+
+async def _read_stream(lines: AsyncIterator[tuple[float, str]], rec: Record, chat: bool) -> None:
+    """Fill `rec` from a streamed answer's SSE lines; raises Malformed on a line that breaks the protocol."""
+    last, done, pieces = None, False, []
+    async for read_at, line in lines:
+        if not line.strip() or line.startswith((":", "event:", "id:", "retry:")):  # comments, SSE fields
+            continue
+        if not line.startswith("data:"):
+            raise Malformed(f"not an SSE data line: {line[:80]!r}")
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            done = True
+            break
+        try:
+            chunk = json.loads(payload)
+        except json.JSONDecodeError:
+            raise Malformed(f"chunk is not JSON: {payload[:80]!r}") from None
+        if not isinstance(chunk, dict):
+            raise Malformed("chunk is not a JSON object")
+        if "error" in chunk:  # an error after the 200: the server gave up mid-stream
+            raise Malformed(f"error event: {str(chunk['error'])[:160]}")
+        _usage(rec, chunk.get("usage"))
+        text = "".join(_delta_text(c, chat) for c in chunk.get("choices") or [] if isinstance(c, dict))
+        if text:
+            now = time.perf_counter()
+            if rec.ttft is None:
+                rec.ttft, rec.first_read = now - rec.start, read_at
+            else:
+                rec.itl.append(now - last)
+            last = now
+            pieces.append(text)
+    if not done:
+        raise Malformed("stream ended without data: [DONE]")
+    rec.text = "".join(pieces)
+    rec.ok = True
 
 
 async def preconnect(http: httpx.AsyncClient, target: Target, n: int) -> None:

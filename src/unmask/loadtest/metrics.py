@@ -40,6 +40,18 @@ def tpot(rec: Record) -> float | None:
     return (rec.e2e - rec.ttft) / (rec.output_tokens - 1)
 
 
+def _mean_ms(xs: Sequence[float]) -> float | None:
+    return 1e3 * sum(xs) / len(xs) if xs else None
+
+
+def client_own(done: Sequence[Record]) -> dict[str, float | None]:
+    """This client's own share of the TTFT, mean ms: before the request's first byte was written (building it, the
+    connection pool, a new connection) and after the first chunk's bytes were read (SSE lines and JSON)."""
+    timed = [r for r in done if r.first_read is not None and r.sent is not None]
+    return {"before_write": _mean_ms([r.sent - r.start for r in timed]),
+            "after_read": _mean_ms([r.start + r.ttft - r.first_read for r in timed])}
+
+
 def parse_slos(spec: str) -> dict[str, float]:
     """'ttft:500 tpot:50' (or comma-separated) -> {"ttft": 500.0, "tpot": 50.0}, milliseconds."""
     slos: dict[str, float] = {}
@@ -93,6 +105,9 @@ def summarize(records: Sequence[Record], duration: float, slos: dict[str, float]
         "output_throughput": out_tokens / duration if duration > 0 else None,
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else None,
         "ttft_ms": stats_ms([r.ttft for r in done if r.ttft is not None]),
+        # the part of the TTFT a server can time: from the request's first byte written to the first chunk's read
+        "wire_ttft_ms": stats_ms([r.first_read - r.sent for r in done if r.first_read is not None and r.sent]),
+        "client_own_ms": client_own(done),
         "tpot_ms": stats_ms([t for r in done if (t := tpot(r)) is not None]),
         "itl_ms": stats_ms([g for r in done for g in r.itl]),
         "e2el_ms": stats_ms([r.e2e for r in done]),
@@ -171,9 +186,11 @@ def server_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
 
 
 def agreement(point: dict) -> dict[str, float | None] | None:
-    """The client's figures over the server's own for the same requests (1.0: the same): mean TTFT over the
-    server's mean time to first chunk (the same interval less the network and the client's own work, so never
-    below 1), mean end-to-end latency, completed requests and output tokens. None without server metrics."""
+    """The client's figures over the server's own for the same requests (1.0: the same): mean TTFT (vLLM's, which
+    includes this client's own work) and mean wire TTFT (from the request's first byte written to the first
+    chunk's bytes read) over the server's mean time to first chunk (from the request's arrival to that chunk handed
+    to the HTTP layer: inside both, so neither ratio is below 1), mean end-to-end latency, completed requests and
+    output tokens. None without server metrics."""
     sm = point.get("server_metrics")
     if not sm:
         return None
@@ -182,6 +199,7 @@ def agreement(point: dict) -> dict[str, float | None] | None:
         return client / server if client is not None and server else None
 
     return {"ttft": ratio(point["ttft_ms"]["mean"], sm.get("ttfc_mean_ms")),
+            "wire_ttft": ratio(point["wire_ttft_ms"]["mean"], sm.get("ttfc_mean_ms")),
             "e2el": ratio(point["e2el_ms"]["mean"], sm.get("e2el_mean_ms")),
             "requests": ratio(point["completed"], sm["requests"]),
             "output_tokens": ratio(point["output_tokens"], sm["output_tokens"])}

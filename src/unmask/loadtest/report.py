@@ -57,8 +57,12 @@ def print_results(results: dict, console: Console) -> None:
                           f"tokens/forward {_f(sm['tokens_per_forward'], 2)} (client: {p['completed']}, "
                           f"{p['output_tokens']}, {_f(p['e2el_ms']['mean'])} ms, {_f(p['ttft_ms']['mean'])} ms)")
         if ag := p.get("agreement"):
-            console.print(f"{where}: client / server: mean TTFT x{_f(ag['ttft'], 3)}, mean E2E x{_f(ag['e2el'], 3)}, "
-                          f"requests x{_f(ag['requests'], 3)}, output tokens x{_f(ag['output_tokens'], 3)}")
+            own = p.get("client_own_ms") or {}
+            console.print(f"{where}: client / server: mean TTFT x{_f(ag['ttft'], 3)} (wire TTFT "
+                          f"x{_f(ag.get('wire_ttft'), 3)}; this client's own {_f(own.get('before_write'), 2)} ms "
+                          f"before writing, {_f(own.get('after_read'), 2)} ms after reading), mean E2E "
+                          f"x{_f(ag['e2el'], 3)}, requests x{_f(ag['requests'], 3)}, output tokens "
+                          f"x{_f(ag['output_tokens'], 3)}")
         for kind, detail in p.get("failure_examples", {}).items():
             lat = p.get("failure_latency_ms", {}).get(kind) or {}
             console.print(f"{where}: {kind} x{p['failures'][kind]} in p50/p90/p99/max "
