@@ -33,6 +33,8 @@ from unmask.retrieval.chunking import ChunkingStrategy, chunk_text  # noqa: E402
 from unmask.retrieval.encoder import DEFAULT_ENCODER_NAME, SentenceEncoder, default_encoder_path  # noqa: E402
 from unmask.retrieval.index import NewChunk  # noqa: E402
 
+from retrieval_conversations import evaluate_conversations  # noqa: E402
+
 UNDERLINE = re.compile(r"^([=\-~^*+#\"'`])\1{2,}\s*$")
 K = 5
 
@@ -169,7 +171,7 @@ def main() -> None:
             size, overlap = map(int, spec.split(","))
             tmp = Path(tempfile.mkdtemp(prefix="unmask-bench-"))
             index = open_backend(args.backend, tmp, encoder.dimension, pg, not args.pg_no_idf)
-            t0, n_chunks = time.perf_counter(), 0
+            t0, cpu0, n_chunks = time.perf_counter(), time.process_time(), 0
             for d in docs:
                 _, spans = encoder.token_spans(d["body"])
                 chunks = chunk_text(d["body"], spans, ChunkingStrategy(size, overlap))
@@ -177,8 +179,17 @@ def main() -> None:
                 index.add("bench", d["id"], [NewChunk(c.index, c.text, v) for c, v in zip(chunks, vectors)])
                 n_chunks += len(chunks)
             ingest = time.perf_counter() - t0
+            # CPU seconds (all threads) measure the embedder's cost even when the machine's load starves the bench
+            cpu_per_chunk = (time.process_time() - cpu0) / n_chunks
             load = os.getloadavg()[0]
             result = evaluate(index, encoder, questions, "bench")
+            if spec == (args.chunking or ["800,400"])[0]:   # file_search's query in two-turn conversations
+                talks = evaluate_conversations(index, encoder, questions, "bench")
+                rows.append({"chunking": spec, "backend": args.backend, "conversations": talks})
+                for kind, by_strategy in talks.items():
+                    print(f"conversation {kind:12s} " + "  ".join(
+                        f"{strategy}: recall@5 {m['recall@5']:.3f} MRR {m['mrr']:.3f}"
+                        for strategy, m in by_strategy.items()), flush=True)
             if args.answers and spec == (args.chunking or ["800,400"])[0]:
                 support = answers(index, encoder, questions, "bench", args.answers, args.model)
                 rows.append({"chunking": spec, "answers": args.answers, "support": support})
@@ -192,9 +203,11 @@ def main() -> None:
                 print(f"{spec:>8s} {args.backend:8s} {mode:8s} recall@5 {m['recall@5']:.3f}  MRR {m['mrr']:.3f}  "
                       f"search p50 {m['p50_ms']:.1f} ms", flush=True)
             print(f"{spec:>8s} ingestion: {n_chunks} chunks in {ingest:.0f} s ({n_chunks / ingest:.1f} chunks/s, "
-                  f"embedding included; load average {load:.1f} at its end)", flush=True)
+                  f"embedding included; {cpu_per_chunk * 1000:.1f} CPU ms per chunk; load average {load:.1f} at its "
+                  "end)", flush=True)
             rows.append({"chunking": spec, "backend": args.backend, "chunks": n_chunks,
-                         "ingest_chunks_per_s": n_chunks / ingest, "load_average": load})
+                         "ingest_chunks_per_s": n_chunks / ingest, "ingest_cpu_ms_per_chunk": cpu_per_chunk * 1000,
+                         "load_average": load})
     finally:
         if pg is not None:
             pg.stop()
