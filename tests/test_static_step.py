@@ -242,9 +242,11 @@ def test_padding_rows_and_tokens_are_invisible_to_real_rows():
     big = 1 << 40
     ids = torch.zeros(2, 4, dtype=torch.long)
     bids = torch.tensor([[1, 1, 2, big], [big] * 4])
-    batch = StaticBatch(pool, ids, bids, torch.tensor([5, 0]), torch.tensor([0, pool.tokens - 16]),
-                        torch.zeros(2, 4, dtype=torch.long), context=16)
+    table = torch.tensor([[2], pool.scratch_pages])  # the real row's positions live in page 2
+    batch = StaticBatch(pool, ids, bids, torch.tensor([5, 0]), table, context=16)
     batch.prepare()
+    assert batch.write_idx.tolist() == [[37, 38, 39, 40], [64, 65, 66, 67]]  # page 2 from position 5; scratch
+    assert batch.read_idx[0].tolist() == list(range(32, 48))
     m = batch.mask[:, 0]
     assert m.shape == (2, 4, 16)  # [rows, W, context]: no T x T mask over the sequence
     real = m[0, :3]
@@ -255,23 +257,61 @@ def test_padding_rows_and_tokens_are_invisible_to_real_rows():
     assert m[1].any(dim=1).all()                  # every padding query sees something: no NaN rows
 
 
-def test_kv_pool_allocates_first_fit_and_merges_freed_runs():
+def test_kv_pool_hands_out_pages_wherever_they_are_free():
+    """Lowest pages first; freed pages are reused wherever they are, so a fragmented pool still admits a request
+    that fits its free pages in all (contiguous runs would not: here the largest free run is 3 pages)."""
     pool = KVPool([(2, 4)] * 3, 10 * PAGE, torch.float32, "cpu", scratch=PAGE)
     a = pool.allocate("a", 3 * PAGE)
     b = pool.allocate("b", 2 * PAGE + 1)   # rounds up to 3 pages
     c = pool.allocate("c", 4 * PAGE)
-    assert (a.offset, b.offset, c.offset) == (0, 3 * PAGE, 6 * PAGE) and b.capacity == 3 * PAGE
+    assert (a.pages, b.pages, c.pages) == ([0, 1, 2], [3, 4, 5], [6, 7, 8, 9]) and b.capacity == 3 * PAGE
     assert pool.allocate("d", PAGE) is None  # full
-    pool.release("a")
     pool.release("b")
-    assert pool.free_runs == [(0, 6)]          # merged
+    e = pool.allocate("e", PAGE)
+    pool.release("a")
+    assert e.pages == [3] and pool.free_tokens == 5 * PAGE
     d = pool.allocate("d", 5 * PAGE)
-    assert d.offset == 0
-    assert isinstance(d, PooledCache) and d.k[0].data_ptr() == pool.k[0].data_ptr()  # a view, not a copy
-    d.k[1][:, 2] = 7.0
-    assert bool((pool.k[1][:, 2] == 7.0).all())
+    assert d.pages == [0, 1, 2, 4, 5] and d.slots[3 * PAGE:3 * PAGE + 2].tolist() == [4 * PAGE, 4 * PAGE + 1]
+    # writes and reads go through the page table, also across a page boundary
+    k = torch.arange(2 * 5 * 4, dtype=torch.float32).reshape(2, 5, 4)
+    d.write(1, 3 * PAGE - 2, k, -k)
+    assert torch.equal(pool.k[1][:, 3 * PAGE - 2:3 * PAGE], k[:, :2]) and torch.equal(pool.k[1][:, 4 * PAGE:4 * PAGE + 3], k[:, 2:])
+    got_k, got_v = d.read(1, 3 * PAGE + 3, torch.float32)
+    assert torch.equal(got_k[:, -5:], k) and torch.equal(got_v[:, -5:], -k)
+    # the prefix cache slices caches by position: [:, lo:hi] gathers and scatters the same way
+    assert torch.equal(d.k[1][:, 3 * PAGE - 2:3 * PAGE + 3], k)
+    d.v[2][:, PAGE:PAGE + 2] = torch.ones(2, 2, 4)
+    assert bool((pool.v[2][:, PAGE:PAGE + 2] == 1).all())
+    with pytest.raises(TypeError, match="sliced as"):
+        d.k[0][0]
     with pytest.raises(RuntimeError, match="asked for"):
         d.reserve(d.capacity + 1)
+    pool.release("c")
+    pool.release("d")
+    pool.release("e")
+    assert pool.free_tokens == pool.capacity_tokens and sorted(pool.free_pages) == list(range(10))
+
+
+def test_requests_in_scattered_pages_give_the_eager_tokens(models):
+    """Pages held by other owners in a checkerboard: each request's pages are scattered, and one that needs more
+    pages than any free run holds is still admitted; tokens are the eager path's, every page comes back."""
+    model, spec = models["sdar"]
+    params = GenerationParams(max_tokens=12, policy="threshold", threshold=0.4, block_size=4)
+    eager, _ = run(model, spec, PROMPTS, params, static=False)
+    eng = Engine(model, spec, max_num_seqs=8, static_step=True, kv_pool_tokens=64 * PAGE)
+    pool = eng.kv_pool
+    for i in range(64):
+        pool.allocate(f"hold{i}", PAGE)
+    for i in range(0, 64, 2):
+        pool.release(f"hold{i}")  # 32 free pages, none next to another
+    seqs = [eng.add_request(p, params) for p in PROMPTS]
+    eng.step()  # admission takes the pages
+    caches = [pool.owned[s.request_id] for s in seqs]
+    eng.run_to_completion()
+    assert [s.output_ids for s in seqs] == eager
+    assert all(len(c.pages) >= 5 and all(b - a == 2 for a, b in zip(c.pages, c.pages[1:])) for c in caches)
+    assert eng.runner.static.steps == eng.stats.steps
+    assert pool.free_tokens == 32 * PAGE
 
 
 def test_a_full_pool_queues_requests_and_an_oversized_one_is_refused(models):

@@ -1,23 +1,27 @@
-"""A KV cache preallocated once from a memory budget, handed out to requests in contiguous runs of pages.
+"""A KV cache preallocated once from a memory budget, handed out to requests in pages.
 
 The static-buffer step (engine/static_step.py) needs every running request's K/V in buffers whose addresses
 never change, so that one captured forward can read and write any of them through index tensors. The pool is
 one [kv heads, tokens, head dim] K and V tensor per layer, allocated when the engine starts (vLLM sizes its
-KV cache the same way: what `gpu_memory_utilization` of the device leaves after the model, arXiv 2309.06180);
-a request gets `pages` x PAGE tokens at admission and gives them back when it finishes. Its `PooledCache` is a
-`KVCache` whose per-layer tensors are views of its run, so the eager path (prefill chunks, odd shapes) writes
-and reads it unchanged.
+KV cache the same way: what `gpu_memory_utilization` of the device leaves after the model, arXiv 2309.06180),
+cut into pages of PAGE tokens. A request gets the pages its prompt + max_tokens need at admission, wherever
+they are free, and gives them back when it finishes: its page table maps position p to pool token
+table[p // PAGE] * PAGE + p % PAGE (vLLM's block table, the same paper), so a pool fragmented by requests of
+different lengths still admits whatever fits in its free pages in all.
 
-Runs are contiguous, not scattered pages: the eager attention reads a request's cache as one view, and the
-static step gathers [start of run + 0 .. context) per row. A request that can never fit the pool is refused
-when it arrives (MemoryLimitError); one that fits but finds no free run waits in the queue until a finishing
-request frees one (Scheduler.admit), instead of running out of memory mid-decode.
+Its `PooledCache` is a `KVCache` that writes and reads through that table: the eager path (prefill chunks, odd
+shapes) scatters a segment's K/V to its slots and gathers [0, end) back (a copy, where a contiguous cache
+gives a view), and the static step looks the table up on the device for every row. A request that can never
+fit the pool is refused when it arrives (MemoryLimitError); one that fits but finds too few free pages waits
+in the queue until a finishing request frees them (Scheduler.admit), instead of running out of memory
+mid-decode.
 """
 from __future__ import annotations
 
-import bisect
+import heapq
 
 import torch
+from torch import Tensor
 
 from unmask.engine import memory
 from unmask.errors import InvalidRequestError
@@ -37,27 +41,67 @@ def check_pool_options(utilization: float, tokens: int | None,
                                   names[1])
 
 
-class PooledCache(KVCache):
-    """One request's run of the pool: per-layer [kv heads, capacity, head dim] views of tokens [offset, +capacity)."""
+class PagedView:
+    """One layer's K or V of a paged cache, indexed like the contiguous [kv heads, positions, head dim] tensor a
+    `KVCache` keeps for the code that slices it by position (the prefix cache's `cache.k[layer][:, lo:hi]`):
+    reads gather, assignments scatter, through the page table."""
 
-    def __init__(self, pool: "KVPool", offset: int, capacity: int):
-        self.pool, self.offset = pool, offset
+    def __init__(self, store: Tensor, cache: "PooledCache"):
+        self.store, self.cache = store, cache
+
+    def _slots(self, key) -> Tensor:
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and isinstance(key[1], slice)
+                and key[1].step is None):
+            raise TypeError(f"a paged KV cache is sliced as [:, lo:hi], not {key!r}")
+        lo, hi, _ = key[1].indices(self.cache.capacity)
+        return self.cache.slots[lo:hi]
+
+    def __getitem__(self, key) -> Tensor:
+        return self.store[:, self._slots(key)]
+
+    def __setitem__(self, key, value) -> None:
+        self.store[:, self._slots(key)] = value
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.store.shape[0], self.cache.capacity, self.store.shape[2])
+
+
+class PooledCache(KVCache):
+    """One request's pages of the pool: `pages` (ascending page ids), `slots` [capacity] the pool token of every
+    position, on the pool's device; capacity = pages x PAGE."""
+
+    def __init__(self, pool: "KVPool", pages: list[int]):
+        self.pool, self.pages = pool, pages
         self.shapes = pool.shapes
         self.num_layers = len(pool.shapes)
         self.dtype, self.device = pool.dtype, pool.device
-        self.max_capacity = capacity
-        self.capacity = capacity
-        self.k = [t[:, offset:offset + capacity] for t in pool.k]
-        self.v = [t[:, offset:offset + capacity] for t in pool.v]
+        self.capacity = self.max_capacity = len(pages) * PAGE
+        self.table = torch.tensor(pages, dtype=torch.long)  # on the host: the static step stages it
+        self.slots = (self.table[:, None] * PAGE + torch.arange(PAGE)).reshape(-1).to(pool.device)
+        self.k = [PagedView(t, self) for t in pool.k]
+        self.v = [PagedView(t, self) for t in pool.v]
         self.length = 0
 
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
+        idx = self.slots[start:start + k.shape[1]]
+        self.pool.k[layer][:, idx] = k.to(self.dtype)
+        self.pool.v[layer][:, idx] = v.to(self.dtype)
+
+    def read(self, layer: int, end: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        idx = self.slots[:end]
+        return self.pool.k[layer][:, idx].to(dtype), self.pool.v[layer][:, idx].to(dtype)
+
+    def nbytes(self) -> int:
+        return self.capacity * self.bytes_per_token()
+
     def _grow(self, need: int) -> None:
-        if need > self.capacity:  # admission sized the run for the whole canvas: this is a bug, not a full pool
+        if need > self.capacity:  # admission sized the pages for the whole canvas: this is a bug, not a full pool
             raise RuntimeError(f"a pooled KV cache of {self.capacity} tokens was asked for {need}")
 
 
 class KVPool:
-    """Preallocated K/V for every layer; first-fit allocation of contiguous page runs; a scratch run at the end.
+    """Preallocated K/V for every layer in pages, handed out lowest-first; a scratch run at the end.
 
     The last `scratch` tokens belong to no request: the static step's padding rows write there."""
 
@@ -69,11 +113,12 @@ class KVPool:
         self.pages = max(0, tokens // PAGE)
         self.scratch = -(-scratch // PAGE) * PAGE
         self.tokens = self.pages * PAGE + self.scratch  # buffer length, scratch included
+        self.scratch_pages = list(range(self.pages, self.tokens // PAGE))
         h, d = shapes[0]
         # zeros, not empty: padding rows and masked-out reads may touch never-written slots; they must be finite
         self.k = [torch.zeros(h, self.tokens, d, dtype=dtype, device=device) for _ in shapes]
         self.v = [torch.zeros(h, self.tokens, d, dtype=dtype, device=device) for _ in shapes]
-        self.free_runs: list[tuple[int, int]] = [(0, self.pages)] if self.pages else []  # (first page, pages), sorted
+        self.free_pages: list[int] = list(range(self.pages))  # a heap: the lowest free pages go first
         self.owned: dict[str, PooledCache] = {}
 
     @classmethod
@@ -100,42 +145,30 @@ class KVPool:
 
     @property
     def capacity_tokens(self) -> int:
-        """The longest run a request can ever get."""
+        """The most tokens a request can ever get."""
         return self.pages * PAGE
 
     @property
     def free_tokens(self) -> int:
-        return sum(n for _, n in self.free_runs) * PAGE
+        return len(self.free_pages) * PAGE
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def allocate(self, owner: str, tokens: int) -> PooledCache | None:
-        """A run of at least `tokens` (whole pages), first fit; None when no free run is long enough now."""
+        """Pages for at least `tokens`, the lowest free ones wherever they are; None when too few are free now."""
         need = max(1, -(-tokens // PAGE))
-        for i, (first, n) in enumerate(self.free_runs):
-            if n >= need:
-                if n == need:
-                    del self.free_runs[i]
-                else:
-                    self.free_runs[i] = (first + need, n - need)
-                cache = PooledCache(self, first * PAGE, need * PAGE)
-                self.owned[owner] = cache
-                return cache
-        return None
+        if need > len(self.free_pages):
+            return None
+        pages = sorted(heapq.heappop(self.free_pages) for _ in range(need))
+        cache = PooledCache(self, pages)
+        self.owned[owner] = cache
+        return cache
 
     def release(self, owner: str) -> None:
-        """Give an owner's run back (no-op for an owner without one), merging it with free neighbours."""
+        """Give an owner's pages back (no-op for an owner without any)."""
         cache = self.owned.pop(owner, None)
         if cache is None:
             return
-        run = (cache.offset // PAGE, cache.capacity // PAGE)
-        i = bisect.bisect(self.free_runs, run)
-        self.free_runs.insert(i, run)
-        merged: list[tuple[int, int]] = []
-        for first, n in self.free_runs:
-            if merged and merged[-1][0] + merged[-1][1] == first:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((first, n))
-        self.free_runs = merged
+        for page in cache.pages:
+            heapq.heappush(self.free_pages, page)

@@ -11,16 +11,17 @@ on fixed buffers instead, and the whole forward is replayed from a CUDA graph:
     request reads logits from (its masked positions), rounded up likewise. One graph per (rows, W, context,
     K), captured the first time that shape runs (warm-up on a side stream with synchronising ops refused, as
     engine/graphs.py does), replayed after.
-  * inputs: token ids, positions, block ids, each row's cache start and pool offset, the pool index every
-    fed token's K/V is written to, the K rows it reads and its commit rule, copied in with one host-to-device
-    copy (and one of the rows' thresholds).
+  * inputs: token ids, positions, block ids, each row's cache start, its page table (the pool page of each of
+    its positions up to the context), the K rows it reads and its commit rule, copied in with one
+    host-to-device copy (and one of the rows' thresholds); the pool slots each token writes and each key is
+    read from are looked up in the tables inside the graph.
   * padding cannot reach real rows: a padding token has block id PAD_BLOCK, above every real one, so no real
     query sees it (`block_id[k] <= block_id[q]`); a real row's padding tokens write K/V past its segment, at
     positions the next step overwrites before anything reads them (the eager path's scratch rule); padding
-    rows read and write the pool's scratch run, which belongs to no request. Rows never mix: norms, linears
+    rows read and write the pool's scratch pages, which belong to no request. Rows never mix: norms, linears
     and the MLP act per token and attention per row.
-  * the KV cache is the preallocated pool (engine/kv_pool.py); attention gathers each row's keys [0, context)
-    from its run and masks them (the cached prefix whole, the row's own tokens by block id), so no dense
+  * the KV cache is the preallocated, paged pool (engine/kv_pool.py); attention gathers each row's keys
+    [0, context) through its page table and masks them (the cached prefix whole, the row's own tokens by block id), so no dense
     T x T mask over the whole sequence exists, only [rows, W, context].
   * decoding on the device: the output head (over the K read rows of each row only: a block's committed half
     and the finished block it carries need none), the mask-token ban, the greedy proposal (argmax, p(x0),
@@ -54,7 +55,7 @@ from unmask.decoding.device_select import HOST, DeviceDecision, commit_rows, rul
 from unmask.decoding.policies import LEARNED, NEEDS_ENTROPY, SPECULATIVE
 from unmask.decoding.sampling import Proposal, SamplingParams, propose
 from unmask.engine.graphs import graphs_requested
-from unmask.engine.kv_pool import KVPool, PooledCache
+from unmask.engine.kv_pool import PAGE, KVPool, PooledCache
 from unmask.engine.sequence import Sequence, StepPlan
 from unmask.models.attention import _SDPA_HAS_GQA, repeat_kv
 
@@ -102,21 +103,26 @@ def proposed_on_device(seq: Sequence) -> bool:
 
 class StaticBatch:
     """The attention context of a static step (a transformer layer calls `attend`): rows of W tokens, each
-    row's K/V in its run of the pool."""
+    row's K/V in its pages of the pool."""
 
     sync_free = True  # layers take their variant that reads nothing back to the host (the MoE's expert loop)
 
-    def __init__(self, pool: KVPool, ids: Tensor, bids: Tensor, start: Tensor, read_off: Tensor,
-                 write_idx: Tensor, context: int):
-        self.pool, self.ids, self.bids, self.start, self.read_off = pool, ids, bids, start, read_off
-        self.write_idx, self.context = write_idx, context
-        self.read_idx = self.mask = None
+    def __init__(self, pool: KVPool, ids: Tensor, bids: Tensor, start: Tensor, table: Tensor, context: int):
+        """table [rows, context / PAGE]: the pool page of each row's positions (kv_pool's block table)."""
+        self.pool, self.ids, self.bids, self.start, self.table = pool, ids, bids, start, table
+        self.context = context
+        self.read_idx = self.write_idx = self.mask = None
+
+    def _slots(self, pos: Tensor) -> Tensor:
+        """Pool token of each row's positions `pos` [rows, n] (or [1, n], the same for every row)."""
+        return self.table.gather(1, (pos // PAGE).expand(self.table.shape[0], -1)) * PAGE + pos % PAGE
 
     def prepare(self) -> None:
-        """Read indices and mask from the input buffers (inside the captured forward: replays recompute them)."""
+        """Slots and mask from the input buffers (inside the captured forward: replays recompute them)."""
         w = self.ids.shape[1]
         kpos = torch.arange(self.context, device=self.ids.device)
-        self.read_idx = (self.read_off[:, None] + kpos).clamp_(max=self.pool.tokens - 1)   # [rows, context]
+        self.read_idx = self._slots(kpos[None, :])                                          # [rows, context]
+        self.write_idx = self._slots(self.start[:, None] + kpos[None, :w])                  # [rows, W]
         rel = kpos[None, :] - self.start[:, None]                                           # key - segment start
         own = (rel >= 0) & (rel < w)
         key_block = self.bids.gather(1, rel.clamp(0, w - 1))                                # [rows, context]
@@ -143,30 +149,29 @@ class StaticBatch:
 
 
 class _Columns(NamedTuple):
-    """Views of a staging tensor [rows, 4W + 6 + K] (host or device); one copy moves them all."""
+    """Views of a staging tensor [rows, 3W + 5 + K + context / PAGE] (host or device); one copy moves them all."""
 
     ids: Tensor      # [rows, W] token ids
     pos: Tensor      # [rows, W] positions
     bids: Tensor     # [rows, W] block ids (padding: PAD_BLOCK)
-    widx: Tensor     # [rows, W] pool index each token's K/V is written to
     start: Tensor    # [rows] segment start (the row's cached length)
-    offset: Tensor   # [rows] start of the row's run in the pool
     count: Tensor    # [rows] read rows that are real (the request's masked targets)
     rule: Tensor     # [rows] device_select rule code
     quota: Tensor    # [rows] topk's tokens per step
     first: Tensor    # [rows] read row forced into the commit (-1: none)
     reads: Tensor    # [rows, K] which of its W rows each row projects to logits
+    table: Tensor    # [rows, context / PAGE] the pool page of each row's positions (past its pages: scratch)
 
 
-def _columns(stage: Tensor, w: int) -> _Columns:
-    wide = [stage[:, i * w:(i + 1) * w] for i in range(4)]
-    narrow = [stage[:, 4 * w + i] for i in range(6)]
-    return _Columns(*wide, *narrow, stage[:, 4 * w + 6:])
+def _columns(stage: Tensor, w: int, k: int) -> _Columns:
+    wide = [stage[:, i * w:(i + 1) * w] for i in range(3)]
+    narrow = [stage[:, 3 * w + i] for i in range(5)]
+    return _Columns(*wide, *narrow, stage[:, 3 * w + 5:3 * w + 5 + k], stage[:, 3 * w + 5 + k:])
 
 
 @dataclass
 class _Shape:
-    stage: Tensor      # host [rows, 4W + 6 + K] long (_Columns)
+    stage: Tensor      # host [rows, 3W + 5 + K + context / PAGE] long (_Columns)
     taus: Tensor       # host [rows] float32: each row's threshold
     inputs: Tensor     # the stage on the device
     dtaus: Tensor      # the thresholds on the device
@@ -219,7 +224,7 @@ class StaticStep:
             reach = max(reach, seg.start)
         w = _pow2(width, 1)
         reads = max(p.logit_rows.numel() for p in plans)  # rows through the output head: the masked ones only
-        for p in plans:  # a real row's padding tokens write past its segment: that must stay inside its run
+        for p in plans:  # a real row's padding tokens write past its segment: that must stay inside its pages
             if p.segment.start + w > _cache(p).capacity:
                 return None
         rows = next(b for b in ROW_BUCKETS if b >= len(plans))
@@ -257,19 +262,18 @@ class StaticStep:
 
     def _fill(self, key: tuple, plans: list[StepPlan], stage: Tensor | None, taus: Tensor | None
               ) -> tuple[Tensor, Tensor]:
-        """The step's inputs into the host staging tensors: ~20 tensor ops whatever the batch size. `stage` [rows,
-        4W + 6 + K] long (see `_columns`); `taus` [rows] float32, each row's threshold."""
-        rows, w, _, k = key
+        """The step's inputs into the host staging tensors: ~25 tensor ops whatever the batch size. `stage` [rows,
+        3W + 5 + K + context / PAGE] long (see `_columns`); `taus` [rows] float32, each row's threshold."""
+        rows, w, context, k = key
         pin = self.device.type == "cuda"
         if stage is None:
-            stage = torch.empty(rows, 4 * w + 6 + k, dtype=torch.long, pin_memory=pin)
+            stage = torch.empty(rows, 3 * w + 5 + k + context // PAGE, dtype=torch.long, pin_memory=pin)
             taus = torch.empty(rows, dtype=torch.float32, pin_memory=pin)
-        c = _columns(stage, w)
+        c = _columns(stage, w, k)
         n = len(plans)
         j = torch.arange(w)
         lengths = torch.tensor([p.segment.length for p in plans])
         starts = torch.tensor([p.segment.start for p in plans])
-        offsets = torch.tensor([_cache(p).offset for p in plans])
         valid = j[None, :] < lengths[:, None]
         c.ids.zero_()
         c.bids.fill_(PAD_BLOCK)
@@ -277,12 +281,15 @@ class StaticStep:
         c.bids[:n][valid] = torch.cat([p.segment.block_ids for p in plans])
         c.pos[:n] = starts[:, None] + j
         c.pos[n:] = j
-        c.widx[:n] = (offsets + starts)[:, None] + j
-        c.widx[n:] = self.pool.tokens - self.pool.scratch + j
         c.start[:n] = starts
         c.start[n:] = 0
-        c.offset[:n] = offsets
-        c.offset[n:] = self.pool.tokens - self.pool.scratch
+        # page tables: a row's own pages, then (reads only, masked) a scratch page; padding rows write and read
+        # the scratch pages alone
+        scratch = torch.tensor(self.pool.scratch_pages)
+        c.table[:] = scratch[torch.arange(context // PAGE) % len(scratch)]
+        tables = [_cache(p).table[:context // PAGE] for p in plans]
+        c.table[:n][torch.arange(context // PAGE)[None, :] < torch.tensor([len(t) for t in tables])[:, None]] = \
+            torch.cat(tables)
         counts = torch.tensor([p.logit_rows.numel() for p in plans])
         c.reads.zero_()  # which of its W rows each row projects (padding: row 0)
         c.reads[:n][torch.arange(k)[None, :] < counts[:, None]] = torch.cat([p.logit_rows for p in plans])
@@ -304,8 +311,8 @@ class StaticStep:
     def _build(self, key: tuple, stage: Tensor, taus: Tensor) -> _Shape:
         rows, w, context, k = key
         inputs, dtaus = stage.to(self.device).clone(), taus.to(self.device).clone()
-        c = _columns(inputs, w)
-        batch = StaticBatch(self.pool, c.ids, c.bids, c.start, c.offset, c.widx, context)
+        c = _columns(inputs, w, k)
+        batch = StaticBatch(self.pool, c.ids, c.bids, c.start, c.table, context)
         greedy = SamplingParams()
         model, mask_id = self.model, self.mask_id
         columns = torch.arange(k, device=self.device)
