@@ -9,9 +9,12 @@ two-turn conversations, one per question:
 - short switch: a turn about another question's title, then "And <the title's last two words>?"; this one's.
 
 Strategies: `last` (the last user message), `short: fuse` (also the turn before when the last has fewer than
-FOLLOW_UP_WORDS content words, in file_search's own sense of content words), `always fuse`.
+FOLLOW_UP_WORDS content words, in file_search's own sense of content words), `short+pronoun: fuse` (the same,
+only when the last also has a pronoun that points back: it, that, they...), `always fuse`.
 """
 from __future__ import annotations
+
+import re
 
 from unmask.retrieval.file_search import _content_words
 from unmask.retrieval.index import fuse
@@ -19,7 +22,8 @@ from unmask.retrieval.index import fuse
 FOLLOW_UP_WORDS = 3
 FOLLOW_UPS = ["Can you give an example?", "Tell me more about it.", "Why is that?", "How do I use it?",
               "What are the exceptions?"]
-STRATEGIES = ("last", "short: fuse", "always fuse")
+STRATEGIES = ("last", "short: fuse", "short+pronoun: fuse", "always fuse")
+ANAPHORA = frozenset("it its this that these those they them their".split())
 K, POOL = 5, 50
 
 
@@ -49,7 +53,10 @@ def ranked_sections(index, encoder, store: str, queries: list[str]) -> list[str]
 
 
 def queries_for(strategy: str, previous: str, last: str) -> list[str]:
-    if strategy == "always fuse" or (strategy == "short: fuse" and len(_content_words(last)) < FOLLOW_UP_WORDS):
+    short = len(_content_words(last)) < FOLLOW_UP_WORDS
+    pronoun = bool(ANAPHORA & set(re.findall(r"[a-z]+", last.lower())))
+    if (strategy == "always fuse" or (strategy == "short: fuse" and short)
+            or (strategy == "short+pronoun: fuse" and short and pronoun)):
         return [last, previous]
     return [last]
 
