@@ -250,7 +250,7 @@ def evaluate_cmd(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON."),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     kv_cache_dtype: str = typer.Option("auto", help="Also the masked-token loss read through a KV cache of this "
-                                       "dtype (bfloat16 | float32; block-causal families): what the cache dtype costs."),
+                                       "dtype (bfloat16 | float32 | int8; block-causal families): what the cache dtype costs."),
     needle: bool = typer.Option(False, "--needle", help="Run only the needle in a haystack: a passkey line at "
                                 "each depth of held-out text, at each length; exact match of the value."),
     needle_lengths: str = typer.Option("1024,4096,16384,65536,131072", help="--needle prompt lengths in tokens."),
