@@ -9,7 +9,7 @@ results. This asks "which section is about <topic>?", a fair stand-in for a user
 set of real questions: its figures compare the modes and settings here, not the absolute quality a user sees.
 
     .venv/bin/python bench/retrieval.py [--chunking 800,400 --chunking 200,50] [--backend sqlite|postgres]
-                                        [--embedding-model DIR]
+                                        [--embedding-model DIR] [--set docs|code]
 
 Prints a table, then one JSON line.
 """
@@ -33,6 +33,7 @@ from unmask.retrieval.chunking import ChunkingStrategy, chunk_text  # noqa: E402
 from unmask.retrieval.encoder import DEFAULT_ENCODER_NAME, SentenceEncoder, default_encoder_path  # noqa: E402
 from unmask.retrieval.index import NewChunk  # noqa: E402
 
+from retrieval_code_set import load_code_set  # noqa: E402
 from retrieval_conversations import evaluate_conversations  # noqa: E402
 
 UNDERLINE = re.compile(r"^([=\-~^*+#\"'`])\1{2,}\s*$")
@@ -137,6 +138,8 @@ def answers(index, encoder, questions, store: str, count: int, model: str) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunking", action="append", help="MAX,OVERLAP tokens (repeatable; default 800,400)")
+    ap.add_argument("--set", default="docs", choices=["docs", "code"], help="docs: section titles to sections "
+                    "(above); code: docstring first lines to functions (bench/retrieval_code_set.py)")
     ap.add_argument("--backend", default="sqlite", choices=["sqlite", "postgres"])
     ap.add_argument("--pg-no-idf", action="store_true", help="Postgres keyword ranking without IDF weights (the "
                     "plain ts_rank_cd it had first)")
@@ -155,11 +158,12 @@ def main() -> None:
         encoder = SentenceEncoder.load(default_encoder_path(), DEFAULT_ENCODER_NAME)
     print(f"embedder {encoder.name}: {encoder.dimension} dimensions, {encoder.spec.max_seq_length}-token window",
           flush=True)
-    docs, questions = load_set()
+    docs, questions = load_set() if args.set == "docs" else load_code_set(ROOT)
     if args.limit_docs:
         keep = {q["id"] for q in questions}
         docs = [d for d in docs if d["id"] in keep] + [d for d in docs if d["id"] not in keep][:args.limit_docs]
-    print(f"{len(questions)} questions, {len(docs)} sections indexed", flush=True)
+    print(f"{len(questions)} questions, {len(docs)} {'sections' if args.set == 'docs' else 'functions'} indexed",
+          flush=True)
     pg = None
     if args.backend == "postgres":
         from pg_server import start_postgres
@@ -183,7 +187,8 @@ def main() -> None:
             cpu_per_chunk = (time.process_time() - cpu0) / n_chunks
             load = os.getloadavg()[0]
             result = evaluate(index, encoder, questions, "bench")
-            if spec == (args.chunking or ["800,400"])[0]:   # file_search's query in two-turn conversations
+            # file_search's query in two-turn conversations (on the documentation set, whose questions are topics)
+            if args.set == "docs" and spec == (args.chunking or ["800,400"])[0]:
                 talks = evaluate_conversations(index, encoder, questions, "bench")
                 rows.append({"chunking": spec, "backend": args.backend, "conversations": talks})
                 for kind, by_strategy in talks.items():
@@ -212,7 +217,7 @@ def main() -> None:
         if pg is not None:
             pg.stop()
             shutil.rmtree(pg.root, ignore_errors=True)
-    print(json.dumps({"bench": "retrieval", "embedder": encoder.name, "questions": len(questions),
+    print(json.dumps({"bench": "retrieval", "set": args.set, "embedder": encoder.name, "questions": len(questions),
                       "sections": len(docs), "results": rows}))
 
 
