@@ -186,6 +186,54 @@ def host_syncs(model, spec, args, report: dict, key: str = "host_syncs") -> None
     report[key] = out
 
 
+def host_time(model, spec, args, report: dict, key: str = "host_time") -> None:
+    """Where a static step's wall time goes, per engine step, at the smallest and largest batch (topk 4): the
+    host's planning (Scheduler.schedule), staging (StaticStep._fill), its wait in the step's one read (on a GPU:
+    for the device), reading the proposals out (the rest of _outputs), committing (Sequence.apply), and the
+    rest (the launch or, off the GPU, the forward itself; the engine's own loop). perf_counter around each."""
+    from unmask.engine.params import GenerationParams
+    from unmask.engine.scheduler import Scheduler
+    from unmask.engine.sequence import Sequence
+    from unmask.engine.static_step import StaticStep
+
+    params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, **MODES["topk4"])
+    parts = {"plan": (Scheduler, "schedule"), "stage": (StaticStep, "_fill"), "read": (StaticStep, "_outputs"),
+             "commit": (Sequence, "apply")}
+    rows = report.setdefault(key, [])
+    for batch in dict.fromkeys([args.batches[0], args.batches[-1]]):
+        eng = new_engine(model, spec, True, [batch], args.prompt_len, args.max_tokens)
+        batch_prompts = prompts(batch, args.prompt_len, spec.arch.vocab_size, seed=11)
+        run_engine(eng, batch_prompts, params, args.device)  # warm-up: captures
+        spent = dict.fromkeys(parts, 0.0)
+        saved = {name: getattr(cls, attr) for name, (cls, attr) in parts.items()}
+
+        def timed(name, real):
+            def wrapper(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return real(*a, **kw)
+                finally:
+                    spent[name] += time.perf_counter() - t0
+            return wrapper
+
+        try:
+            for name, (cls, attr) in parts.items():
+                setattr(cls, attr, timed(name, saved[name]))
+            wait0 = eng.runner.static.wait_s
+            r = run_engine(eng, batch_prompts, params, args.device)
+        finally:
+            for name, (cls, attr) in parts.items():
+                setattr(cls, attr, saved[name])
+        steps = max(r["steps"], 1)
+        wait = eng.runner.static.wait_s - wait0
+        ms = {"plan": spent["plan"], "stage": spent["stage"], "wait": wait, "read": spent["read"] - wait,
+              "commit": spent["commit"]}
+        ms = {k: 1000 * v / steps for k, v in ms.items()}
+        ms["rest"] = 1000 * r["seconds"] / steps - sum(ms.values())
+        rows.append({"batch": batch, "steps": r["steps"], "ms_per_step": 1000 * r["seconds"] / steps, **ms})
+        log(f"{key} batch={batch}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in rows[-1].items() if k != "batch"))
+
+
 def hf_speed(path: Path, args, report: dict, out: Path) -> None:
     try:
         from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -308,6 +356,13 @@ def checks(report: dict, identity: str, syncs: str) -> list[str]:
         cuda = (f", {row['cuda_sync_calls_per_step']:.2f} synchronising CUDA calls per step "
                 f"({', '.join(row['cuda_sync_names'])})") if "cuda_sync_calls_per_step" in row else ""
         md.append(f"\nHost reads per step, {name}: {row['host_reads_per_step']:.2f}{cuda}.")
+    times = report.get(syncs.replace("host_syncs", "host_time"), [])
+    if times:
+        md += ["\nWhere a static step's time goes (ms per engine step, topk 4: planning, staging the inputs, waiting "
+               "in the one read, reading the proposals out, committing, the rest):\n",
+               "| batch | ms/step | plan | stage | wait | read | commit | rest |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        md += [f"| {t['batch']} | {t['ms_per_step']:.3f} | {t['plan']:.3f} | {t['stage']:.3f} | {t['wait']:.3f} "
+               f"| {t['read']:.3f} | {t['commit']:.3f} | {t['rest']:.3f} |" for t in times]
     return md
 
 
@@ -358,6 +413,7 @@ def run(args) -> dict:
         report["parameters"] = sum(p.numel() for p in model.parameters())
         unmask_speed(model, spec, args, report, args.out)
         guarded("host syncs", report, host_syncs, model, spec, args, report)
+        guarded("host time", report, host_time, model, spec, args, report)
         save(report, args.out)
         del model
         if args.device.startswith("cuda"):

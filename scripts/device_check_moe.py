@@ -85,7 +85,7 @@ def run_moe(args, report: dict) -> None:
     report["moe_host_syncs"]; sections past the time budget are skipped and marked."""
     import tempfile
 
-    from device_check_block import guarded, host_syncs, log, over_budget, save, unmask_speed
+    from device_check_block import guarded, host_syncs, host_time, log, over_budget, save, unmask_speed
 
     if over_budget(args, 60):
         report["moe"] = [{"skipped": "time budget"}]
@@ -100,6 +100,7 @@ def run_moe(args, report: dict) -> None:
             [(args.batches[0], "topk4")])
     save(report, args.out)
     guarded("moe host syncs", report, host_syncs, model, spec, args, report, "moe_host_syncs")
+    guarded("moe host time", report, host_time, model, spec, args, report, "moe_host_time")
     save(report, args.out)
     del model
     if args.device.startswith("cuda"):

@@ -4,6 +4,8 @@ on the device, scripts/device_check_moe.py), and the JSON and the table come out
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,5 +35,9 @@ def test_the_block_device_check_runs_in_tiny_mode(tmp_path, monkeypatch):
     # the MoE's grouped GEMMs read nothing back in the static step; its eager loop reads the chosen experts
     assert report["moe_host_syncs"]["static"]["host_reads_per_step"] == 1
     assert report["moe_host_syncs"]["eager"]["host_reads_per_step"] > 2
+    for key in ("host_time", "moe_host_time"):  # one row per batch size (here the one, 2)
+        (t,) = report[key]
+        assert t["batch"] == 2 and t["steps"] >= 1 and t["plan"] > 0 and t["commit"] > 0 and t["wait"] >= 0
+        assert t["ms_per_step"] == pytest.approx(sum(t[k] for k in ("plan", "stage", "wait", "read", "commit", "rest")))
     md = (tmp_path / "block_check.md").read_text()
     assert "| unmask static step | 2 | topk4 |" in md and "transformers" in md and "## tiny MoE shape" in md

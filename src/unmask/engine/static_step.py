@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -208,6 +209,7 @@ class StaticStep:
         self.shapes: OrderedDict[tuple, _Shape] = OrderedDict()
         self.steps = self.captures = self.replays = 0
         self.host_reads = 0   # device-to-host copies of the last step (the sync count: 1 for greedy-only steps)
+        self.wait_s = 0.0     # seconds the host spent in those copies, in all (on a GPU: waiting for the step)
 
     # ------------------------------------------------------------------ which steps
     def key(self, plans: list[StepPlan]) -> tuple | None:
@@ -376,7 +378,9 @@ class StaticStep:
         self.host_reads = 0
         cols = None
         if any(d and p.logit_rows.numel() for d, p in zip(on_device, plans)):
+            t0 = time.perf_counter()
             packed = shape.packed.cpu()  # the step's one synchronisation
+            self.wait_s += time.perf_counter() - t0
             self.host_reads += 1
             # typed once for the whole step; each request below takes views (a few us, not a few ops each)
             cols = (packed[0].long(), packed[1].float(), packed[2].float(), packed[3].float(),
