@@ -55,6 +55,12 @@ CORRUPT_HELP = ("Share of the noised positions that hold a random token instead 
                 "them and the other filled positions, so the model learns to replace wrong tokens, as the edit rules "
                 "(--edit-threshold) ask of it (docs/training.md).")
 NEXT_TOKEN_HELP = "With a causal context: weight of the next-token loss on the clean rows (0: off)."
+LONG_DOCUMENTS_HELP = ("Long-context training: pack the corpus one document per package (its files in path order under "
+                       "'# file: PATH' lines) instead of one per file (docs/training.md, 'Long context').")
+PASSKEY_HELP = ("Long-context training: share of rows that bury a PASSKEY = \"NNNNN\" line in training text and end "
+                "asking for it, the loss on the value only (the task of unmask eval --needle).")
+ROPE_SCALING_HELP = ("Long-context training: linear:F (position interpolation) or yarn:F, written to config.json as "
+                     "rope_scaling; the context becomes F x the one trained without scaling.")
 COMPILE_HELP = ("torch.compile each transformer block: 1.2-1.5x faster steps measured on CPU, after ~45 s of "
                 "compiling (needs a C++ compiler).")
 
@@ -83,6 +89,9 @@ def train(
     suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
     full_block_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=FULL_BLOCK_HELP),
     corrupt_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=CORRUPT_HELP),
+    long_documents: bool = typer.Option(False, "--long-documents", help=LONG_DOCUMENTS_HELP),
+    passkey_fraction: float = typer.Option(0.0, min=0.0, max=0.99, help=PASSKEY_HELP),
+    rope_scaling: Optional[str] = typer.Option(None, help=ROPE_SCALING_HELP),
 ):
     """Pre-train a masked block-diffusion model from scratch (multi-process: launch with torchrun)."""
     from unmask.errors import UnmaskError
@@ -100,6 +109,7 @@ def train(
         cfg.causal_context, cfg.next_token_weight = causal_context, next_token_weight
         cfg.suffix_fraction, cfg.full_block_fraction = suffix_fraction, full_block_fraction
         cfg.corrupt_fraction = corrupt_fraction
+        cfg.long_documents, cfg.passkey_fraction, cfg.rope_scaling = long_documents, passkey_fraction, rope_scaling
         if tokenizer is None:
             tokenizer = init_from if init_from is not None and (init_from / "tokenizer.json").is_file() \
                 else Path("data/tokenizer")

@@ -47,7 +47,7 @@ class TrainDivergedError(UnmaskError):
 # is compared by its architecture (_check_resume), since `cfg.model` only describes a fresh model
 _RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "sft_pack", "mix_fraction", "objective",
                 "causal_context", "next_token_weight", "suffix_fraction", "confidence_weight", "full_block_fraction",
-                "corrupt_fraction")
+                "corrupt_fraction", "long_documents", "passkey_fraction", "rope_scaling")
 ON_ERROR = ("raise", "skip")
 # what an earlier run leaves in out_dir: a new run without resume or overwrite must not replace it
 _RUN_FILES = (CHECKPOINT, "model", "adapter")
@@ -97,6 +97,11 @@ class TrainConfig:
     full_block_fraction: float = 0.0   # block diffusion: share of blocks masked whole (objectives.py)
     confidence_weight: float = 0.0     # certainty forcing: entropy of right masked predictions (objectives.py)
     corrupt_fraction: float = 0.0      # share of noised positions holding a random token, not the mask (corruption.py)
+    # long-context continued pre-training (long_context.py): rows packed one document per package, a share of
+    # passkey retrieval rows, RoPE scaling "linear:F" / "yarn:F" written to the exported config.json
+    long_documents: bool = False
+    passkey_fraction: float = 0.0
+    rope_scaling: str | None = None
     model: ModelShape = field(default_factory=ModelShape)  # fresh pre-training model only
 
     def __post_init__(self):
@@ -123,6 +128,8 @@ class TrainConfig:
             raise TrainConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         if self.resume and self.overwrite:
             raise TrainConfigError("resume continues the run in out_dir and overwrite starts it over: choose one")
+        if not 0.0 <= self.passkey_fraction < 1.0:
+            raise TrainConfigError(f"passkey_fraction must be in [0, 1), got {self.passkey_fraction}")
         if self.objective not in ("diffusion", "causal"):
             raise TrainConfigError(f"objective must be 'diffusion' or 'causal', got {self.objective!r}")
         for name in ("suffix_fraction", "full_block_fraction", "corrupt_fraction"):
@@ -518,8 +525,13 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
         sep = ids["endoftext"] if ids["endoftext"] is not None else ids["eos"]
         # every rank reads (or tokenizes into the same atomic cache) on its own: no rank can
         # fail while another waits for it
-        rows, eval_rows = load_pretraining(Path(data), tok, cfg.seq_len, sep, Path(cfg.out_dir) / "tokens",
-                                           log=print if ctx.main else (lambda _: None))
+        log = print if ctx.main else (lambda _: None)
+        rows, eval_rows = load_pretraining(Path(data), tok, cfg.seq_len, sep, Path(cfg.out_dir) / "tokens", log=log)
+        if cfg.long_documents or cfg.passkey_fraction:
+            from unmask.train.long_context import long_context_rows
+
+            rows = long_context_rows(Path(data), tok, len(tok.hf), cfg.seq_len, sep, rows, cfg.long_documents,
+                                     cfg.passkey_fraction, cfg.seed, log)
         sizes = cfg.block_sizes or DEFAULT_BLOCK_SIZES
         if init_from is not None:
             tm = load_trainable(init_from)
@@ -535,6 +547,13 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
             gen = {"eos_token_id": stops, "bos_token_id": ids["bos"], "pad_token_id": ids["pad"]}
             tm = fresh_model(config, gen, cfg.seed)
         _check_vocab(tm, rows)
+        if cfg.rope_scaling:  # relative to the context trained without scaling (a second stage replaces the first)
+            from unmask.train.long_context import apply_rope_scaling, rope_scaling
+
+            prior = tm.config.get("rope_scaling") or {}
+            original = int(prior.get("original_max_position_embeddings") or tm.config.get("max_position_embeddings")
+                           or cfg.seq_len)
+            apply_rope_scaling(tm, *rope_scaling(cfg.rope_scaling, original))
         if cfg.objective == "causal":
             if tm.family.shift_key is None and not tm.family.shifted(tm.config):
                 raise TrainConfigError(f"objective 'causal': the {tm.family.name} family has no shifted-logits "
