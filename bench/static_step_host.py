@@ -1,0 +1,74 @@
+"""Host time per engine step of the static step (issue 31), split by part, on any device.
+
+    nice -n 19 .venv/bin/python bench/static_step_host.py --batches 16,64
+
+The built-in model, float32, random-token prompts of 32 tokens, 64 new tokens, topk 4, EOS ignored, blocks of 16,
+one torch thread; a warm-up run of the same requests first. perf_counter around the engine's planning
+(Scheduler.schedule), the static step's staging (StaticStep._fill) and output reading (StaticStep._outputs, its
+one host read included), committing (Sequence.apply) and detokenizing (TextStream.push); the rest of a step is
+the forward (on the CPU; on a GPU its launch) and the engine loop. Per step and per request in the step.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+PARTS = {"plan": ("unmask.engine.scheduler", "Scheduler", "schedule"),
+         "stage": ("unmask.engine.static_step", "StaticStep", "_fill"),
+         "read": ("unmask.engine.static_step", "StaticStep", "_outputs"),
+         "commit": ("unmask.engine.sequence", "Sequence", "apply"),
+         "detokenize": ("unmask.engine.detokenizer", "TextStream", "push")}
+
+
+def instrument(spent: collections.Counter) -> None:
+    import importlib
+
+    for name, (module, cls_name, attr) in PARTS.items():
+        cls = getattr(importlib.import_module(module), cls_name)
+        real = getattr(cls, attr)
+
+        def wrapper(*a, _real=real, _name=name, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _real(*a, **kw)
+            finally:
+                spent[_name] += time.perf_counter() - t0
+
+        setattr(cls, attr, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    from unmask.engine.llm import LLM
+    from unmask.engine.params import GenerationParams
+
+    torch.set_num_threads(1)
+    spent: collections.Counter = collections.Counter()
+    instrument(spent)
+    params = GenerationParams(max_tokens=64, policy="topk", tokens_per_step=4, ignore_eos=True, block_size=16)
+    print("| batch | ms/step | " + " | ".join(f"{p} ms (us/request)" for p in PARTS) + " | rest ms |")
+    print("|---:|---:|" + "---:|" * (len(PARTS) + 1))
+    for batch in args.batches:
+        llm = LLM(None, dtype="float32", device=args.device, static_step=True, kv_pool_tokens=batch * 512,
+                  max_num_seqs=batch)
+        prompts = torch.randint(100, 4000, (batch, 32), generator=torch.Generator().manual_seed(batch)).tolist()
+        for _ in range(2):  # warm-up, then the measured run
+            spent.clear()
+            for p in prompts:
+                llm.engine.add_request(p, params)
+            steps0, t0 = llm.engine.stats.steps, time.perf_counter()
+            llm.engine.run_to_completion()
+            wall, steps = time.perf_counter() - t0, llm.engine.stats.steps - steps0
+        cells = [f"{1000 * spent[p] / steps:.2f} ({1e6 * spent[p] / steps / batch:.0f})" for p in PARTS]
+        rest = 1000 * (wall - sum(spent.values())) / steps
+        print(f"| {batch} | {1000 * wall / steps:.1f} | " + " | ".join(cells) + f" | {rest:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
