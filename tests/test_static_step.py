@@ -131,12 +131,24 @@ def test_request_options_give_the_eager_tokens_and_logprobs(family, knobs, model
             assert static.top.ids.tolist() == eager.top.ids.tolist()
 
 
-def test_the_prefix_cache_fills_pooled_caches(models):
-    """A second request with the same prompt loads its prompt blocks from the prefix cache into its pool run."""
+def checkerboard(pool: KVPool, pages: int) -> None:
+    """Every other one of the first `pages` pages held by another owner: what requests get next is scattered."""
+    for i in range(pages):
+        pool.allocate(f"hold{i}", PAGE)
+    for i in range(0, pages, 2):
+        pool.release(f"hold{i}")
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_the_prefix_cache_fills_pooled_caches(models, scattered):
+    """A second request with the same prompt loads its prompt blocks from the prefix cache into its pages (in a
+    run, or scattered: the prefix cache's [:, lo:hi] slices go through the page table)."""
     model, spec = models["sdar"]
     params = GenerationParams(max_tokens=8, policy="threshold", threshold=0.5, block_size=4)
     prompt = list(range(30, 51))
     eng = Engine(model, spec, max_num_seqs=4, static_step=True, kv_pool_tokens=1024)
+    if scattered:
+        checkerboard(eng.kv_pool, 64)
     first = eng.add_request(prompt, params)
     eng.run_to_completion()
     second = eng.add_request(prompt, params)
@@ -177,12 +189,23 @@ def test_sampled_requests_read_their_logits_and_match_eager(models):
     assert outs[0] == outs[1]
 
 
-def test_long_prefill_chunks_run_eagerly_then_decode_statically(models):
+@pytest.mark.parametrize("scattered", [False, True])
+def test_long_prefill_chunks_run_eagerly_then_decode_statically(models, scattered):
+    """The eager prefill chunk writes and reads the request's pages through PooledCache.write / read (scattered:
+    every other page), the static steps after it read what it wrote."""
     model, spec = models["sdar"]
     prompt = [30 + (7 * i) % 50 for i in range(150)]
     params = GenerationParams(max_tokens=8, policy="threshold", threshold=0.5, block_size=4)
     eager, _ = run(model, spec, [prompt], params, static=False, max_batch_tokens=128)
-    static, eng = run(model, spec, [prompt], params, static=True, max_batch_tokens=128)
+    eng = Engine(model, spec, max_num_seqs=16, static_step=True, kv_pool_tokens=4096, max_batch_tokens=128)
+    if scattered:
+        checkerboard(eng.kv_pool, 64)
+    seq = eng.add_request(prompt, params)
+    eng.step()
+    pages = eng.kv_pool.owned[seq.request_id].pages
+    assert (pages[:3] == [0, 2, 4]) if scattered else (pages == list(range(len(pages))))
+    eng.run_to_completion()
+    static = [seq.output_ids]
     assert static == eager == [naive_generate(model, spec, prompt, params)]
     assert 0 < eng.runner.static.steps < eng.stats.steps  # the 128-token prefill chunk was eager
     assert {k[2] for k in eng.runner.static.shapes} == {256}  # context bucket past the 150-token prompt
@@ -300,10 +323,7 @@ def test_requests_in_scattered_pages_give_the_eager_tokens(models):
     eager, _ = run(model, spec, PROMPTS, params, static=False)
     eng = Engine(model, spec, max_num_seqs=8, static_step=True, kv_pool_tokens=64 * PAGE)
     pool = eng.kv_pool
-    for i in range(64):
-        pool.allocate(f"hold{i}", PAGE)
-    for i in range(0, 64, 2):
-        pool.release(f"hold{i}")  # 32 free pages, none next to another
+    checkerboard(pool, 64)  # 32 free pages, none next to another
     seqs = [eng.add_request(p, params) for p in PROMPTS]
     eng.step()  # admission takes the pages
     caches = [pool.owned[s.request_id] for s in seqs]
