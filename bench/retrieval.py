@@ -140,6 +140,8 @@ def main() -> None:
     ap.add_argument("--chunking", action="append", help="MAX,OVERLAP tokens (repeatable; default 800,400)")
     ap.add_argument("--set", default="docs", choices=["docs", "code"], help="docs: section titles to sections "
                     "(above); code: docstring first lines to functions (bench/retrieval_code_set.py)")
+    ap.add_argument("--no-conversations", action="store_true", help="skip the two-turn conversations "
+                    "(bench/retrieval_conversations.py; hundreds of query embeddings, slow with a large embedder)")
     ap.add_argument("--backend", default="sqlite", choices=["sqlite", "postgres"])
     ap.add_argument("--pg-no-idf", action="store_true", help="Postgres keyword ranking without IDF weights (the "
                     "plain ts_rank_cd it had first)")
@@ -188,7 +190,7 @@ def main() -> None:
             load = os.getloadavg()[0]
             result = evaluate(index, encoder, questions, "bench")
             # file_search's query in two-turn conversations (on the documentation set, whose questions are topics)
-            if args.set == "docs" and spec == (args.chunking or ["800,400"])[0]:
+            if args.set == "docs" and not args.no_conversations and spec == (args.chunking or ["800,400"])[0]:
                 talks = evaluate_conversations(index, encoder, questions, "bench")
                 rows.append({"chunking": spec, "backend": args.backend, "conversations": talks})
                 for kind, by_strategy in talks.items():
