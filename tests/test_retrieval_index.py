@@ -238,3 +238,44 @@ def test_postgres_keyword_ranking_weighs_rare_words_more(postgres, encoder):
         hits = idx.search(["vs_idf" + str(idf)], "module zeugma", None, 3, "keyword")
         assert hits[0].file_id == expected, (idf, [(h.file_id, h.score) for h in hits])
         idx.close()
+
+
+def test_sqlite_cache_follows_adds_without_rereading(tmp_path):
+    """Adding a file updates SQLite's cached matrix in place (no re-read); after random adds, replacements and
+    deletions across two stores, warm searches equal those of a fresh index over the same file."""
+    from unmask.retrieval.sqlite_index import SQLiteIndex
+
+    rng = np.random.default_rng(0)
+    dim = 8
+    warm = SQLiteIndex(tmp_path / "chunks.db", dim)
+
+    def unit(n):
+        v = rng.standard_normal((n, dim)).astype(np.float32)
+        return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+    def add(store, file_id, n):
+        warm.add(store, file_id, [NewChunk(i, f"{file_id} part {i}", v) for i, v in enumerate(unit(n))])
+
+    add("vs_a", "f0", 3)
+    warm.vector(["vs_a"], unit(1)[0], 5, None)   # caches vs_a
+    reads = []
+    warm._conns.get().set_trace_callback(lambda sql: reads.append(sql) if "SELECT id, file_id, vector" in sql else None)
+    add("vs_a", "f1", 4)
+    add("vs_a", "f0", 2)   # replaced: its 3 old chunks leave the matrix
+    assert reads == [] and len(warm._matrices["vs_a"].ids) == 6
+    for step in range(40):
+        store, file_id = rng.choice(["vs_a", "vs_b"]), f"f{rng.integers(6)}"
+        if rng.random() < 0.2:
+            warm.delete_file(file_id, store)
+        else:
+            add(store, file_id, int(rng.integers(1, 5)))
+        for s in ("vs_a", "vs_b"):
+            warm.vector([s], unit(1)[0], 3, None)   # keeps both caches warm
+    fresh = SQLiteIndex(tmp_path / "chunks.db", dim)
+    for q in unit(10):
+        for stores in (["vs_a"], ["vs_b"], ["vs_a", "vs_b"]):
+            assert warm.vector(stores, q, 50, None) == fresh.vector(stores, q, 50, None)
+            assert warm.vector(stores, q, 50, ["f1", "f2"]) == fresh.vector(stores, q, 50, ["f1", "f2"])
+    assert sorted(warm._matrices["vs_a"].ids) == sorted(fresh._matrix("vs_a").ids)
+    warm.close()
+    fresh.close()

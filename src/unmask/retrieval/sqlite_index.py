@@ -1,10 +1,12 @@
 """The embedded chunk index: one SQLite file, FTS5 for keywords, vectors as float32 blobs scored with numpy.
 
 Keyword relevance is FTS5's `bm25()` (negated: FTS5 returns lower-is-better), over the query's words ORed, with
-the porter stemmer. Vectors are scanned exactly: a store's matrix is read once into memory and kept until the
-store changes (through this object; one server process owns the file), and a search is one matrix-vector
-product. sqlite-vec (a brute-force `vec0` table, through apsw) was measured against this at 10K and 100K chunks:
-the numpy scan searched 2-4x faster; docs/benchmarks.md has the figures and why the blobs won.
+the porter stemmer. Vectors are scanned exactly: a store's matrix is read once into memory and kept while the
+store changes only through this object (one server process owns the file): adding a file updates the cached
+matrix in place (the file's old rows out, its new ones in) rather than dropping it, since re-reading 100K
+vectors took seconds; a deletion drops it. A search is one matrix-vector product. sqlite-vec (a brute-force
+`vec0` table, through apsw) was measured against this at 10K and 100K chunks: the numpy scan searched 2-4x
+faster; docs/benchmarks.md has the figures and why the blobs won.
 """
 from __future__ import annotations
 
@@ -79,11 +81,32 @@ class SQLiteIndex(ChunkIndex):
             conn.executemany("INSERT INTO chunks (store_id, file_id, chunk_index, text, vector) VALUES (?, ?, ?, ?, ?)",
                              [(store_id, file_id, c.index, c.text, np.asarray(c.vector, "<f4").tobytes())
                               for c in chunks])
+            ids = [r[0] for r in conn.execute("SELECT id FROM chunks WHERE store_id = ? AND file_id = ? ORDER BY id",
+                                              (store_id, file_id))]
         except BaseException:
             conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
-        self._changed(store_id)
+        # the ids ascend in insertion order, the order of `chunks`
+        vectors = np.array([np.asarray(c.vector, np.float32) for c in chunks], np.float32).reshape(len(chunks),
+                                                                                                   self.dimension)
+        self._extend(store_id, file_id, np.array(ids, np.int64), vectors)
+
+    def _extend(self, store_id: str, file_id: str, ids: np.ndarray, vectors: np.ndarray) -> None:
+        """A new generation of the store's cached matrix with the file's rows replaced by these, when the cache is
+        current; else the cache is dropped as on any change. A reader that cached a snapshot taken after the
+        commit loses nothing: the file's rows in it are the ones replaced."""
+        with self._lock:
+            generation = self._generation.get(store_id, 0) + 1
+            self._generation[store_id] = generation
+            cached = self._matrices.pop(store_id, None)
+            if cached is None or cached.generation != generation - 1:
+                return
+            keep = cached.files != file_id
+            self._matrices[store_id] = _Matrix(
+                generation, np.concatenate([cached.ids[keep], ids]),
+                np.concatenate([cached.files[keep], np.full(len(ids), file_id, object)]),
+                np.concatenate([cached.vectors[keep], vectors]))
 
     def delete_file(self, file_id: str, store_id: str | None = None) -> int:
         if store_id is None:
