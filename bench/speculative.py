@@ -30,6 +30,8 @@ VARIANTS = [
     ("speculative_all", "self-speculative, a draft block per outcome", dict(policy="speculative",
                                                                             draft_all_outcomes=True)),
     ("speculative_b4", "self-speculative, draft blocks of 4", dict(policy="speculative", block_size=4)),
+    ("speculative_b4_lookup", "self-speculative, draft blocks of 4 and up to 8 prompt-lookup drafts",
+     dict(policy="speculative", block_size=4, draft_lookup=8)),
 ]
 
 

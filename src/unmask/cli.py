@@ -70,6 +70,9 @@ def generate(
     draft_all_outcomes: Optional[bool] = typer.Option(
         None, "--draft-all-outcomes/--no-draft-all-outcomes",
         help="Policy speculative: a draft block for every number of drafts the verifier may keep (default: off)."),
+    draft_lookup: Optional[int] = typer.Option(
+        None, help="Policy speculative: also draft up to this many tokens copied from an earlier occurrence of the "
+                   "text's last few tokens (prompt lookup; 0: off; default: the model's)."),
     greedy_filters: Optional[bool] = typer.Option(
         None, "--greedy-filters/--no-greedy-filters",
         help="At temperature 0, read confidences from the top-k / top-p filtered softmax (default: the model's; "
@@ -139,7 +142,8 @@ def generate(
                      policy=policy, threshold=threshold, block_size=block_size, steps=steps,
                      tokens_per_step=tokens_per_step, factor=factor, entropy_bound=entropy_bound, alg_temp=alg_temp,
                      small_block_size=small_block_size, multi_block_threshold=multi_block_threshold,
-                     draft_all_outcomes=draft_all_outcomes, greedy_filters=greedy_filters, empty_steps=empty_steps, full_last_block=full_last_block,
+                     draft_all_outcomes=draft_all_outcomes, draft_lookup=draft_lookup,
+                     greedy_filters=greedy_filters, empty_steps=empty_steps, full_last_block=full_last_block,
                      ordered_stops=ordered_stops, credit_decay=credit_decay, edit_threshold=edit_threshold,
                      max_post_edit_steps=max_post_edit_steps, remask_budget=remask_budget,
                      remask_threshold=remask_threshold, credit_gamma=credit_gamma, credit_weight=credit_weight, cache=cache, stop=list(stop),

@@ -264,6 +264,7 @@ POLICIES = {
     "speculative": dict(policy="speculative"),
     "speculative_all": dict(policy="speculative", draft_all_outcomes=True),
     "speculative_b4": dict(policy="speculative", block_size=4),
+    "speculative_b4_lookup": dict(policy="speculative", block_size=4, draft_lookup=8),
 }
 
 

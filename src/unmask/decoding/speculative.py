@@ -89,3 +89,26 @@ def verify(drafts: Tensor, draft_probs: Tensor | None, target_probs: Tensor, gre
     last = draw(row[None], generator)
     tokens = torch.cat([drafts[:accepted], last])
     return Verdict(accepted, tokens)
+
+
+def lookup_drafts(ids: Tensor, max_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> Tensor:
+    """[<= max_tokens] long: prompt-lookup drafts (Saxena 2023; vLLM's `ngram` method, llama.cpp's lookup decoding).
+
+    The longest suffix of `ids` (max_ngram down to min_ngram tokens) that also occurs earlier in `ids` is
+    looked up at its latest earlier occurrence, and the tokens that followed it there are the drafts; where they run into the end
+    of `ids`, the match implies a period (the text since the occurrence repeats), which the drafts continue. Empty when nothing matches. Free of
+    model compute: a draft costs only its verifier row, and a wrong one only that row."""
+    n_ids = int(ids.numel())
+    if max_tokens <= 0:
+        return ids[:0]
+    for n in range(min(max_ngram, n_ids - 1), min_ngram - 1, -1):
+        windows = ids[:n_ids - 1].unfold(0, n, 1)           # windows ending before the last token
+        hits = (windows == ids[n_ids - n:]).all(1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            copied = ids[start:start + max_tokens]
+            if copied.numel() < max_tokens:  # ran into the end: the match implies a period, continue it
+                period = n_ids - start
+                copied = copied.repeat(-(-max_tokens // period))[:max_tokens]
+            return copied
+    return ids[:0]

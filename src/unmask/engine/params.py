@@ -23,9 +23,11 @@ MULTI_BLOCK_POLICIES = ("threshold", "credit", "factor", "entropy_bounded", "top
 # named one; the engine resolves it (Engine.resolve_policy) before anything else reads the policy
 DEFAULT_POLICY, FALLBACK_POLICY = "default", "threshold"
 # what a model's `default_policy` may set (a request's own value wins where it has one)
-MODEL_POLICY_KEYS = {"block_size": int, "draft_all_outcomes": bool}
+MODEL_POLICY_KEYS = {"block_size": int, "draft_all_outcomes": bool, "draft_lookup": int}
 # what a request may name with multi-block decoding or remasking (the default resolves to threshold with them)
 UNSCHEDULED_POLICIES = (*MULTI_BLOCK_POLICIES, DEFAULT_POLICY)
+# the most tokens a request may have copied as drafts in one step (each costs a verifier row of the forward)
+MAX_DRAFT_LOOKUP = 64
 CacheMode = Literal["auto", "none", "prefix", "dual"]
 INTERACTIVE_PRIORITY, BATCH_PRIORITY = 0, 1
 
@@ -59,6 +61,9 @@ class GenerationParams:
     # policy "speculative" (engine/speculative.py): a draft block for every number of drafts the verifier may keep,
     # not only for all of them (more tokens per forward, a wider forward); None: off
     draft_all_outcomes: bool | None = None
+    # policy "speculative": also draft up to this many tokens copied from an earlier occurrence of the text's last
+    # n-gram (prompt lookup; decoding.speculative.lookup_drafts); None or 0: off
+    draft_lookup: int | None = None
     # revising committed tokens of the active block (unmask.decoding.edits); all None: off, the tokens as before
     edit_threshold: float | None = None       # LLaDA2.1 token-to-token edits: replace when p(new token) > this
     max_post_edit_steps: int | None = None    # edit-only steps once the block is full (None: 16, SGLang's default)
@@ -130,6 +135,10 @@ class GenerationParams:
                 self.check_small_block(self.block_size)
         if self.multi_block_threshold is not None:
             self.check_multi_block()
+        lookup = self.draft_lookup
+        if lookup is not None and (not isinstance(lookup, int) or isinstance(lookup, bool)
+                                   or not 0 <= lookup <= MAX_DRAFT_LOOKUP):
+            bad(f"draft_lookup must be an integer in [0, {MAX_DRAFT_LOOKUP}], got {lookup!r}", "draft_lookup")
         self.check_edits()
         for name in REFERENCE_SWITCHES:
             value = getattr(self, name)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from unmask.decoding.logit_adjust import ban_early_stops
-from unmask.decoding.speculative import draw, processed_probs, verify
+from unmask.decoding.speculative import draw, lookup_drafts, processed_probs, verify
 from unmask.engine.sequence import Sequence, StepPlan
 from unmask.errors import InvalidRequestError
 from unmask.models.attention import Segment
@@ -82,6 +82,8 @@ class SpeculativeSequence(Sequence):
         self._blocks: dict[int, tuple[int, int]] = {}  # outcome j -> (first logit row of its drafts, count)
         self.drafted = 0   # drafts offered to the verifier, and kept: the acceptance rate in stats
         self.kept = 0
+        self.lookup = int(self.params.draft_lookup or 0)
+        self._lookup_from = 0  # drafts[i] for i >= this are copied (prompt lookup), not drawn from draft_probs
 
     @property
     def prefill_limit(self) -> int:
@@ -99,6 +101,7 @@ class SpeculativeSequence(Sequence):
                 seg = Segment(start=c, length=n, write=n, cache=self.cache, attend=attend)
                 empty = torch.empty(0, dtype=torch.long)
                 return StepPlan(self, self.seq[c:c + n], torch.arange(c, c + n), seg, empty, empty)
+        self._choose_drafts(f)
         k = min(int(self.drafts.numel()), self.end - f - 1)  # the verifier's own token must fit before the end
         drafts = self.drafts[:k]
         outcomes = list(range(k + 1)) if self.all_outcomes else [k]
@@ -120,6 +123,15 @@ class SpeculativeSequence(Sequence):
         self._k = k
         return StepPlan(self, torch.cat(ids), torch.cat(pos), seg, torch.cat(rows), torch.cat(targets))
 
+    def _choose_drafts(self, f: int) -> None:
+        """With `draft_lookup`, the diffusion rows' drafts (from the last step) are followed by up to that many
+        tokens copied from an earlier occurrence of the text's last n-gram, drafts included
+        (decoding.speculative.lookup_drafts): a copied draft costs a verifier row, never the output."""
+        self._lookup_from = int(self.drafts.numel())
+        if self.lookup:
+            more = lookup_drafts(torch.cat([self.seq[:f], self.drafts]), self.lookup)
+            self.drafts = torch.cat([self.drafts, more])
+
     def after_forward(self, plan: StepPlan) -> None:
         self.stats.forwards += 1
         seg = plan.segment
@@ -140,8 +152,8 @@ class SpeculativeSequence(Sequence):
         verifier = logits[:k + 1]
         # greedy: the argmax of the logits is the rule's whole input (no [k + 1, V] one-hot on the step's path)
         target = verifier if greedy else processed_probs(verifier, self.sampling)
-        verdict = verify(self.drafts[:k], None if greedy or k == 0 else self.draft_probs[:k], target, greedy,
-                         self.generator)
+        verdict = verify(self.drafts[:k], None if greedy or k == 0 else self._step_draft_probs(k, logits), target,
+                         greedy, self.generator)
         a = verdict.accepted
         n = min(a + 1, self.end - f)
         tokens = verdict.tokens[:n].cpu()
@@ -157,6 +169,17 @@ class SpeculativeSequence(Sequence):
             self.cache.length = min(self.cache.length, self.cached)
         self._next_drafts(logits, a)
         return self._advance()
+
+    def _step_draft_probs(self, k: int, logits: Tensor) -> Tensor:
+        """[k, V]: the law each draft was drawn from; a copied draft is certain (one-hot), so speculative sampling
+        keeps it with the verifier's probability of it and else draws from the verifier's law without it."""
+        n = min(self._lookup_from, k)
+        if n == k:
+            return self.draft_probs[:k]
+        q = torch.nn.functional.one_hot(self.drafts[:k].to(logits.device), logits.shape[1]).float()
+        if n:
+            q[:n] = self.draft_probs[:n]
+        return q
 
     def _record_outputs(self, pos: Tensor, tokens: Tensor, rows: Tensor) -> None:
         """Logprobs and top alternatives of the written tokens under the verifier's distribution."""

@@ -134,6 +134,7 @@ class GenerationRequest(RequestModel):
     small_block_size: int | None = None
     multi_block_threshold: float | None = None
     draft_all_outcomes: bool | None = None
+    draft_lookup: int | None = None
     greedy_filters: bool | None = None
     empty_steps: bool | None = None
     full_last_block: bool | None = None
@@ -162,7 +163,7 @@ class GenerationRequest(RequestModel):
         kw = dict(REASONING_EFFORT[EFFORT_ALIASES.get(effort, effort)]) if effort else {}
         for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "factor", "tokens_per_step",
                      *POLICY_FIELDS, "block_size", "small_block_size", "multi_block_threshold", "draft_all_outcomes",
-                     *REFERENCE_SWITCHES, *EDIT_FIELDS, "min_tokens", *UNIFORM_FIELDS):
+                     "draft_lookup", *REFERENCE_SWITCHES, *EDIT_FIELDS, "min_tokens", *UNIFORM_FIELDS):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -16,8 +16,8 @@ from unmask.server.protocol import (DRY_FIELDS, EDIT_FIELDS, POLICY_FIELDS, REFE
 # chat-request fields a /v1/responses request may also set (unmask's and vLLM's extensions): passed through as they are
 RESPONSES_PASSTHROUGH = ("seed", "stop", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
                          "top_k", *DRY_FIELDS, "policy", "threshold", "steps", "factor", "tokens_per_step", *POLICY_FIELDS,
-                         "block_size", "small_block_size", "multi_block_threshold", "draft_all_outcomes", *REFERENCE_SWITCHES,
-                         *EDIT_FIELDS,
+                         "block_size", "small_block_size", "multi_block_threshold", "draft_all_outcomes", "draft_lookup",
+                         *REFERENCE_SWITCHES, *EDIT_FIELDS,
                          "ignore_eos", "min_tokens", *UNIFORM_FIELDS, "regex", "choice", "grammar", "diffusing")
 
 

@@ -1,0 +1,98 @@
+"""Prompt-lookup drafts for the `speculative` policy (`draft_lookup`): the pure lookup rule, a copied draft's law
+under speculative sampling, and in the engine the same output as next-token decoding in fewer forwards."""
+import pytest
+import torch
+
+from unmask.decoding.speculative import lookup_drafts, verify
+from unmask.engine.params import GenerationParams, model_policy
+from unmask.errors import InvalidRequestError
+
+from test_speculative import AR, MODEL, code_prompts, one_by_one  # noqa: F401  (the shared model and prompts)
+
+
+def ids(*xs):
+    return torch.tensor(xs, dtype=torch.long)
+
+
+def test_lookup_copies_what_followed_the_latest_earlier_occurrence():
+    # suffix "1 2 3" occurs at 1; what followed it there is 9 9 1 2 ...
+    assert lookup_drafts(ids(5, 1, 2, 3, 9, 9, 1, 2, 3), 4).tolist() == [9, 9, 1, 2]
+    # the latest earlier occurrence wins: "7" is followed by 1 at 0 and by 2 at 2
+    assert lookup_drafts(ids(7, 1, 7, 2, 7), 1).tolist() == [2]
+    # the longest suffix wins over a later shorter one: "4 5" at 0 (followed by 6), "5" alone later (by 8)
+    assert lookup_drafts(ids(4, 5, 6, 5, 8, 4, 5), 1).tolist() == [6]
+
+
+def test_lookup_continues_a_period_and_is_empty_without_a_match():
+    assert lookup_drafts(ids(1, 2, 3, 4, 1, 2), 6).tolist() == [3, 4, 1, 2, 3, 4]
+    assert lookup_drafts(ids(3, 3, 3), 4).tolist() == [3, 3, 3, 3]
+    assert lookup_drafts(ids(7, 8, 9), 3).numel() == 0
+    assert lookup_drafts(ids(4), 3).numel() == 0
+    assert lookup_drafts(ids(1, 2, 1, 2), 0).numel() == 0
+    # min_ngram 2: a one-token match is not enough
+    assert lookup_drafts(ids(7, 1, 8, 7), 2, min_ngram=2).numel() == 0
+
+
+def test_a_copied_draft_keeps_the_verifiers_law_under_sampling():
+    """A copied draft is certain (q one-hot): it is kept with probability p(d), else the token is drawn from p
+    without d; the output follows p either way."""
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
+    g = torch.Generator().manual_seed(0)
+    n, counts, kept = 20000, torch.zeros(4), 0
+    q = torch.nn.functional.one_hot(torch.tensor([1]), 4).float()
+    for _ in range(n):
+        v = verify(torch.tensor([1]), q, p, greedy=False, generator=g)
+        counts[int(v.tokens[0])] += 1
+        kept += v.accepted
+    assert torch.allclose(counts / n, p[0], atol=0.012)
+    assert abs(kept / n - 0.3) < 0.012
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from unmask.engine.llm import LLM
+
+    return LLM(MODEL, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    repetitive = "def fields(row):\n    a = row['a']\n    b = row['b']\n    c = row['c']\n"
+    return [llm.encode(p) for p in [*code_prompts(), repetitive]]
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(block_size=4), dict(frequency_penalty=0.5),
+                                   dict(draft_all_outcomes=True)])
+def test_greedy_output_is_next_token_decoding_in_fewer_forwards_than_without(llm, prompts, knobs):
+    ref = one_by_one(llm, prompts, **AR, **{k: v for k, v in knobs.items() if k == "frequency_penalty"})
+    plain = one_by_one(llm, prompts, policy="speculative", **knobs)
+    got = one_by_one(llm, prompts, policy="speculative", draft_lookup=8, **knobs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in ref]
+    if not knobs.get("draft_all_outcomes"):  # there the blocks differ by outcome: no order between the two
+        assert sum(o.forwards for o in got) < sum(o.forwards for o in plain)
+
+
+def test_sampling_with_lookup_is_seeded(llm, prompts):
+    knobs = dict(max_tokens=40, policy="speculative", draft_lookup=8, temperature=0.7, top_k=20, seed=5)
+    a = llm.generate(prompts, [GenerationParams(**knobs) for _ in prompts])
+    b = llm.generate(prompts, [GenerationParams(**knobs) for _ in prompts])
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert sum(o.forwards for o in a) < sum(len(o.token_ids) for o in a)
+
+
+@pytest.mark.parametrize("bad", [-1, 65, 2.5, True, "4"])
+def test_bad_values_are_refused_naming_the_field(bad):
+    with pytest.raises(InvalidRequestError, match="draft_lookup must be an integer in \\[0, 64\\]") as e:
+        GenerationParams(policy="speculative", draft_lookup=bad)
+    assert e.value.param == "draft_lookup"
+
+
+def test_a_model_may_name_it_in_its_default_policy():
+    chosen = model_policy({"default_policy": {"policy": "speculative", "block_size": 4, "draft_lookup": 8}})
+    assert chosen == {"policy": "speculative", "block_size": 4, "draft_lookup": 8}
+    assert model_policy({"default_policy": {"policy": "speculative", "draft_lookup": "8"}}) == {"policy": "speculative"}
+    resolved = GenerationParams().with_model_policy(chosen, allowed=True)
+    assert (resolved.policy, resolved.block_size, resolved.draft_lookup) == ("speculative", 4, 8)
+    mine = GenerationParams(draft_lookup=0).with_model_policy(chosen, allowed=True)
+    assert mine.draft_lookup == 0
