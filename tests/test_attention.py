@@ -73,3 +73,40 @@ def test_cache_growth_doubles_up_to_the_request_size():
     free = KVCache([(2, 4)], torch.float32, "cpu", capacity=64)
     free.reserve(70)
     assert free.capacity == 128
+
+
+@pytest.mark.parametrize("start,length,group", [(0, 300, 1), (0, 1100, 8), (700, 520, 1), (700, 520, 8),
+                                                (2000, 16, 8), (64, 9, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_prompt_chunk_without_a_mask_equals_the_masked_call(start, length, group, dtype, monkeypatch):
+    """A causal-context prompt chunk (block ids = positions, the last `group` rows one block: the active block)
+    runs on the kernels' causal rule and one unmasked call, no mask built."""
+    g = torch.Generator().manual_seed(start + length)
+    h, hk, d = 8, 4, 32
+    q = torch.randn(length, h, d, generator=g).to(dtype)
+    k = (torch.randn(start + length, hk, d, generator=g) * 2).to(dtype)
+    v = torch.randn(start + length, hk, d, generator=g).to(dtype)
+    cache = KVCache([(hk, d)], dtype, "cpu", capacity=start + length)
+    cache.k[0][:, :start] = k[:start].transpose(0, 1)
+    cache.v[0][:, :start] = v[:start].transpose(0, 1)
+    cache.length = start
+    ids = torch.arange(start, start + length).clamp(max=start + length - group)
+    seg = Segment(start=start, length=length, write=length, cache=cache, block_ids=ids)
+    batch = AttentionBatch([seg]).prepare()
+    assert seg.causal_rows == (length if group == 1 else length - group)
+    monkeypatch.setattr(attention, "_attend_split", lambda *a: pytest.fail("took the masked split path"))
+    out = ragged_attention(q, k[start:], v[start:], batch, 0)
+    visible = torch.cat([torch.ones(length, start, dtype=torch.bool), ids[None, :] <= ids[:, None]], dim=1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().repeat_interleave(2, dim=1).transpose(0, 1),
+        v.float().repeat_interleave(2, dim=1).transpose(0, 1), attn_mask=visible).transpose(0, 1)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert (out.float() - ref).abs().max().item() < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("ids,rows", [([0, 1, 2, 3, 4, 4], 4), ([5, 6, 7], 3), ([0, 0, 1, 1], 0), ([0, 2, 3], 0),
+                                      ([0, 1, 1, 2, 2], 0)])
+def test_causal_rows_of_block_ids(ids, rows):
+    s = Segment(start=0, length=len(ids), block_ids=torch.tensor(ids))
+    s.prepare()
+    assert s.causal_rows == rows and s.inner is not None

@@ -118,7 +118,8 @@ def test_chunked_prefill_matches_single_pass(models):
 @pytest.mark.parametrize("family", BLOCK_CAUSAL)
 def test_split_long_prefix_attention_gives_the_same_generation(family, models, monkeypatch):
     """Every masked segment after a cached prefix takes the split attention path (prefix unmasked, own keys
-    masked, merged by log-sum-exp): chunked prefill and decoding give the tokens of the naive dense loop."""
+    masked, merged by log-sum-exp), or, for a causal-context model's prompt chunks, the unmasked causal path:
+    chunked prefill and decoding give the tokens of the naive dense loop."""
     from unmask.models import attention
 
     if attention._CPU_FLASH is None:
@@ -127,13 +128,14 @@ def test_split_long_prefix_attention_gives_the_same_generation(family, models, m
     prompt = [30 + (7 * i) % 50 for i in range(45)]
     params = GenerationParams(max_tokens=12, policy="threshold", threshold=0.5, block_size=4)
     calls = []
-    real = attention._attend_split
-    monkeypatch.setattr(attention, "_attend_split", lambda *a: calls.append(1) or real(*a))
+    path = "_attend_causal" if spec.causal_context else "_attend_split"
+    real = getattr(attention, path)
+    monkeypatch.setattr(attention, path, lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(attention, "SPLIT_MIN_ELEMENTS", 0)
     eng = Engine(model, spec, max_batch_tokens=16)  # 16-token prefill chunks after the first
     seq = eng.add_request(prompt, params)
     eng.run_to_completion()
-    assert calls  # the path ran
+    assert len(calls) >= 3  # the path ran, for every prefill chunk
     assert seq.output_ids == naive_generate(model, spec, prompt, params)
 
 

@@ -108,6 +108,9 @@ class Segment:
     # blocks of a self-speculative step share positions and must not see each other); overrides block_ids
     attend: Tensor | None = None
     inner: Tensor | None = None      # filled by prepare(): [length, length] bool, None = no masking
+    # filled by prepare(): rows [0, causal_rows) are token-causal (block ids one per token) and the rest, if any,
+    # one final group seeing every own key (a causal-context prompt chunk ending in the active block); 0 = other
+    causal_rows: int = 0
     extra: dict | None = None        # family-specific per-request inputs (e.g. a decoder mode flag)
 
     @property
@@ -128,6 +131,7 @@ class Segment:
             b = self.block_ids
             inner = b[None, :] <= b[:, None]
             self.inner = None if bool(inner.all()) else inner
+            self.causal_rows = 0 if self.inner is None else _causal_rows(b)
 
     def mask_rows(self, lo: int, hi: int) -> Tensor | None:
         """Mask rows [lo, hi) over all keys (cached prefix and suffix are always visible)."""
@@ -136,6 +140,16 @@ class Segment:
         n, dev = hi - lo, self.inner.device
         return torch.cat([torch.ones(n, self.start, dtype=torch.bool, device=dev), self.inner[lo:hi],
                           torch.ones(n, self.suffix, dtype=torch.bool, device=dev)], dim=1)
+
+
+def _causal_rows(b: Tensor) -> int:
+    """c such that block ids b[:c] step by one and b[c:] is one group starting one past b[c - 1] (c = len(b) when
+    the last group is a single token: all causal); 0 when the ids are not of that form."""
+    n = b.numel()
+    c = int(torch.searchsorted(b, b[-1:]))  # first row of the final group (ids never decrease along a segment)
+    if c == 0 or int(b[c] - b[c - 1]) != 1 or not bool((b[1:c] - b[:c - 1] == 1).all()):
+        return 0
+    return n if c == n - 1 else c
 
 
 @dataclass
@@ -266,8 +280,40 @@ def _attend_split(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | 
     return _merge_lse(oa, la, ob, lb, q.dtype)
 
 
+def _sdpa_causal(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    """q [H, L, D] over its own keys k/v [Hkv, L, D], token-causal (the kernel's top-left rule)."""
+    groups = q.shape[0] // k.shape[0]
+    kwargs = {"enable_gqa": True} if groups > 1 and _SDPA_HAS_GQA else {}
+    if groups > 1 and not kwargs:
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, **kwargs)[0]
+
+
+def _attend_causal(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor | None:
+    """A causal-context prompt chunk (seg.causal_rows) without a mask: its token-causal rows through the kernels'
+    own causal rule (which skips the upper triangle instead of reading a materialised [Lq, Lk] mask), the final
+    group's rows, which see every key, in one unmasked call. None where no such calls fit (a cached prefix off
+    the CPU flash kernel): the masked paths run instead."""
+    c, n, start = seg.causal_rows, q.shape[1], seg.start
+    if start and not can_split_on(q):
+        return None
+    parts = []
+    if c:
+        if start:
+            parts.append(attend_prefix_causal(q[:, :c], k[:, :start + c], v[:, :start + c], start, scale))
+        else:
+            parts.append(_sdpa_causal(q[:, :c], k[:, :c], v[:, :c], scale))
+    if c < n:
+        parts.append(sdpa(q[:, c:], k, v, None, scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def _attend_chunked(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor:
     lq, lk = q.shape[1], k.shape[1]
+    if seg.causal_rows and seg.attend is None and not seg.suffix:
+        out = _attend_causal(q, k, v, seg, scale)
+        if out is not None:
+            return out
     if (seg.inner is not None and seg.attend is None and can_split_on(q) and not seg.suffix and seg.start > 0
             and seg.start * lq >= SPLIT_MIN_ELEMENTS):
         return _attend_split(q, k, v, seg, scale)

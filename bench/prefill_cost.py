@@ -1,0 +1,229 @@
+"""Long prefill: where the time goes, what the CPU settings change, and time to first token against the AR twin.
+
+Three modes over held-out corpus tokens (repeated where a length needs more), the engine directly (no tokenizer,
+batch 1, prefix cache off), lengths past the model's trained context with the limit raised (RoPE positions are
+computed on the fly: the cost is the real one, the text is not meaningful):
+
+  profile  one chunked prefill of each length under torch.profiler, every layer's attention call marked
+           (record_function "attention" around models.attention.ragged_attention: the cache write, the read in
+           the compute dtype, the flash calls and their merge). Reported: the prefill's wall time, the share of
+           the profiled step time inside attention, in the linear layers (aten::addmm / mm self time outside
+           attention) and in the rest, and the top operators by self time.
+  tune     prefill seconds (the chunk steps until the prompt is in the cache) for a base setting and one change at a
+           time: chunk (max_batch_tokens), threads, dtype, the split attention path off, the token-causal path off
+           (prompt chunks of a causal-context model attended through the masked calls instead of the kernels'
+           causal rule); interleaved per round (order rotated), per-round ratios against the base.
+  ttft     time to first token against prompt length, unmask and the AR twin in the same process, interleaved per
+           round: unmask = add_request until the first answer token is committed (prefill chunks + the first
+           decode step; topk policy, one token per forward, as bench/benchlib/cost.py); the twin = transformers
+           `generate(max_new_tokens=1)` (greedy) from the same token ids. Same dtype, same threads.
+
+    python bench/prefill_cost.py profile --lengths 8192,32768
+    python bench/prefill_cost.py tune --lengths 8192 --chunks 2048,8192 --threads-list 1 --dtypes bfloat16 \
+        --split-off --causal-off --rounds 2
+    python bench/prefill_cost.py ttft --lengths 1024,2048,4096,8192,16384,32768 --rounds 2
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "src"))
+
+from benchlib.common import ratio_summary, rotated, summary  # noqa: E402
+from benchlib.cost import corpus_ids  # noqa: E402
+from unmask.engine.engine import Engine  # noqa: E402
+from unmask.engine.params import GenerationParams  # noqa: E402
+from unmask.models import attention, transformer  # noqa: E402
+from unmask.models.loader import load_model  # noqa: E402
+from unmask.tokenizer import Tokenizer  # noqa: E402
+
+MODEL = ROOT / "bench/models/unmask-tiny-5m"
+TWIN = ROOT / "bench/models/ar-twin"
+
+
+def load(model_dir: str, dtype: str, max_len: int):
+    model, spec = load_model(model_dir, dtype=dtype)
+    limit = max(spec.max_context, max_len)
+    return model, dataclasses.replace(spec, arch=dataclasses.replace(spec.arch, max_position=limit))
+
+
+def first_token(model, spec, ids: list[int], chunk: int) -> dict:
+    """Engine prefill of `ids` and its first answer token: prefill seconds (the steps that feed prompt chunks) and
+    the time to the first committed token."""
+    eng = Engine(model, spec, None, max_num_seqs=1, max_batch_tokens=chunk, prefix_cache_bytes=0)
+    params = GenerationParams(max_tokens=spec.block_size, ignore_eos=True, policy="topk", tokens_per_step=1)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        seq = eng.add_request(ids, params)
+        prefill = 0.0
+        while seq.num_generated == 0:
+            fed, s0 = eng.stats.tokens_fed, time.perf_counter()
+            eng.step()
+            if eng.stats.tokens_fed - fed > 2 * seq.B:
+                prefill += time.perf_counter() - s0
+        ttft = time.perf_counter() - t0
+    return {"prefill_s": prefill, "ttft_s": ttft}
+
+
+@contextlib.contextmanager
+def marked_attention():
+    """record_function("attention") around every layer's attention call (transformer.py's module-level name)."""
+    from torch.profiler import record_function
+
+    plain = transformer.ragged_attention
+
+    def marked(*a, **k):
+        with record_function("attention"):
+            return plain(*a, **k)
+
+    transformer.ragged_attention = marked
+    try:
+        yield
+    finally:
+        transformer.ragged_attention = plain
+
+
+def profile(args) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    model, spec = load(args.model, args.dtype, max(lengths) + 64)
+    ids = corpus_ids(Tokenizer(args.model), args.corpus, max(lengths))
+    first_token(model, spec, ids[:1024], args.chunk)  # warm-up
+    out = {}
+    for L in lengths:
+        with marked_attention(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            run = first_token(model, spec, ids[:L], args.chunk)
+        ev = {e.key: e for e in prof.key_averages()}
+        att = ev["attention"].cpu_time_total / 1e6
+        # linear layers: matrix products outside attention (attention's kernels are flash ops, not addmm/mm)
+        linear = sum(ev[k].self_cpu_time_total for k in ("aten::addmm", "aten::mm") if k in ev) / 1e6
+        total = sum(e.self_cpu_time_total for e in ev.values() if e.key != "attention") / 1e6
+        top = sorted((e for e in ev.values() if e.key != "attention"), key=lambda e: -e.self_cpu_time_total)[:10]
+        row = {"length": L, "ttft_s": run["ttft_s"], "prefill_s": run["prefill_s"], "profiled_s": total,
+               "attention_s": att, "linear_s": linear, "rest_s": total - att - linear,
+               "top_self_s": {e.key: e.self_cpu_time_total / 1e6 for e in top}}
+        out[L] = row
+        print(f"L={L}: TTFT {run['ttft_s']:.2f} s (prefill {run['prefill_s']:.2f} s; {total:.2f} s profiled): "
+              f"attention {att:.2f} s ({att / total:.0%}), linear {linear:.2f} s ({linear / total:.0%}), "
+              f"rest {total - att - linear:.2f} s ({(total - att - linear) / total:.0%})", flush=True)
+        print("   top self time: " + ", ".join(f"{k} {v:.2f}" for k, v in row["top_self_s"].items()), flush=True)
+    return out
+
+
+def tune(args) -> dict:
+    lengths = [int(x) for x in args.lengths.split(",")]
+    ids = corpus_ids(Tokenizer(args.model), args.corpus, max(lengths))
+    models = {d: load(args.model, d, max(lengths) + 64) for d in {args.dtype, *args.dtypes.split(",")} if d}
+    base = {"chunk": args.chunk, "threads": args.threads, "dtype": args.dtype, "split": True, "causal": True}
+    variants = [("base", base)]
+    variants += [(f"chunk={c}", {**base, "chunk": int(c)}) for c in args.chunks.split(",") if c]
+    variants += [(f"threads={t}", {**base, "threads": int(t)}) for t in args.threads_list.split(",") if t]
+    variants += [(f"dtype={d}", {**base, "dtype": d}) for d in args.dtypes.split(",") if d]
+    if args.split_off:
+        variants.append(("split=off", {**base, "split": False}))
+    if args.causal_off:
+        variants.append(("causal=off", {**base, "causal": False}))
+    default_split, causal_path = attention.SPLIT_MIN_ELEMENTS, attention._attend_causal
+    runs: dict[tuple[int, str], list[dict]] = {}
+    for r in range(args.rounds):
+        for L in lengths:
+            for name, v in rotated(variants, r):
+                torch.set_num_threads(v["threads"])
+                attention.SPLIT_MIN_ELEMENTS = default_split if v["split"] else 1 << 62
+                attention._attend_causal = causal_path if v["causal"] else (lambda *a: None)
+                model, spec = models[v["dtype"]]
+                res = first_token(model, spec, ids[:L], v["chunk"])
+                runs.setdefault((L, name), []).append(res)
+                print(f"round {r} L={L} {name}: prefill {res['prefill_s']:.2f} s, TTFT {res['ttft_s']:.2f} s",
+                      flush=True)
+    attention.SPLIT_MIN_ELEMENTS, attention._attend_causal = default_split, causal_path
+    torch.set_num_threads(args.threads)
+    out = {}
+    for L in lengths:
+        b = [x["prefill_s"] for x in runs[(L, "base")]]
+        for name, _ in variants:
+            p = [x["prefill_s"] for x in runs[(L, name)]]
+            ratio = ratio_summary(b, p)  # > 1: the variant is faster than the base
+            out[f"{L}/{name}"] = {"prefill_s": summary(p), "speedup_vs_base": ratio}
+            print(f"L={L} {name}: prefill median {statistics.median(p):.2f} s [{min(p):.2f}-{max(p):.2f}], "
+                  f"base/variant {ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}]")
+    return out
+
+
+def twin_first_token(twin, ids: list[int]) -> dict:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        twin.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=1, do_sample=False, pad_token_id=0)
+        return {"ttft_s": time.perf_counter() - t0}
+
+
+def ttft(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    model, spec = load(args.model, args.dtype, max(lengths) + 64)
+    twin = AutoModelForCausalLM.from_pretrained(args.twin, dtype=getattr(torch, args.dtype),
+                                                attn_implementation="sdpa").eval()
+    ids = corpus_ids(Tokenizer(args.model), args.corpus, max(lengths))  # the twin shares the tokenizer
+    runners = {"unmask": lambda L: first_token(model, spec, ids[:L], args.chunk),
+               "ar-twin": lambda L: twin_first_token(twin, ids[:L])}
+    for run in runners.values():
+        run(1024)  # warm-up
+    runs: dict[tuple[int, str], list[float]] = {}
+    for r in range(args.rounds):
+        for L in rotated(lengths, r):
+            for name in rotated(list(runners), r + L):
+                t = runners[name](L)["ttft_s"]
+                runs.setdefault((L, name), []).append(t)
+                print(f"round {r} L={L} {name}: TTFT {t:.2f} s", flush=True)
+    out = {}
+    for L in lengths:
+        u, a = runs[(L, "unmask")], runs[(L, "ar-twin")]
+        ratio = ratio_summary(u, a)
+        out[L] = {"unmask_s": summary(u), "ar_twin_s": summary(a), "unmask_over_twin": ratio}
+        print(f"L={L}: unmask {statistics.median(u):.2f} s, AR twin {statistics.median(a):.2f} s, "
+              f"unmask/twin {ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}]")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=("profile", "tune", "ttft"))
+    ap.add_argument("--model", default=str(MODEL))
+    ap.add_argument("--twin", default=str(TWIN))
+    ap.add_argument("--corpus", default=str(ROOT / "data/corpus/heldout.jsonl"))
+    ap.add_argument("--lengths", default="8192,32768")
+    ap.add_argument("--dtype", default="float32", help="the base dtype (and the twin's in ttft)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=4096, help="max_batch_tokens: the prefill chunk (engine default)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--chunks", default="", help="tune: other chunk sizes")
+    ap.add_argument("--threads-list", default="", help="tune: other thread counts")
+    ap.add_argument("--dtypes", default="", help="tune: other dtypes")
+    ap.add_argument("--split-off", action="store_true", help="tune: also the split attention path off")
+    ap.add_argument("--causal-off", action="store_true", help="tune: also the token-causal path off")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out = {"profile": profile, "tune": tune, "ttft": ttft}[args.mode](args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": out}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
