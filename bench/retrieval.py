@@ -7,6 +7,9 @@ splits: thousands of distractors), with the titles removed from the text, so tha
 word for word. A section counts as found at rank r when one of its chunks is the r-th distinct section in the
 results. This asks "which section is about <topic>?", a fair stand-in for a user's question, but it is not a
 set of real questions: its figures compare the modes and settings here, not the absolute quality a user sees.
+`--set code` is a second set whose queries share few words with their answers (bench/retrieval_code_set.py);
+on the documentation set the run also measures file_search's query in two-turn conversations
+(bench/retrieval_conversations.py). `--embedding-model DIR` compares embedders (bench/embedder_dirs.py).
 
     .venv/bin/python bench/retrieval.py [--chunking 800,400 --chunking 200,50] [--backend sqlite|postgres]
                                         [--embedding-model DIR] [--set docs|code]
