@@ -122,10 +122,19 @@ def test_matryoshka_flag_from_the_model_card_or_unmask_json(encoder_dir, tmp_pat
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
+def _st_modules(*names):
+    """sentence-transformers' module classes where 6.x keeps them, else where 5.x did."""
+    try:
+        from sentence_transformers.sentence_transformer import modules
+    except ImportError:
+        from sentence_transformers import models as modules
+    return [getattr(modules, n) for n in names]
+
+
 @pytest.fixture(scope="module")
 def static_dir(encoder_dir, tmp_path_factory):
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, StaticEmbedding
+    Normalize, StaticEmbedding = _st_modules("Normalize", "StaticEmbedding")
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(encoder_dir / "tokenizer.json"))
@@ -177,7 +186,7 @@ def test_model2vec_weights_and_what_is_refused(static_dir, tmp_path):
 
 def test_transformer_without_token_types_matches_sentence_transformers(encoder_dir, tmp_path):
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    Normalize, Pooling, Transformer = _st_modules("Normalize", "Pooling", "Transformer")
     from transformers import MPNetConfig, MPNetModel
 
     base = tmp_path / "mpnet-base"
