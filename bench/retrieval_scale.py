@@ -5,7 +5,9 @@ for the choice: sqlite-vec's brute-force vec0 table, vectors only), `postgres` (
 server started here as the tests start theirs, or --pg-url). Chunks are synthetic: 384-dimension random unit
 vectors (the default embedder's size; embedding time is not counted, ingestion is the index's own cost) and
 60-word texts drawn from a Zipf vocabulary of 20,000 words, so that keyword queries hit long posting lists as
-real text does. Queries are 200 random vectors / 3-word texts; `hybrid` is unmask's default mode.
+real text does. Queries are 200 random vectors / 3-word texts; `hybrid` is unmask's default mode. Also timed: the
+first vector search after ingestion (SQLite's numpy matrix is read then) and the one right after adding one more
+file to the warm store. sqlite-vec loads through the stdlib's sqlite3 where it can load extensions, else apsw.
 
     .venv/bin/python bench/retrieval_scale.py --chunks 10000,100000 --backends sqlite,sqlite-vec,postgres
 
