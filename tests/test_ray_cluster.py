@@ -1,12 +1,13 @@
 """A two-node Ray cluster on this machine (a head and a worker started with `ray start`, loopback only, one CPU
 each): `unmask batch --ray` spreads its lines over engines on both nodes, writes what `unmask batch` writes, and
 resumes a partial output (from the same requests as Parquet); `unmask serve --ray --address` joins the cluster and
-answers the openai client. Without Ray, `--ray` says in one line how to install it.
+answers the openai client (on a port of its choosing, under a root path). Without Ray, `--ray` says in one line how to install it.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("ray", reason="Ray is optional: pip install 'unmask[ray]'")
@@ -139,9 +141,9 @@ def test_batch_runs_on_both_nodes_as_unmask_batch_writes_and_resumes_from_parque
 
 
 def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path):
-    port = free_port()
-    server = subprocess.Popen([str(BIN / "unmask"), "serve", "--ray", "--address", address, "--port", str(port),
-                               "--replicas", "2", "--num-cpus", "0.5", "--embedding-model", "off",
+    # --port 0: the front listens on a free port and prints it; --root-path as behind a proxy that strips /u
+    server = subprocess.Popen([str(BIN / "unmask"), "serve", "--ray", "--address", address, "--port", "0",
+                               "--root-path", "/u", "--replicas", "2", "--num-cpus", "0.5", "--embedding-model", "off",
                                "--max-num-seqs", "4", "--data-dir", str(tmp_path / "data")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
@@ -149,19 +151,24 @@ def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path
         reader = threading.Thread(target=lambda: log.extend(server.stderr), daemon=True)
         reader.start()
         deadline = time.time() + 150
-        while not any("unmask: serving unmask-tiny on" in line for line in log):   # printed once it is deployed
+        while not (ready := [x for x in log if "unmask: serving unmask-tiny on" in x]):   # printed once listening
             assert server.poll() is None and time.time() < deadline, "".join(log)[-3000:]
             time.sleep(0.5)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+        base = re.search(r"on (http://127\.0\.0\.1:\d+) with 2 engine replica\(s\) on Ray at ", ready[0]).group(1)
+        assert not base.endswith(":0")
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=30)
         assert [m.id for m in client.models.list()] == ["unmask-tiny"]
         replicas, k = set(), 0
-        while len(replicas) < 2 and time.time() < deadline:   # the ingress's router learns of both replicas
+        while len(replicas) < 2 and time.time() < deadline:   # the front's router learns of both replicas
             raw = client.chat.completions.with_raw_response.create(
                 model="unmask-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, prompt_cache_key=str(k))
             assert raw.parse().choices[0].message.content
             replicas.add(raw.headers["x-unmask-replica"])
             k += 1
         assert len(replicas) == 2
+        # the replicas' app sees the root path, as `unmask serve --root-path` does: the OpenAPI document names it
+        assert httpx.get(base + "/openapi.json", timeout=30).json()["servers"] == [{"url": "/u"}]
+        assert httpx.get(base + "/health", timeout=30).json() == {"status": "ok"}
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -169,28 +176,29 @@ def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path
         except subprocess.TimeoutExpired:
             server.kill()
             rc = None
-    assert rc == 0
+    assert rc == 0, "".join(log)[-3000:]
 
 
-@pytest.mark.parametrize("command", [["serve", "--ray"], ["batch", "in.jsonl", "out.jsonl", "--ray"]])
-def test_without_ray_the_flag_says_how_to_install_it(command, tmp_path):
-    shadow = tmp_path / "shadow" / "ray"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+@pytest.mark.parametrize("command", [["serve", "--ray"], ["batch", "IN", "OUT", "--ray"]])
+def test_without_ray_the_flag_says_how_to_install_it(command, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from unmask.cli import app
+
+    for name in [m for m in sys.modules if m == "ray" or m.startswith("ray.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "ray", None)   # `import ray` fails, as where it is not installed
     (tmp_path / "in.jsonl").write_text(json.dumps(LINES[0]) + "\n")
-    env = dict(os.environ, PYTHONPATH=str(shadow.parent))
-    done = subprocess.run([str(BIN / "unmask"), *command], capture_output=True, text=True, cwd=tmp_path, env=env,
-                          timeout=120)
-    assert done.returncode == 1 and done.stderr.strip() == HINT, done.stderr
+    command = [str(tmp_path / "in.jsonl") if c == "IN" else str(tmp_path / "out.jsonl") if c == "OUT" else c
+               for c in command]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 1 and result.output.strip() == HINT, result.output
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 @pytest.mark.parametrize("command, message", [
     (["serve", "--ray", "--autoscale", "3,1"], "error: --autoscale takes MIN,MAX replicas with 0 <= MIN <= MAX and "
                                                "MAX >= 1, got '3,1'"),
-    (["serve", "--ray", "--port", "0"], "error: --ray needs a fixed --port (Ray Serve's proxy does not report a "
-                                        "port chosen at random)"),
-    (["serve", "--ray", "--root-path", "/u"], "error: --root-path is not supported with --ray (Ray Serve's proxy "
-                                              "serves the application at /)"),
     (["batch", "IN", "OUT", "--ray", "--address", "127.0.0.1:1"],
      "error: no Ray cluster answers at 127.0.0.1:1 (Connection refused); start its head with `ray start --head` or "
      "pass another --address"),

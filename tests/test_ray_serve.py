@@ -1,6 +1,7 @@
 """`unmask serve --ray` on a real local Ray cluster (ray.init with 2 CPUs): two engine replicas of the built-in
 model behind one OpenAI endpoint, answering the openai client; routing (prefix affinity, both replicas used);
-auth, error envelopes, metrics; a replica killed mid-stream ends its request with a 503, then is replaced.
+auth, error envelopes, metrics; a replica killed mid-stream ends its stream with a 503, the non-streamed request it
+held runs again on the other replica, and the killed one is replaced.
 """
 from __future__ import annotations
 
@@ -115,15 +116,24 @@ def test_stream_auth_errors_and_metrics(cluster, client):
     assert generated >= 12 * 12, text
 
 
-def test_a_replica_killed_mid_stream_ends_with_503_and_is_replaced(cluster, client):
+def running_on(cluster: str, replica: str) -> float:
+    """The replica's unmask:num_requests_running, from the merged /metrics (posted once a second)."""
+    text = httpx.get(cluster + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for line in text.splitlines():
+        if line.startswith("unmask:num_requests_running{") and f'replica="{replica}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_with_503_retries_the_rest_and_is_replaced(cluster, client):
     body = {"model": "unmask-tiny", "messages": [{"role": "user", "content": "Tell me a long story."}],
             "max_tokens": 2000, "ignore_eos": True, "stream": True, "prompt_cache_key": "victim"}
     headers = {"Authorization": f"Bearer {KEY}"}
-    plain = dict(body, stream=False)
+    plain = dict(body, stream=False, max_tokens=300)
     outcome = {}
 
     def waiting_request():   # a non-streamed request on the same replica, in flight when it dies
-        outcome["plain"] = httpx.post(cluster + "/v1/chat/completions", json=plain, headers=headers, timeout=60)
+        outcome["plain"] = httpx.post(cluster + "/v1/chat/completions", json=plain, headers=headers, timeout=120)
 
     with httpx.stream("POST", cluster + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
         assert r.status_code == 200
@@ -133,17 +143,24 @@ def test_a_replica_killed_mid_stream_ends_with_503_and_is_replaced(cluster, clie
         assert first[0].startswith("data: {")
         thread = threading.Thread(target=waiting_request)
         thread.start()
-        time.sleep(1.0)
+        deadline = time.time() + 30
+        while running_on(cluster, victim) < 2 and thread.is_alive() and time.time() < deadline:
+            time.sleep(0.2)
+        assert thread.is_alive(), outcome   # the non-streamed request is still running on the victim
         t0 = time.time()
         ray.kill(ray.get_actor(f"SERVE_REPLICA::unmask#Engine#{victim}", namespace="serve"), no_restart=True)
         rest = [line for line in lines if line]
         ended = time.time() - t0
-    thread.join(60)
+    thread.join(120)
+    # the stream had sent bytes: it ends with the error frame, never a hang
     assert ended < 30, ended
     assert rest[-1] == "data: [DONE]"
     assert '"code":"replica_unavailable"' in rest[-2] and "replica serving this request died" in rest[-2], rest[-2:]
-    assert outcome["plain"].status_code == 503, outcome["plain"].text
-    assert outcome["plain"].json()["error"]["code"] == "replica_unavailable"
+    # the non-streamed request had sent nothing: it ran again on the other replica, to its whole answer
+    answer = outcome["plain"]
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-unmask-replica"] != victim
+    assert answer.json()["usage"]["completion_tokens"] == 300
 
     deadline = time.time() + 90
     while running_replicas() < 2 and time.time() < deadline:

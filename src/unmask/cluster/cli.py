@@ -1,8 +1,8 @@
 """The `--ray` halves of `unmask serve` and `unmask batch` (the flags live in server/cli.py and batch/cli.py)."""
 from __future__ import annotations
 
+import os
 import signal
-import threading
 
 import typer
 
@@ -16,32 +16,39 @@ def _fail(message: str) -> None:
 
 def serve_on_ray(args, host: str, port: int, root_path: str, address: str | None, replicas: int,
                  autoscale: str | None, num_cpus: float, num_gpus: float) -> None:
-    """Deploy the Serve application, then wait for Ctrl-C or SIGTERM and take it down (and a cluster we started)."""
+    """Deploy the engine replicas, serve HTTP in front of them (front.py) until Ctrl-C or SIGTERM, then take them
+    down (and a cluster we started)."""
+    import click
+
     from unmask.cluster import launch
 
-    if root_path:
-        _fail("--root-path is not supported with --ray (Ray Serve's proxy serves the application at /)")
-    if port == 0:
-        _fail("--ray needs a fixed --port (Ray Serve's proxy does not report a port chosen at random)")
+    context = click.get_current_context(silent=True)   # `unmask serve --log-level`, already checked there
+    log_level = str((context.params.get("log_level") if context else None) or "info").lower()
+
     try:
         require_ray()
         scale = launch.Scale(replicas=replicas, autoscale=launch.parse_autoscale(autoscale) if autoscale else None,
-                             num_cpus=num_cpus, num_gpus=num_gpus)
+                             num_cpus=num_cpus, num_gpus=num_gpus, niceness=os.getpriority(os.PRIO_PROCESS, 0))
         started = launch.connect(address)
     except ClusterError as e:
         _fail(str(e))
     import ray
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        launch.deploy(args, scale, host, port)
+    from unmask.cluster.front import serve_http
+
+    def ready(bound: int) -> None:
         count = f"{scale.autoscale[0]}-{scale.autoscale[1]} (autoscaled)" if scale.autoscale else str(scale.replicas)
-        typer.echo(f"unmask: serving {args.served_model_name} on http://{host}:{port} with {count} engine "
-                   f"replica(s) on Ray {'at ' + address if address else '(a local cluster)'}; Ctrl-C stops",
-                   err=True)
-        stop.wait()
+        typer.echo(f"unmask: serving {args.served_model_name} on http://{host}:{bound} with "
+                   f"{count} engine replica(s) on Ray {'at ' + address if address else '(a local cluster)'}; Ctrl-C "
+                   "stops", err=True)
+
+    def interrupt(*_) -> None:   # SIGTERM while the replicas load: stop as Ctrl-C does, through the `finally`
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        gateway = launch.deploy(args, scale)
+        serve_http(gateway, host, port, root_path, log_level, args.drain_timeout, ready)
     except ClusterError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1)

@@ -1,11 +1,15 @@
-"""The HTTP side of `unmask serve --ray`: one ingress deployment behind Ray Serve's proxy. It checks API keys,
-CORS and the body size as `unmask serve` does, names the request's prompt prefix (routing.py), and streams the
-answer of the engine replica that Ray Serve's router picked (replica.py). Everything else (routes, validation,
-error envelopes, admission, 429s) is the replica's own `unmask serve` app.
+"""The HTTP side of `unmask serve --ray`: the gateway in front of the engine replicas. It checks API keys, CORS and
+the body size as `unmask serve` does, names the request's prompt prefix (routing.py), and streams the answer of
+the engine replica that Ray Serve's router picked (replica.py). Everything else (routes, validation, error
+envelopes, admission, 429s) is the replica's own `unmask serve` app.
 
-A replica that dies while it holds a request ends that request with a 503 in the OpenAI error envelope: a JSON
-body if nothing was sent yet, else an error frame in the stream (then `[DONE]` on chat and completions), never
-a hang. Ray Serve replaces the replica; new requests go to the replicas still running.
+`unmask serve --ray` runs the gateway in its own process under uvicorn (front.py), one streamed handle call from the
+engine replicas; Serve config files and KubeRay run it as the `Ingress` deployment behind Ray Serve's HTTP proxy.
+
+A replica that dies before it answered (nothing was sent to the client yet) gets the request once more, on another
+replica (or on its replacement); a replica that dies after that, or twice, ends the request with a 503 in the
+OpenAI error envelope: a JSON body if nothing was sent yet, else an error frame in the stream (then `[DONE]` on chat
+and completions), never a hang.
 """
 from __future__ import annotations
 
@@ -28,13 +32,14 @@ from unmask.cluster import routing
 from unmask.cluster.replica import board_name
 from unmask.server.metrics import Metrics
 from unmask.server.protocol import APIError
-from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
+from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware, route_path
 from unmask.store import routes as file_routes
 
 logger = logging.getLogger("unmask.cluster")
 
 HEALTH_TIMEOUT_S = 5.0          # /health answers 503 when no replica answers within this
 METRICS_MAX_AGE_S = 10.0        # a replica's metrics older than this (a dead one) are left out
+RETRY_ROUTE_S = 60.0            # a retried request waits this long for a live replica (a replacement loading)
 DEAD = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
         ray.exceptions.ObjectLostError, ReplicaUnavailableError, DeploymentUnavailableError)
 HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
@@ -52,6 +57,20 @@ def as_api_error(e: BaseException) -> APIError:
     return APIError(500, "internal server error")
 
 
+def retryable(method: str, path: str) -> bool:
+    """A request that no replica answered may run again, unless it changes the files, batches or vector stores
+    (an upload the dead replica had stored would be stored twice)."""
+    return method in ("GET", "HEAD") or not path.startswith(routing.STATE_PREFIXES)
+
+
+def dead_actor(e: BaseException) -> str | None:
+    """The hex actor id of the replica that died, as Ray names it in the error (a task error wraps it)."""
+    for err in (e, getattr(e, "cause", None)):
+        if isinstance(err, ray.exceptions.RayActorError) and getattr(err, "actor_id", None):
+            return err.actor_id
+    return None
+
+
 def error_frames(path: str, err: APIError, sequence: int) -> bytes:
     """The in-band end of a stream that lost its replica: as the app itself ends a stream that fails."""
     info = err.response().error
@@ -63,7 +82,7 @@ def error_frames(path: str, err: APIError, sequence: int) -> bytes:
 
 
 def merged_metrics(texts: dict[str, bytes], own: Metrics) -> bytes:
-    """Every replica's samples under one family each, labelled `replica`, and the ingress's own error count."""
+    """Every replica's samples under one family each, labelled `replica`, and the gateway's own error count."""
     families: dict[str, object] = {}
     sources = dict(texts)
     sources["ingress"] = generate_latest(own.registry)
@@ -87,90 +106,82 @@ def merged_metrics(texts: dict[str, bytes], own: Metrics) -> bytes:
     return generate_latest(registry)
 
 
-def build_app(ingress: "Ingress") -> FastAPI:
-    app = FastAPI(title="unmask", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.metrics = ingress.metrics
+class Gateway:
+    """Forwards HTTP requests to the engine deployment through `engine` (a DeploymentHandle)."""
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        texts = await ingress.board_texts()
-        return Response(merged_metrics(texts, ingress.metrics), media_type=CONTENT_TYPE_LATEST)
-
-    @app.api_route("/{path:path}", methods=["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
-    async def forward(request: Request) -> Response:
-        try:
-            return await ingress.forward(request)
-        except APIError as err:
-            if err.status != 499:
-                ingress.metrics.error(err.status)
-            return JSONResponse(err.response().model_dump(), status_code=err.status, headers=err.headers)
-
-    app.add_middleware(BodyLimitMiddleware, limit=ingress.args.max_body_bytes, metrics=ingress.metrics,
-                       route_limits=file_routes.body_limits(ingress.args.max_file_bytes))
-    app.add_middleware(APIKeyMiddleware, keys=ingress.args.api_keys, metrics=ingress.metrics)
-    if ingress.args.cors_origins:
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=ingress.args.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["*"])
-    return app
-
-
-@serve.ingress()
-class Ingress:
-    def __init__(self, engine, args):
-        self.engine, self.args = engine, args
+    def __init__(self, engine, args, app_name: str):
+        self.engine, self.args, self.app_name = engine, args, app_name
         self.metrics = Metrics()
         self._board = None
-
-    def __serve_build_asgi_app__(self):
-        return build_app(self)
 
     async def board_texts(self) -> dict[str, bytes]:
         try:
             if self._board is None:
-                self._board = ray.get_actor(board_name(serve.get_replica_context().app_name), namespace="unmask")
+                self._board = ray.get_actor(board_name(self.app_name), namespace="unmask")
             return await self._board.read.remote(METRICS_MAX_AGE_S)
         except (ValueError, ray.exceptions.RayError):   # no replica has published yet, or the board is gone
             self._board = None
             return {}
 
-    async def forward(self, request: Request) -> Response:
-        body = await request.body()
-        path = request.url.path
-        message = {"method": request.method, "path": path, "query": request.scope.get("query_string", b""),
-                   "headers": list(request.scope["headers"]), "body": body, "client": request.scope.get("client")}
-        stream = self.engine.options(stream=True).forward.remote(message, affinity=routing.affinity_key(path, body))
+    async def _head(self, message: dict, affinity: str | None, avoid: str | None):
+        """Send the request to a replica; its stream and first item (the status, headers and first body bytes)."""
+        stream = self.engine.options(stream=True).forward.remote(message, affinity=affinity, avoid=avoid)
+        path = message["path"]
         try:
+            if avoid is not None:   # a retry: the router waits for a live replica, but not for ever
+                routed = getattr(stream, "_fetch_future_result_async", None)
+                if routed is not None:
+                    await asyncio.wait_for(routed(), RETRY_ROUTE_S)
             first = stream.__anext__()
-            head = await (asyncio.wait_for(first, HEALTH_TIMEOUT_S) if path == "/health" else first)
-        except asyncio.TimeoutError:
-            stream.cancel()
-            return JSONResponse({"status": "loading"}, status_code=503)
-        except asyncio.CancelledError:   # the client went away before the answer began: so does the replica's work
+            return stream, await (asyncio.wait_for(first, HEALTH_TIMEOUT_S) if path == "/health" else first)
+        except BaseException:
             stream.cancel()
             raise
-        except (RayServeException, ray.exceptions.RayError) as e:
-            raise as_api_error(e) from None
-        except StopAsyncIteration:   # the app ended without a response (a bug): an error, not a hang
-            raise APIError(500, "internal server error") from None
+
+    async def forward(self, request: Request) -> Response:
+        body = await request.body()
+        scope = request.scope
+        path = scope["path"]
+        route = route_path(scope)
+        message = {"method": request.method, "path": path, "root_path": scope.get("root_path", ""),
+                   "query": scope.get("query_string", b""), "headers": list(scope["headers"]), "body": body,
+                   "client": scope.get("client")}
+        affinity = routing.affinity_key(route, body)
+        avoid = None
+        while True:
+            try:
+                stream, head = await self._head(message, affinity, avoid)
+                break
+            except asyncio.TimeoutError:
+                if route == "/health":
+                    return JSONResponse({"status": "loading"}, status_code=503)
+                raise APIError(503, "no engine replica is running; retry the request", code="replica_unavailable")
+            except (RayServeException, ray.exceptions.RayError) as e:
+                if avoid is None and isinstance(e, DEAD) and retryable(request.method, route):
+                    avoid = dead_actor(e) or ""
+                    logger.warning("engine replica %s died before answering %s %s; sending it to another replica",
+                                   avoid or "?", request.method, route)
+                    continue
+                raise as_api_error(e) from None
+            except StopAsyncIteration:   # the app ended without a response (a bug): an error, not a hang
+                raise APIError(500, "internal server error") from None
         headers = [(k, v) for k, v in head["headers"] if k.lower() not in HOP_HEADERS]
         headers.append((b"x-unmask-replica", head["replica"].encode()))
         if not head["more"]:
             response = Response(head["body"], status_code=head["status"])
         else:
-            response = StreamingResponse(self._rest(path, head["body"], stream), status_code=head["status"])
+            response = StreamingResponse(self._rest(route, head["body"], stream), status_code=head["status"])
         response.raw_headers = [h for h in response.raw_headers if h[0] in (b"content-length",)] + headers
         return response
 
-    async def _rest(self, path: str, first: bytes, stream) -> AsyncIterator[bytes]:
+    async def _rest(self, route: str, first: bytes, stream) -> AsyncIterator[bytes]:
         sequence = -1
         finished = False
         try:
             if first:
                 yield first
             async for chunk in stream:
-                if path == "/v1/responses":
+                if route == "/v1/responses":
                     numbers = _SEQUENCE.findall(chunk)
                     sequence = int(numbers[-1]) if numbers else sequence
                 yield chunk
@@ -179,7 +190,47 @@ class Ingress:
             err = as_api_error(e)
             self.metrics.error(err.status)
             finished = True
-            yield error_frames(path, err, sequence + 1)
+            yield error_frames(route, err, sequence + 1)
         finally:
             if not finished:   # the client went away: the replica sees the disconnect and cancels the work
                 stream.cancel()
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="unmask", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = gateway.metrics
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        texts = await gateway.board_texts()
+        return Response(merged_metrics(texts, gateway.metrics), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/{path:path}", methods=["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
+    async def forward(request: Request) -> Response:
+        try:
+            return await gateway.forward(request)
+        except APIError as err:
+            if err.status != 499:
+                gateway.metrics.error(err.status)
+            return JSONResponse(err.response().model_dump(), status_code=err.status, headers=err.headers)
+
+    app.add_middleware(BodyLimitMiddleware, limit=gateway.args.max_body_bytes, metrics=gateway.metrics,
+                       route_limits=file_routes.body_limits(gateway.args.max_file_bytes))
+    app.add_middleware(APIKeyMiddleware, keys=gateway.args.api_keys, metrics=gateway.metrics)
+    if gateway.args.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=gateway.args.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
+    return app
+
+
+@serve.ingress()
+class Ingress:
+    """The gateway as a Ray Serve deployment, behind Serve's HTTP proxy (Serve config files, KubeRay)."""
+
+    def __init__(self, engine, args):
+        self.gateway = Gateway(engine, args, serve.get_replica_context().app_name)
+
+    def __serve_build_asgi_app__(self):
+        return build_app(self.gateway)

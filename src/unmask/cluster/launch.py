@@ -10,6 +10,7 @@ from unmask.cluster import ClusterError, require_ray
 
 APP_NAME = "unmask"
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")
+PASSED_ENV = ("OMP_WAIT_POLICY",)   # passed on when set
 
 
 @dataclass
@@ -18,6 +19,7 @@ class Scale:
     autoscale: tuple[int, int] | None = None     # (min, max) replicas; None: a fixed `replicas`
     num_cpus: float = 1.0                        # per replica
     num_gpus: float = 0.0
+    niceness: int | None = None                  # the engines' scheduling priority; None: Ray's (nice 15)
 
     @property
     def threads(self) -> int:
@@ -37,9 +39,12 @@ def parse_autoscale(text: str) -> tuple[int, int]:
 
 
 def runtime_env() -> dict:
-    """The offline switches reach the replicas on every node, whatever their raylet's environment."""
-    return {"env_vars": {k: os.environ.get(k, "false" if k == "TOKENIZERS_PARALLELISM" else "1")
-                         for k in OFFLINE_ENV}}
+    """The offline switches reach the replicas on every node, whatever their raylet's environment, and so does an
+    OpenMP wait policy set here (PASSIVE: torch's threads sleep rather than spin at each barrier, which on a
+    machine with more runnable threads than cores made decoding many times faster: docs/scale-out.md)."""
+    env = {k: os.environ.get(k, "false" if k == "TOKENIZERS_PARALLELISM" else "1") for k in OFFLINE_ENV}
+    env.update({k: os.environ[k] for k in PASSED_ENV if k in os.environ})
+    return {"env_vars": env}
 
 
 def reachable(address: str, timeout: float = 3.0) -> None:
@@ -75,8 +80,9 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
         raise ClusterError(f"cannot join {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
-def build(args, scale: Scale, app_name: str = APP_NAME):
-    """The Serve application: one ingress, and engine replicas routed by routing.AffinityRouter."""
+def build(args, scale: Scale, ingress: bool = True):
+    """The Serve application: engine replicas routed by routing.AffinityRouter, behind one `Ingress` replica
+    (for Serve's HTTP proxy), or alone (`unmask serve --ray` calls them from its own front, front.py)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -84,7 +90,7 @@ def build(args, scale: Scale, app_name: str = APP_NAME):
     from unmask.cluster.replica import EngineReplica
     from unmask.cluster.routing import AffinityRouter
 
-    engine_args = dataclasses.replace(args, api_keys=[], cors_origins=[])   # the ingress checks both
+    engine_args = dataclasses.replace(args, api_keys=[], cors_origins=[])   # the gateway checks both
     options = {"ray_actor_options": {"num_cpus": scale.num_cpus, "num_gpus": scale.num_gpus},
                # unmask's own admission answers 429 past its queue: Ray Serve must not queue in front of it
                "max_ongoing_requests": args.max_num_seqs + args.max_queue + 1,
@@ -97,20 +103,26 @@ def build(args, scale: Scale, app_name: str = APP_NAME):
     else:
         options["num_replicas"] = scale.replicas
     engine = serve.deployment(EngineReplica, name="Engine", **options)
-    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                               max_ongoing_requests=100_000)
-    return ingress.bind(engine.bind(engine_args, scale.threads), args)
+    engine = engine.bind(engine_args, scale.threads, scale.niceness)
+    if not ingress:
+        return engine
+    return serve.deployment(Ingress, name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                            max_ongoing_requests=100_000).bind(engine, args)
 
 
-def deploy(args, scale: Scale, host: str, port: int, app_name: str = APP_NAME) -> None:
-    """Start Serve's HTTP proxy on host:port (head node only) and run the application until it is ready."""
+def deploy(args, scale: Scale, app_name: str = APP_NAME):
+    """Run the engine replicas (no HTTP proxy: the caller serves HTTP, front.py) until every one is ready, and
+    return the gateway that forwards requests to them."""
     from ray import serve
 
-    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+    from unmask.cluster.ingress import Gateway
+
+    serve.start(proxy_location="Disabled")
     try:
-        serve.run(build(args, scale, app_name), name=app_name, route_prefix="/")
+        handle = serve.run(build(args, scale, ingress=False), name=app_name, route_prefix=None)
     except RuntimeError as e:
         raise ClusterError(f"the application did not start: {str(e).splitlines()[0]}") from None
+    return Gateway(handle, args, app_name)
 
 
 def undeploy(app_name: str = APP_NAME, stop_serve: bool = False) -> None:

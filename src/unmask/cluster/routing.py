@@ -68,14 +68,18 @@ class AffinityRouter(RequestRouter):
     """Ranks [preferred replica of the request's key] before [the others]; Ray Serve picks the shortest queue
     within a rank and moves to the next rank when every replica of it is full. A request without a key, or whose
     preferred replica has `imbalance` more requests in flight than the least busy one, gets one rank of every
-    replica: the shortest queue."""
+    replica: the shortest queue. A retried request (`avoid`: the actor id of the replica that died on it) goes to
+    any other replica; with none, Ray Serve waits for one to start (the gateway bounds that wait)."""
 
     def initialize_state(self, imbalance: int = 8, **kwargs) -> None:
         self.imbalance = imbalance
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        key = pending_request.kwargs.get("affinity") if pending_request is not None else None
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        key, avoid = kwargs.get("affinity"), kwargs.get("avoid")
+        if avoid:   # a retry: never the replica that died on it
+            candidate_replicas = [r for r in candidate_replicas if r.actor_id.hex() != avoid]
         if not key or len(candidate_replicas) < 2:
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=lambda r: rendezvous(key, r.replica_id.unique_id), reverse=True)
