@@ -4,6 +4,10 @@ Chunked prefill of held-out text into the exact block-causal cache, then 16 deco
 split path on and off, interleaved per round (order alternated); median prefill seconds and the ratio.
 
     python bench/prefill_split.py --lengths 8192,16384 --threads 1 --rounds 2
+
+Since 2026-12-05 a causal-context model's prompt chunks (the built-in model's) take the unmasked causal path
+(attention._attend_causal), so here only the chunk that holds the first answer block still differs; the A/B of
+that path is `bench/prefill_cost.py tune --causal-off`.
 """
 from __future__ import annotations
 
