@@ -94,7 +94,8 @@ def build(args, scale: Scale, ingress: bool = True):
     options = {"ray_actor_options": {"num_cpus": scale.num_cpus, "num_gpus": scale.num_gpus},
                # unmask's own admission answers 429 past its queue: Ray Serve must not queue in front of it
                "max_ongoing_requests": args.max_num_seqs + args.max_queue + 1,
-               "request_router_config": RequestRouterConfig(request_router_class=AffinityRouter),
+               "request_router_config": RequestRouterConfig(request_router_class=AffinityRouter,
+                                                             request_router_kwargs={"slots": args.max_num_seqs}),
                "graceful_shutdown_timeout_s": args.drain_timeout + 5, "health_check_period_s": 2.0}
     if scale.autoscale is not None:
         low, high = scale.autoscale

@@ -67,12 +67,13 @@ def rendezvous(key: str, replica_id: str) -> int:
 class AffinityRouter(RequestRouter):
     """Ranks [preferred replica of the request's key] before [the others]; Ray Serve picks the shortest queue
     within a rank and moves to the next rank when every replica of it is full. A request without a key, or whose
-    preferred replica has `imbalance` more requests in flight than the least busy one, gets one rank of every
-    replica: the shortest queue. A retried request (`avoid`: the actor id of the replica that died on it) goes to
+    preferred replica has `imbalance` more requests in flight than the least busy one, or a full batch (`slots`:
+    --max-num-seqs) while another has a free slot, gets one rank of every replica: the shortest queue (waiting for
+    a slot costs more than the prefix cache saves). A retried request (`avoid`: the actor id of the replica that died on it) goes to
     any other replica; with none, Ray Serve waits for one to start (the gateway bounds that wait)."""
 
-    def initialize_state(self, imbalance: int = 8, **kwargs) -> None:
-        self.imbalance = imbalance
+    def initialize_state(self, imbalance: int = 8, slots: int | None = None, **kwargs) -> None:
+        self.imbalance, self.slots = imbalance, slots
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -88,6 +89,11 @@ class AffinityRouter(RequestRouter):
         cache = self.replica_queue_len_cache
         lens = [cache.get(r.replica_id) for r in ranked]
         known = [n for n in lens if n is not None]
-        if lens[0] is not None and lens[0] - min(known) > getattr(self, "imbalance", 8):
+        if lens[0] is not None and (lens[0] - min(known) > getattr(self, "imbalance", 8)
+                                    or self._full(lens[0]) and not self._full(min(known))):
             return [candidate_replicas]
         return [ranked[:1], ranked[1:]]
+
+    def _full(self, in_flight: int) -> bool:
+        slots = getattr(self, "slots", None)
+        return slots is not None and in_flight >= slots

@@ -1,0 +1,76 @@
+"""The affinity router's choices (src/unmask/cluster/routing.py) on given queue lengths, without a cluster: the
+preferred replica of a prompt prefix first, the shortest queue when it is full or far busier, never a replica that
+died on the request, and the stateful routes on their one replica."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="Ray is optional: pip install 'unmask[ray]'")
+
+from unmask.cluster.routing import STATE_KEY, AffinityRouter, affinity_key, rendezvous  # noqa: E402
+
+
+def replica(name: str):
+    rid = SimpleNamespace(unique_id=name)
+    return SimpleNamespace(replica_id=rid, actor_id=SimpleNamespace(hex=lambda: f"actor-{name}"))
+
+
+def router(lens: dict[str, int], slots: int | None = 4):
+    r = AffinityRouter.__new__(AffinityRouter)   # the choice alone: no controller, no replicas to probe
+    r.initialize_state(slots=slots)
+    r._replica_queue_len_cache = _ByName(lens)
+    return r
+
+
+class _ByName:
+    def __init__(self, lens: dict[str, int]):
+        self.lens = lens
+
+    def get(self, replica_id):
+        return self.lens.get(replica_id.unique_id)
+
+
+def choose(r, replicas, **kwargs):
+    pending = SimpleNamespace(kwargs=kwargs)
+    ranks = asyncio.run(r.choose_replicas(replicas, pending))
+    return [[x.replica_id.unique_id for x in rank] for rank in ranks]
+
+
+REPLICAS = [replica(n) for n in ("a", "b", "c")]
+KEY = affinity_key("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}]}')
+PREFERRED = max("abc", key=lambda n: rendezvous(KEY, n))
+OTHERS = sorted(set("abc") - {PREFERRED}, key=lambda n: rendezvous(KEY, n), reverse=True)
+
+
+def test_the_preferred_replica_of_a_prefix_comes_first():
+    assert KEY and KEY == affinity_key("/v1/chat/completions",
+                                       b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}')
+    assert choose(router({"a": 1, "b": 1, "c": 1}), REPLICAS, affinity=KEY) == [[PREFERRED], OTHERS]
+    # busier than the others but with a free slot: still preferred (its prefix cache hits)
+    assert choose(router({PREFERRED: 3, OTHERS[0]: 0, OTHERS[1]: 0}), REPLICAS, affinity=KEY) == [[PREFERRED], OTHERS]
+
+
+def test_a_full_or_far_busier_preferred_replica_gives_way_to_the_shortest_queue():
+    full = {PREFERRED: 4, OTHERS[0]: 1, OTHERS[1]: 2}   # its batch (4 slots) full, the others not
+    assert choose(router(full), REPLICAS, affinity=KEY) == [list("abc")]
+    everyone_full = {PREFERRED: 5, OTHERS[0]: 4, OTHERS[1]: 6}
+    assert choose(router(everyone_full), REPLICAS, affinity=KEY) == [[PREFERRED], OTHERS]
+    far = {PREFERRED: 12, OTHERS[0]: 3, OTHERS[1]: 3}    # 9 more than the least busy, past the 8 allowed
+    assert choose(router(far, slots=None), REPLICAS, affinity=KEY) == [list("abc")]
+    assert choose(router({PREFERRED: 11, OTHERS[0]: 3, OTHERS[1]: 3}, slots=None), REPLICAS,
+                  affinity=KEY) == [[PREFERRED], OTHERS]
+
+
+def test_a_retry_avoids_the_dead_replica_and_state_routes_stay_on_one():
+    # the prefix's next replica first, among those left
+    assert choose(router({}), REPLICAS, affinity=KEY, avoid=f"actor-{PREFERRED}") == [OTHERS[:1], OTHERS[1:]]
+    assert choose(router({}), REPLICAS[:1], avoid="actor-a") == [[]]   # none left: Ray Serve waits for one
+    assert choose(router({}), REPLICAS) == [list("abc")]                # no key: the shortest queue
+    state = affinity_key("/v1/files", b"")
+    assert state == STATE_KEY
+    best = max("abc", key=lambda n: rendezvous(STATE_KEY, n))
+    busy = {"a": 0, "b": 0, "c": 0, best: 9}          # full, and still the one: the state lives there
+    assert choose(router(busy), REPLICAS, affinity=STATE_KEY) == [[best]]
