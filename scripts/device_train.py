@@ -386,7 +386,7 @@ def finish(a, runs: Path, logs: Path, summary: dict) -> None:
     if gen.is_file():  # the defaults `make model` writes (docs/model-card.md, "Penalties against the loops" and
         g = json.loads(gen.read_text())   # "Default policy")
         g["chat_defaults"] = {"frequency_penalty": 0.5}
-        g["default_policy"] = {"policy": "speculative", "block_size": 4}
+        g["default_policy"] = {"policy": "speculative", "block_size": 4, "draft_lookup": 8}
         gen.write_text(json.dumps(g, indent=2) + "\n")
     export_bf16_shards(model_src, runs / "export")
     base = None

@@ -1,0 +1,92 @@
+"""Prompt-lookup drafts (`draft_lookup`) under the `speculative` policy: tokens per forward and tokens/s with and
+without them, interleaved (A B, then B A), on the model card's held-out function bodies and next lines, batch 1.
+
+The output is the same either way (tests/test_draft_lookup.py); only the number of forwards and their width
+change, so this measures speed alone. Ratios are taken within each round; medians with min-max over rounds.
+
+    .venv/bin/python bench/speculative_lookup.py --tasks 20 --rounds 3 --json docs/bench/speculative/lookup.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(llm, prompts, tasks, max_tokens: int, knobs: dict) -> tuple[int, int, float]:
+    from unmask.engine.params import GenerationParams
+
+    cache = getattr(llm.engine, "prefix_cache", None)
+    if cache is not None:  # every run pays its own prefills (a cache warmed by the run before would flatter it)
+        cache.clear()
+    tokens = forwards = 0
+    t0 = time.perf_counter()
+    for p, t in zip(prompts, tasks):
+        gp = GenerationParams(max_tokens=max_tokens, stop=list(t.stop), min_tokens=t.min_tokens, **knobs)
+        out = llm.generate([p], [gp])[0]
+        tokens, forwards = tokens + len(out.token_ids), forwards + out.forwards
+    return tokens, forwards, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / "src/unmask/assets/unmask-tiny")
+    ap.add_argument("--corpus", type=Path, default=ROOT / "data/corpus")
+    ap.add_argument("--tasks", type=int, default=20, help="tasks per kind")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--lookup", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    from unmask.engine.llm import LLM
+    from unmask.evaluation import FUNCTION_TOKENS, function_tasks, next_line_tasks
+    from unmask.train.corpus import read_documents
+
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model)
+    docs = list(read_documents(args.corpus / "heldout.jsonl"))
+    kinds = {"function": (function_tasks(docs, args.tasks), FUNCTION_TOKENS),
+             "next_line": (next_line_tasks(docs, args.tasks), 48)}
+    base = dict(policy="speculative", block_size=args.block_size)
+    variants = {"without": {**base, "draft_lookup": 0}, "with": {**base, "draft_lookup": args.lookup}}
+    doc = {"command": " ".join(sys.argv), "model": str(args.model), "threads": args.threads,
+           "load_average_start": os.getloadavg(), "kinds": {}}
+    for kind, (tasks, max_tokens) in kinds.items():
+        prompts = [llm.encode(t.prompt) for t in tasks]
+        rows = {v: [] for v in variants}
+        for v in variants:  # warm-up: the first run of a kind pays for allocations the others reuse
+            run(llm, prompts[:2], tasks[:2], max_tokens, variants[v])
+        for r in range(args.rounds):
+            for v in (variants if r % 2 == 0 else reversed(list(variants))):
+                tokens, forwards, seconds = run(llm, prompts, tasks, max_tokens, variants[v])
+                rows[v].append({"tokens": tokens, "forwards": forwards, "seconds": seconds})
+                print(f"{kind} round {r} {v:8} {tokens / forwards:.2f} tok/fwd {tokens / seconds:7.1f} tok/s "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+        ratios = [w["tokens"] / w["seconds"] / (o["tokens"] / o["seconds"])
+                  for w, o in zip(rows["with"], rows["without"])]
+        summary = {v: {"tokens_per_forward": rows[v][0]["tokens"] / rows[v][0]["forwards"],
+                       "tokens_per_s_median": statistics.median(x["tokens"] / x["seconds"] for x in rows[v])}
+                   for v in variants}
+        summary["speed_ratio"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        doc["kinds"][kind] = {"rounds": rows, "summary": summary}
+        print(f"{kind}: tokens/forward {summary['without']['tokens_per_forward']:.2f} -> "
+              f"{summary['with']['tokens_per_forward']:.2f}, tokens/s x{summary['speed_ratio']['median']:.2f} "
+              f"[{summary['speed_ratio']['min']:.2f}-{summary['speed_ratio']['max']:.2f}]", flush=True)
+    doc["load_average_end"] = os.getloadavg()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
