@@ -201,3 +201,22 @@ def mix_rows(sft: TokenRows, text: TokenRows, fraction: float, seed: int) -> Tok
     sft_mask = sft.loss_mask if sft.loss_mask is not None else torch.ones_like(sft.ids, dtype=torch.bool)
     mask = torch.cat([sft_mask, torch.ones(len(take), text.seq_len, dtype=torch.bool)])
     return TokenRows(ids, mask)
+
+
+def check_same_tokenizer(tok, tokenizer_dir: Path, model_dir: Path) -> None:
+    """Continuing a model on text tokenized by another tokenizer trains it on the wrong ids. BPE training
+    is reproducible for one `tokenizers` release, but releases can number equal-count merges differently,
+    so a rebuilt data/tokenizer is not necessarily the one a model was trained with."""
+    if not (model_dir / "tokenizer.json").is_file() or tokenizer_dir.resolve() == model_dir.resolve():
+        return
+    from unmask.tokenizer import Tokenizer
+
+    if tok.hf.get_vocab() != Tokenizer(model_dir).hf.get_vocab():
+        raise DataError(f"tokenizer {tokenizer_dir} numbers tokens differently from the one in {model_dir}; "
+                        f"continue with the model's own (--tokenizer {model_dir})")
+
+
+def check_vocab(tm, rows: TokenRows) -> None:
+    top = int(rows.ids.max())
+    if top >= tm.arch.vocab_size:
+        raise DataError(f"token id {top} in the data is outside the model's vocabulary ({tm.arch.vocab_size})")

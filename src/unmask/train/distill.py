@@ -24,10 +24,10 @@ from typing import Callable
 import torch
 
 from unmask.tokenizer import Tokenizer
-from unmask.train.data import DataError, TokenRows, load_pretraining, mix_rows
+from unmask.train.data import DataError, TokenRows, check_vocab, load_pretraining, mix_rows
 from unmask.train.model_init import count_params, load_trainable
 from unmask.train.sft import SFTEncoder
-from unmask.train.trainer import (TrainConfig, TrainConfigError, TrainResult, _check_vocab, _finish, _maybe_lora,
+from unmask.train.trainer import (TrainConfig, TrainConfigError, TrainResult, _finish, _maybe_lora,
                                   _objective, _prepare, _special_ids, run)
 from unmask.train.trajectories import (FORMAT, TeacherCost, Trajectory, TrajectoryCache, TrajectoryConfig,
                                        draw_prompts, generate_missing, read_all, tokenizer_digest, weights_digest)
@@ -136,7 +136,7 @@ def distill(cfg: TrainConfig, model_dir: str | Path, traj: TrajectoryConfig, *, 
             sep = ids["endoftext"] if ids["endoftext"] is not None else tm.eos_id
             plain, _ = load_pretraining(Path(mix_text), tok, cfg.seq_len, sep, Path(cfg.out_dir) / "tokens", log=log)
             rows = mix_rows(rows, plain, cfg.mix_fraction, cfg.seed)
-        _check_vocab(tm, rows)
+        check_vocab(tm, rows)
         sizes = cfg.block_sizes or tuple(tm.config.get("train_block_sizes") or [tm.block_size])
         obj = _objective(tm, sizes, cfg)
         n_params = count_params(tm.model)

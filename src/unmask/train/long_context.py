@@ -94,6 +94,15 @@ def apply_rope_scaling(tm, scaling: dict, max_position: int) -> None:
     tm.arch = model.cfg
 
 
+def scale_rope(tm, spec: str, seq_len: int) -> None:
+    """`--rope-scaling spec` on a TrainableModel, relative to the context it was trained for without scaling (a
+    second stage's factor replaces the first's rather than multiplying it)."""
+    prior = tm.config.get("rope_scaling") or {}
+    original = int(prior.get("original_max_position_embeddings") or tm.config.get("max_position_embeddings")
+                   or seq_len)
+    apply_rope_scaling(tm, *rope_scaling(spec, original))
+
+
 def long_context_rows(data, tokenizer, vocab_size: int, seq_len: int, sep_id: int, rows: TokenRows,
                       long_documents: bool, passkey_fraction: float, seed: int,
                       log: Callable[[str], None] = print) -> TokenRows:

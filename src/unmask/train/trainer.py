@@ -28,7 +28,8 @@ from unmask.models.transformer import DiffusionTransformer
 from unmask.tokenizer import Tokenizer
 from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, clear_leftovers, ensure_writable, export_model,
                                      load_checkpoint, rng_state, save_adapter, save_checkpoint, set_rng_state)
-from unmask.train.data import BatchIterator, DataError, TokenRows, eval_batches, load_pretraining, mix_rows
+from unmask.train.data import (BatchIterator, DataError, TokenRows, check_same_tokenizer, check_vocab, eval_batches,
+                               load_pretraining, mix_rows)
 from unmask.train.model_init import (ModelShape, TrainableModel, TrainConfigError, apply_lora, count_params,
                                      fresh_model, frozen_fingerprint, load_trainable, shape_config, trainable_state)
 from unmask.train.objectives import Noise, Objective, diffusion_loss_sum, draw_noise, loss_eligible
@@ -535,7 +536,7 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
         sizes = cfg.block_sizes or DEFAULT_BLOCK_SIZES
         if init_from is not None:
             tm = load_trainable(init_from)
-            _check_same_tokenizer(tok, Path(tokenizer_dir), Path(init_from))
+            check_same_tokenizer(tok, Path(tokenizer_dir), Path(init_from))
         else:
             if ids["mask"] is None:
                 raise DataError(f"tokenizer {tokenizer_dir} has no mask token (<|mask|>)")
@@ -546,14 +547,11 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
             config = shape_config(shape, vocab, ids["mask"], [ids["eos"]], ids["bos"], ids["pad"], list(sizes))
             gen = {"eos_token_id": stops, "bos_token_id": ids["bos"], "pad_token_id": ids["pad"]}
             tm = fresh_model(config, gen, cfg.seed)
-        _check_vocab(tm, rows)
-        if cfg.rope_scaling:  # relative to the context trained without scaling (a second stage replaces the first)
-            from unmask.train.long_context import apply_rope_scaling, rope_scaling
+        check_vocab(tm, rows)
+        if cfg.rope_scaling:
+            from unmask.train.long_context import scale_rope
 
-            prior = tm.config.get("rope_scaling") or {}
-            original = int(prior.get("original_max_position_embeddings") or tm.config.get("max_position_embeddings")
-                           or cfg.seq_len)
-            apply_rope_scaling(tm, *rope_scaling(cfg.rope_scaling, original))
+            scale_rope(tm, cfg.rope_scaling, cfg.seq_len)
         if cfg.objective == "causal":
             if tm.family.shift_key is None and not tm.family.shifted(tm.config):
                 raise TrainConfigError(f"objective 'causal': the {tm.family.name} family has no shifted-logits "
@@ -595,7 +593,7 @@ def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *,
             text, _ = load_pretraining(Path(mix_text), tok, cfg.seq_len, sep, Path(cfg.out_dir) / "tokens",
                                        log=print if ctx.main else (lambda _: None))
             rows = mix_rows(rows, text, cfg.mix_fraction, cfg.seed)
-        _check_vocab(tm, rows)
+        check_vocab(tm, rows)
         sizes = cfg.block_sizes or tuple(tm.config.get("train_block_sizes") or [tm.block_size])
         res = run(cfg, _maybe_lora(tm, cfg), _objective(tm, sizes, cfg), rows, eval_rows, None, ctx, on_step)
     except BaseException:
@@ -634,23 +632,6 @@ def _objective(tm: TrainableModel, sizes: tuple[int, ...], cfg: TrainConfig) -> 
                      suffix_fraction=cfg.suffix_fraction, confidence_weight=cfg.confidence_weight,
                      full_block_fraction=cfg.full_block_fraction, corrupt_fraction=cfg.corrupt_fraction,
                      vocab_size=tm.arch.vocab_size)
-
-
-def _check_same_tokenizer(tok: Tokenizer, tokenizer_dir: Path, model_dir: Path) -> None:
-    """Continuing a model on text tokenized by another tokenizer trains it on the wrong ids. BPE training
-    is reproducible for one `tokenizers` release, but releases can number equal-count merges differently,
-    so a rebuilt data/tokenizer is not necessarily the one a model was trained with."""
-    if not (model_dir / "tokenizer.json").is_file() or tokenizer_dir.resolve() == model_dir.resolve():
-        return
-    if tok.hf.get_vocab() != Tokenizer(model_dir).hf.get_vocab():
-        raise DataError(f"tokenizer {tokenizer_dir} numbers tokens differently from the one in {model_dir}; "
-                        f"continue with the model's own (--tokenizer {model_dir})")
-
-
-def _check_vocab(tm: TrainableModel, rows: TokenRows) -> None:
-    top = int(rows.ids.max())
-    if top >= tm.arch.vocab_size:
-        raise DataError(f"token id {top} in the data is outside the model's vocabulary ({tm.arch.vocab_size})")
 
 
 def _maybe_lora(tm: TrainableModel, cfg: TrainConfig) -> TrainableModel:
