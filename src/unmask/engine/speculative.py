@@ -90,7 +90,7 @@ class SpeculativeSequence(Sequence):
         self.drafted = 0   # drafts offered to the verifier, and kept: the acceptance rate in stats
         self.kept = 0
         self.lookup = int(self.params.draft_lookup or 0)
-        self._lookup_from = 0  # drafts[i] for i >= this are copied (prompt lookup), not drawn from draft_probs
+        self._step_drafts = self.drafts  # this step's: `drafts` (the diffusion rows'), then any copied ones
 
     @property
     def prefill_limit(self) -> int:
@@ -108,9 +108,9 @@ class SpeculativeSequence(Sequence):
                 seg = Segment(start=c, length=n, write=n, cache=self.cache, attend=attend)
                 empty = torch.empty(0, dtype=torch.long)
                 return StepPlan(self, self.seq[c:c + n], torch.arange(c, c + n), seg, empty, empty)
-        self._choose_drafts(f)
-        k = min(int(self.drafts.numel()), self.end - f - 1)  # the verifier's own token must fit before the end
-        drafts = self.drafts[:k]
+        self._step_drafts = self._drafts_for_step(f)
+        k = min(int(self._step_drafts.numel()), self.end - f - 1)  # the verifier's own token fits before the end
+        drafts = self._step_drafts[:k]
         outcomes = list(range(k + 1)) if self.all_outcomes else [k]
         lengths = [min(self.K, self.end - (f + j)) for j in outcomes]
         n_clean = pending + k
@@ -130,14 +130,14 @@ class SpeculativeSequence(Sequence):
         self._k = k
         return StepPlan(self, torch.cat(ids), torch.cat(pos), seg, torch.cat(rows), torch.cat(targets))
 
-    def _choose_drafts(self, f: int) -> None:
-        """With `draft_lookup`, the diffusion rows' drafts (from the last step) are followed by up to that many
-        tokens copied from an earlier occurrence of the text's last n-gram, drafts included
-        (decoding.speculative.lookup_drafts): a copied draft costs a verifier row, never the output."""
-        self._lookup_from = int(self.drafts.numel())
-        if self.lookup:
-            more = lookup_drafts(torch.cat([self.seq[:f], self.drafts]), self.lookup, min_ngram=LOOKUP_MIN_NGRAM)
-            self.drafts = torch.cat([self.drafts, more])
+    def _drafts_for_step(self, f: int) -> Tensor:
+        """The diffusion rows' drafts (from the last step), then, with `draft_lookup`, up to that many tokens copied
+        from an earlier occurrence of the text's last n-gram, drafts included (decoding.speculative.lookup_drafts):
+        a copied draft costs a verifier row, never the output."""
+        if not self.lookup:
+            return self.drafts
+        more = lookup_drafts(torch.cat([self.seq[:f], self.drafts]), self.lookup, min_ngram=LOOKUP_MIN_NGRAM)
+        return torch.cat([self.drafts, more])
 
     def after_forward(self, plan: StepPlan) -> None:
         self.stats.forwards += 1
@@ -150,17 +150,18 @@ class SpeculativeSequence(Sequence):
         if plan.targets.numel() == 0:
             return []
         f, k = self.final_end, self._k
+        drafts = self._step_drafts[:k]
         logits[:, self.traits.mask_id] = float("-inf")
         ban_early_stops(logits, plan.targets - self.P, self.params.min_tokens, self.stops)
         if self.adjuster is not None:  # verifier row i follows drafts 0..i-1: counted as if committed
-            self.adjuster.adjust_causal(logits[:k + 1], self.drafts[:k])
+            self.adjuster.adjust_causal(logits[:k + 1], drafts)
             self.adjuster.adjust(logits[k + 1:])  # the draft rows: only what is committed (drafts need not be exact)
         greedy = self.sampling.greedy
         verifier = logits[:k + 1]
         # greedy: the argmax of the logits is the rule's whole input (no [k + 1, V] one-hot on the step's path)
         target = verifier if greedy else processed_probs(verifier, self.sampling)
-        verdict = verify(self.drafts[:k], None if greedy or k == 0 else self._step_draft_probs(k, logits), target,
-                         greedy, self.generator)
+        verdict = verify(drafts, None if greedy or k == 0 else self._step_draft_probs(k, logits), target, greedy,
+                         self.generator)
         a = verdict.accepted
         n = min(a + 1, self.end - f)
         tokens = verdict.tokens[:n].cpu()
@@ -180,10 +181,10 @@ class SpeculativeSequence(Sequence):
     def _step_draft_probs(self, k: int, logits: Tensor) -> Tensor:
         """[k, V]: the law each draft was drawn from; a copied draft is certain (one-hot), so speculative sampling
         keeps it with the verifier's probability of it and else draws from the verifier's law without it."""
-        n = min(self._lookup_from, k)
+        n = min(int(self.drafts.numel()), k)  # the diffusion drafts come first
         if n == k:
             return self.draft_probs[:k]
-        q = torch.nn.functional.one_hot(self.drafts[:k].to(logits.device), logits.shape[1]).float()
+        q = torch.nn.functional.one_hot(self._step_drafts[:k].to(logits.device), logits.shape[1]).float()
         if n:
             q[:n] = self.draft_probs[:n]
         return q
