@@ -121,3 +121,24 @@ def test_an_unknown_device_is_one_line_before_any_work(tmp_path):
                         "--quick", "--out", str(tmp_path / "twin"), "--device", "tpu"], capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.strip() == "error: unknown device 'tpu'; use auto, cpu or cuda[:N]"
     assert not (tmp_path / "twin").exists()
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_twin_decoders_stop_at_the_newline_after_the_lead(loop):
+    """A next-line answer opens with its newline (the lead, min_tokens=1) and ends at the next one, as the engine's
+    stop "\\n" with min_tokens=1 ends it: the twin generates the same answer, not 48 tokens past it."""
+    from benchlib.twin import HFTwin, HFTwinLoop
+
+    hf = HFTwin(ROOT / "bench" / "models" / "ar-twin")
+    dec = HFTwinLoop.sharing(hf) if loop else hf
+    ids = hf.tok.encode("def add(a, b):")
+    lead_only = dec.run(ids, 24, stop_newline=True, min_tokens=0)
+    assert lead_only.tokens == 1 and lead_only.text.startswith("\n")
+    line = dec.run(ids, 24, stop_newline=True, min_tokens=1)
+    free = dec.run(ids, 24, stop_newline=False)
+    assert 1 < line.tokens < free.tokens == 24
+    assert free.text.startswith(line.text)
+    # it ends with the token holding the first newline after the lead (this tokenizer's newline tokens are
+    # newline + indentation)
+    end_of_line = line.text.index("\n", len(lead_only.text))
+    assert line.text[end_of_line:].strip() == ""

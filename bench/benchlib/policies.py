@@ -130,7 +130,7 @@ def run_section(llm, variants: list[Variant], tasks: list, rounds: int, log) -> 
     def one(v: Variant, i: int) -> tuple[str, int, int, float]:
         t = tasks[i]
         if v.decoder is not None:
-            r = v.decoder.run(prompts[i], MAX_TOKENS, stop_newline=not t.lead)
+            r = v.decoder.run(prompts[i], MAX_TOKENS, stop_newline="\n" in t.stop, min_tokens=t.min_tokens)
             return r.text, r.tokens, r.forwards, r.seconds
         params = GenerationParams(max_tokens=MAX_TOKENS, stop=list(t.stop), min_tokens=t.min_tokens, **v.engine)
         t0 = time.perf_counter()

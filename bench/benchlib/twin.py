@@ -1,8 +1,10 @@
 """Decoders for the autoregressive twin (scripts/train_ar_twin.py): transformers, and llama.cpp if present.
 
-Each decoder has the engine's task interface: `run(prompt_ids, max_tokens, stop_newline) -> Result`,
-greedy, stopping at the twin's EOS ids or, for single-line tasks, after the first token whose text
-contains a newline (the engine stops on the stop string "\n" the same way).
+Each decoder has the engine's task interface: `run(prompt_ids, max_tokens, stop_newline, min_tokens=0) -> Result`,
+greedy, stopping at the twin's EOS ids or, for single-line tasks, after the first token past the first
+`min_tokens` whose text contains a newline (the engine stops on the stop string "\n" with `min_tokens` the same
+way: a next-line answer opens with a newline, its lead, and ends at the next one). Both sides then generate the
+same answer, so tokens/s compares the same work.
 """
 from __future__ import annotations
 
@@ -59,13 +61,15 @@ class HFTwin:
         nl = [i for i in range(len(self.tok)) if "\n" in self.tok.decode([i])]
         self.newline_ids = torch.tensor(nl, dtype=torch.long)
 
-    def _stop(self):
+    def _stop(self, prompt_len: int, min_tokens: int):
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         ids = self.newline_ids
 
         class Newline(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):
+                if input_ids.shape[1] - prompt_len <= min_tokens:  # the lead's token does not end the answer
+                    return torch.zeros(input_ids.shape[0], dtype=torch.bool)
                 return torch.isin(input_ids[:, -1], ids)
 
         return StoppingCriteriaList([Newline()])
@@ -79,12 +83,12 @@ class HFTwin:
         return Result(text, len(new), forwards, seconds)
 
     @torch.no_grad()
-    def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool) -> Result:
+    def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool, min_tokens: int = 0) -> Result:
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         t0 = time.perf_counter()
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                                   do_sample=False, use_cache=True, eos_token_id=self.eos, pad_token_id=self.pad,
-                                  stopping_criteria=self._stop() if stop_newline else None)
+                                  stopping_criteria=self._stop(len(prompt_ids), min_tokens) if stop_newline else None)
         seconds = time.perf_counter() - t0
         new = out[0, len(prompt_ids):].tolist()
         return self._finish(new, seconds, len(new))
@@ -108,7 +112,7 @@ class HFTwinLoop(HFTwin):
         return obj
 
     @torch.no_grad()
-    def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool) -> Result:
+    def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool, min_tokens: int = 0) -> Result:
         from transformers import DynamicCache
 
         nl = set(self.newline_ids.tolist()) if stop_newline else set()
@@ -122,7 +126,7 @@ class HFTwinLoop(HFTwin):
             out = self.model(input_ids=x, use_cache=True, logits_to_keep=1, **{kw: cache})
             t = int(out.logits[0, -1].argmax())
             new.append(t)
-            if t in eos or t in nl:
+            if t in eos or (t in nl and len(new) > min_tokens):
                 break
             x = torch.tensor([[t]], dtype=torch.long)
         seconds = time.perf_counter() - t0
@@ -155,7 +159,7 @@ class LlamaCppTwin:
             ref = self.hf.model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()
         return float((mine[: ref.numel()] - ref).abs().max())
 
-    def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool) -> Result:
+    def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool, min_tokens: int = 0) -> Result:
         nl = set(self.hf.newline_ids.tolist()) if stop_newline else set()
         eos = set(self.hf.eos)
         t0 = time.perf_counter()
@@ -163,7 +167,7 @@ class LlamaCppTwin:
         new: list[int] = []
         for t in self.llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
             new.append(int(t))
-            if t in eos or t in nl or len(new) >= max_tokens:
+            if t in eos or (t in nl and len(new) > min_tokens) or len(new) >= max_tokens:
                 break
         seconds = time.perf_counter() - t0
         return self.hf._finish(new, seconds, len(new))
