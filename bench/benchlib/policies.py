@@ -38,7 +38,7 @@ def unmask_variants(block_size: int, bidirectional: bool, learned: bool = False,
     """Every policy; with `learned` (the model has a commit filter, `unmask calibrate`) the learned rule too; with
     `speculative` (a causal-context model, engine/speculative.py) self-speculative decoding, its output exactly
     the model's own next-token decoding (`next_token_greedy`, block size 1), with one draft block or one per
-    outcome."""
+    outcome, with draft blocks of 4, and with prompt-lookup drafts beside them."""
     base = [
         ("one_token_per_forward", "one token per forward (AR-equivalent)", dict(policy="topk", tokens_per_step=1)),
         ("low_confidence_2", "low-confidence, 2 tokens/step", dict(policy="low_confidence", steps=max(1, block_size // 2))),
@@ -60,6 +60,10 @@ def unmask_variants(block_size: int, bidirectional: bool, learned: bool = False,
             ("speculative", "self-speculative, one draft block", dict(policy="speculative")),
             ("speculative_all", "self-speculative, a draft block per outcome",
              dict(policy="speculative", draft_all_outcomes=True)),
+            ("speculative_b4", "self-speculative, draft blocks of 4", dict(policy="speculative", block_size=4)),
+            # the built-in model's default policy (its generation_config.json)
+            ("speculative_b4_lookup", "self-speculative, draft blocks of 4 and up to 8 prompt-lookup drafts",
+             dict(policy="speculative", block_size=4, draft_lookup=8)),
         ]
     if not bidirectional:  # block-causal: the exact cache is always on, there is no cache switch
         return [Variant(n, lbl, knobs) for n, lbl, knobs in base]
