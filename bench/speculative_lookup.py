@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--lookup", type=int, default=8)
+    ap.add_argument("--baseline-lookup", type=int, default=0,
+                    help="the lookup count the run compares against (0: no lookup; e.g. 8 to try --lookup 16)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -58,8 +60,11 @@ def main() -> None:
     kinds = {"function": (function_tasks(docs, args.tasks), FUNCTION_TOKENS),
              "next_line": (next_line_tasks(docs, args.tasks), 48)}
     base = dict(policy="speculative", block_size=args.block_size)
-    variants = {"without": {**base, "draft_lookup": 0}, "with": {**base, "draft_lookup": args.lookup}}
+    # "without" is the baseline (--baseline-lookup, no lookup by default), "with" the candidate (--lookup)
+    variants = {"without": {**base, "draft_lookup": args.baseline_lookup},
+                "with": {**base, "draft_lookup": args.lookup}}
     doc = {"command": " ".join(sys.argv), "model": str(args.model), "threads": args.threads,
+           "lookup": {"without": args.baseline_lookup, "with": args.lookup},
            "load_average_start": os.getloadavg(), "kinds": {}}
     for kind, (tasks, max_tokens) in kinds.items():
         prompts = [llm.encode(t.prompt) for t in tasks]
