@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from unmask.batch.execute import LineResult
 from unmask.batch.lines import BatchLine, ValidationIssue
 from unmask.store import Database
+from unmask.store.claims import ClaimLost, Claims
 
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")   # the runner's work
@@ -104,14 +105,29 @@ class BatchJobs:
         return [r[0] for r in self.db.conn.execute(
             f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY seq", ACTIVE)]
 
+    def claims(self, owner: str | None = None) -> Claims:
+        """Claims on batches (a runner runs only the batches it holds; store/claims.py)."""
+        return Claims(lambda: self.db.conn, "batches", "id", owner)
+
+    def status(self, batch_id: str) -> tuple[str, str | None]:
+        """(status, owner) of a batch, read without parsing its object (the runner polls it)."""
+        row = self.db.conn.execute("SELECT status, owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        if row is None:
+            raise BatchNotFound(batch_id)
+        return row[0], row[1]
+
     def update(self, batch_id: str, status: str | None = None, only_from: tuple[str, ...] | None = None,
-               **fields) -> dict | None:
+               owner: str | None = None, **fields) -> dict | None:
         """Set fields (and `status` with its timestamp) in one transaction; with `only_from`, only when the
-        current status is one of those (None returned otherwise): a cancel never overwrites a finished batch."""
+        current status is one of those (None returned otherwise): a cancel never overwrites a finished batch.
+        With `owner`, only while that owner holds the batch's claim (store/claims.py; ClaimLost otherwise): a
+        runner whose lease another took changes nothing."""
         with self.db.transaction() as conn:
-            row = conn.execute("SELECT object FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            row = conn.execute("SELECT object, owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None:
                 raise BatchNotFound(batch_id)
+            if owner is not None and row[1] != owner:
+                raise ClaimLost(f"batch {batch_id}")
             batch = json.loads(row[0])
             if only_from is not None and batch["status"] not in only_from:
                 return None
@@ -124,8 +140,8 @@ class BatchJobs:
                          (batch["status"], json.dumps(batch), batch_id))
         return batch
 
-    def fail_validation(self, batch_id: str, issues: list[ValidationIssue]) -> dict | None:
-        return self.update(batch_id, "failed", only_from=("validating",),
+    def fail_validation(self, batch_id: str, issues: list[ValidationIssue], owner: str | None = None) -> dict | None:
+        return self.update(batch_id, "failed", only_from=("validating",), owner=owner,
                            errors={"object": "list", "data": [i.to_api() for i in issues]})
 
     # ------------------------------------------------------------------ line results

@@ -7,6 +7,12 @@ many queued; each result is saved as it finishes), finalizing (output and error 
 cancel stops new lines at once, aborts those in flight and keeps the finished ones; the lines that never ran go
 to the error file as batch_cancelled (batch_expired past the completion window), so that every custom_id is in
 exactly one of the two files.
+
+Several server processes may share one database (two `unmask serve` on one data directory, the replicas of
+`unmask serve --ray` on one machine): a runner runs only a batch it has claimed (store/claims.py: one conditional
+UPDATE, a lease renewed by a heartbeat thread, every state change fenced on still holding it), so each batch runs
+in one process at a time and each line once. A cancel received by another process reaches the running one
+through the database: it polls its batch's status every WATCH_S.
 """
 from __future__ import annotations
 
@@ -19,11 +25,13 @@ from unmask.batch.execute import RouteCaller, served, served_model
 from unmask.batch.jobs import ACTIVE, BatchJobs, batch_usage, result_record, unrun_record
 from unmask.batch.lines import BatchLine, ValidationIssue, parse_lines, validate
 from unmask.store import FileNotFound, LazyStore
+from unmask.store.claims import ClaimLost, Claims, Heartbeat, process_owner
 
 logger = logging.getLogger("unmask.batch")
 
 RETRY_S = 0.5            # a line the server answered 429 (busy) or 503 (engine not running) is tried again after this
 IDLE_WAKE_S = 1.0        # an idle runner looks for work at least this often (expiry, batches from another process)
+WATCH_S = 1.0            # how often a running batch's status is read (a cancel from another process, a lost claim)
 OUTPUT_MAX_BYTES = 2**40  # output files are the server's own: not bounded by --max-file-bytes
 
 
@@ -45,22 +53,31 @@ class BatchRunner:
         self._task: asyncio.Task | None = None
         self._current: str | None = None
         self._in_flight: set[asyncio.Task] = set()
-        self._halt = False   # the current batch was cancelled: start no more lines
+        self._halt = False   # the current batch was cancelled (or its claim lost): start no more lines
+        self.owner = process_owner()
+        self._heartbeat: Heartbeat | None = None
 
     @property
     def jobs(self) -> BatchJobs:
         return BatchJobs(self.lazy_store.get().db)
 
+    @property
+    def claims(self) -> Claims:
+        return self.jobs.claims(self.owner)
+
     # ------------------------------------------------------------------ control (event loop)
     def start(self) -> None:
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._main(), name="unmask-batches")
+        self._heartbeat = Heartbeat(lambda: self.claims.renew() if self._current else None, "unmask-batch-leases").start()
 
     async def stop(self) -> None:
         """Shutdown: in-flight lines are aborted unsaved (they run again after a restart)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
 
     def notify(self) -> None:
         if self._wake is not None:
@@ -77,9 +94,7 @@ class BatchRunner:
         if batch is None:
             return self.jobs.get(batch_id)
         if batch_id == self._current:
-            self._halt = True
-            for task in self._in_flight:
-                task.cancel()
+            self._stop_lines()
         self.notify()
         return self.jobs.get(batch_id)
 
@@ -92,16 +107,27 @@ class BatchRunner:
         self.app.state.serving.llm.engine.scheduler.background_slots = self.max_running
         while True:
             if self.lazy_store.exists:
+                claims = self.claims
+                claims.sweep()   # batches of a crashed process of this machine: free at once
                 for batch_id in self.jobs.active():
+                    if not claims.claim(batch_id):   # another process runs it
+                        continue
                     try:
                         await self._process(batch_id)
                     except asyncio.CancelledError:
                         raise
+                    except ClaimLost:
+                        logger.warning("batch %s: another process took it over (this one's lease ran out)", batch_id)
                     except Exception:  # noqa: BLE001 - one batch's failure must not stop the others
                         logger.exception("batch %s failed", batch_id)
-                        self.jobs.update(batch_id, "failed", errors={"object": "list", "data": [
-                            {"code": "server_error", "message": "internal server error", "param": None,
-                             "line": None}]})
+                        try:
+                            self.jobs.update(batch_id, "failed", owner=self.owner, errors={"object": "list", "data": [
+                                {"code": "server_error", "message": "internal server error", "param": None,
+                                 "line": None}]})
+                        except ClaimLost:
+                            pass
+                    finally:
+                        claims.release(batch_id)
             try:
                 await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
             except TimeoutError:
@@ -110,11 +136,12 @@ class BatchRunner:
 
     async def _process(self, batch_id: str) -> None:
         self._current, self._halt = batch_id, False
+        watch = asyncio.create_task(self._watch(batch_id))
         try:
             batch = self.jobs.get(batch_id)
             lines = await asyncio.to_thread(self._read_lines, batch)
             if isinstance(lines, ValidationIssue):   # the input file is gone: nothing left to run or finalize from
-                self.jobs.update(batch_id, "failed", only_from=ACTIVE,
+                self.jobs.update(batch_id, "failed", only_from=ACTIVE, owner=self.owner,
                                  errors={"object": "list", "data": [lines.to_api()]})
                 return
             if batch["status"] == "validating":
@@ -124,15 +151,17 @@ class BatchRunner:
                     issues.insert(0, ValidationIssue("unsupported_endpoint", f"this server does not serve "
                                                                              f"{batch['endpoint']}", param="endpoint"))
                 if issues:
-                    self.jobs.fail_validation(batch_id, issues)
+                    self.jobs.fail_validation(batch_id, issues, owner=self.owner)
                     return
                 counts = {"total": len(lines), "completed": 0, "failed": 0}
                 # None: cancelled while validating (then finalized as cancelled below)
-                self.jobs.update(batch_id, "in_progress", only_from=("validating",), request_counts=counts,
-                                 model=model)
+                self.jobs.update(batch_id, "in_progress", only_from=("validating",), owner=self.owner,
+                                 request_counts=counts, model=model)
             if self.jobs.get(batch_id)["status"] == "in_progress":
                 await self._run_lines(batch, lines)
-            status = self.jobs.get(batch_id)["status"]
+            status, owner = self.jobs.status(batch_id)
+            if owner != self.owner:
+                raise ClaimLost(f"batch {batch_id}")
             if status == "cancelling":
                 await self._finalize(batch_id, lines, "cancelled", "batch_cancelled",
                                      "the batch was cancelled before this request ran")
@@ -140,10 +169,25 @@ class BatchRunner:
                 await self._finalize(batch_id, lines, "expired", "batch_expired",
                                      "this request could not be executed before the completion window expired")
             elif status in ("in_progress", "finalizing"):
-                self.jobs.update(batch_id, "finalizing", only_from=("in_progress",))
+                self.jobs.update(batch_id, "finalizing", only_from=("in_progress",), owner=self.owner)
                 await self._finalize(batch_id, lines, "completed")
         finally:
+            watch.cancel()
             self._current, self._in_flight = None, set()
+
+    async def _watch(self, batch_id: str) -> None:
+        """Stops the batch's lines when it is cancelled through another process, or its claim was lost."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            status, owner = self.jobs.status(batch_id)
+            if status == "cancelling" or owner != self.owner:
+                self._stop_lines()
+                return
+
+    def _stop_lines(self) -> None:
+        self._halt = True
+        for task in self._in_flight:
+            task.cancel()
 
     def _read_lines(self, batch: dict) -> list[BatchLine] | ValidationIssue:
         try:
@@ -205,6 +249,11 @@ class BatchRunner:
 
         output_id = await asyncio.to_thread(write, output, "output")
         error_id = await asyncio.to_thread(write, errors, "error")
-        jobs.update(batch_id, status, output_file_id=output_id, error_file_id=error_id,
-                    request_counts={"total": len(lines), "completed": len(output), "failed": len(errors)},
-                    usage=batch_usage(output))
+        try:
+            jobs.update(batch_id, status, owner=self.owner, output_file_id=output_id, error_file_id=error_id,
+                        request_counts={"total": len(lines), "completed": len(output), "failed": len(errors)},
+                        usage=batch_usage(output))
+        except ClaimLost:   # another process finalizes it: these files are no batch's
+            for file_id in filter(None, (output_id, error_id)):
+                files.delete(file_id)
+            raise

@@ -4,7 +4,9 @@ Metadata lives in `<data dir>/retrieval.db` (SQLite, WAL), beside the file store
 default backend the chunks live in the same file (sqlite_index.py), with `--vector-store postgresql://...` in
 Postgres. A vector store file row is the ingestion queue: a row `in_progress` is work to do, so a restart
 resumes whatever had not completed (the worker picks such rows up when it starts). One worker thread ingests
-(extract, chunk, embed, index), one file at a time.
+(extract, chunk, embed, index), one file at a time, and only a row it has claimed (store/claims.py: one
+conditional UPDATE of the row's owner and lease, renewed by a heartbeat thread; the outcome is written only while
+the claim is held), so several server processes on one data directory ingest each file once.
 
 Deletion: the file store calls `file_deleted` synchronously from its delete, which removes the file's rows and
 its chunks in every store before the DELETE /v1/files answers. A worker that finishes a file whose row was
@@ -29,6 +31,7 @@ from unmask.retrieval.extract import ExtractError, extract_text
 from unmask.retrieval.filters import matches
 from unmask.retrieval.index import ChunkIndex, Hit, NewChunk, open_index
 from unmask.store import FileNotFound
+from unmask.store.claims import Claims, Heartbeat
 from unmask.store.db import Connections
 
 logger = logging.getLogger("unmask.retrieval")
@@ -42,7 +45,8 @@ CREATE TABLE IF NOT EXISTS vector_stores (
 CREATE TABLE IF NOT EXISTS vector_store_files (
     seq INTEGER PRIMARY KEY, store_id TEXT NOT NULL, file_id TEXT NOT NULL, filename TEXT NOT NULL,
     created_at INTEGER NOT NULL, status TEXT NOT NULL, last_error TEXT, attributes TEXT NOT NULL DEFAULT '{}',
-    chunking TEXT NOT NULL, usage_bytes INTEGER NOT NULL DEFAULT 0, batch_id TEXT, UNIQUE (store_id, file_id));
+    chunking TEXT NOT NULL, usage_bytes INTEGER NOT NULL DEFAULT 0, batch_id TEXT, owner TEXT, lease_until REAL,
+    UNIQUE (store_id, file_id));
 CREATE INDEX IF NOT EXISTS vsf_status ON vector_store_files (status);
 CREATE INDEX IF NOT EXISTS vsf_file ON vector_store_files (file_id);
 CREATE TABLE IF NOT EXISTS vector_store_batches (
@@ -87,10 +91,16 @@ class VectorStores:
     _wake: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
     _worker: threading.Thread | None = None
+    _heartbeat: Heartbeat | None = None
 
     def __post_init__(self):
         self._conns = Connections(self._connect)
         self.db.executescript(SCHEMA)
+        columns = {r["name"] for r in self.db.execute("PRAGMA table_info(vector_store_files)")}
+        for column in ("owner TEXT", "lease_until REAL"):   # a retrieval.db from before claims
+            if column.split()[0] not in columns:
+                self.db.execute(f"ALTER TABLE vector_store_files ADD COLUMN {column}")
+        self.claims = Claims(lambda: self.db, "vector_store_files", "seq")
 
     @classmethod
     def open(cls, root: Path, encoder: SentenceEncoder, files, vector_store_url: str | None = None) -> VectorStores:
@@ -294,6 +304,7 @@ class VectorStores:
     def start(self) -> None:
         self._worker = threading.Thread(target=self._run, name="unmask-ingest", daemon=True)
         self._worker.start()
+        self._heartbeat = Heartbeat(self.claims.renew, "unmask-ingest-leases").start()
         self._wake.set()   # rows left in_progress by a restart
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -301,6 +312,8 @@ class VectorStores:
         self._wake.set()
         if self._worker is not None:
             self._worker.join(timeout)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         self.index.close()
         self._conns.close()
 
@@ -308,20 +321,40 @@ class VectorStores:
         while not self._stop.is_set():
             self._wake.wait(1.0)
             self._wake.clear()
+            self.claims.sweep()   # rows of a crashed process of this machine: free at once
             while not self._stop.is_set():
-                row = self.db.execute("SELECT * FROM vector_store_files WHERE status = 'in_progress' "
-                                      "ORDER BY seq LIMIT 1").fetchone()
+                row = self._claim_next()
                 if row is None:
                     break
-                self._ingest(row)
+                try:
+                    self._ingest(row)
+                finally:
+                    self.claims.release(row["seq"])
+
+    def _claim_next(self) -> sqlite3.Row | None:
+        """The oldest row to ingest that this worker could claim (None: none left, or all held by others)."""
+        while True:
+            free, args = self.claims.free_sql()
+            rows = self.db.execute(f"SELECT seq FROM vector_store_files WHERE status = 'in_progress' AND {free} "
+                                   "ORDER BY seq LIMIT 16", args).fetchall()
+            if not rows:
+                return None
+            for r in rows:
+                if self.claims.claim(r["seq"]):   # another worker may have taken it since the SELECT
+                    row = self.db.execute("SELECT * FROM vector_store_files WHERE seq = ? AND status = "
+                                          "'in_progress'", (r["seq"],)).fetchone()
+                    if row is not None:
+                        return row
+                    self.claims.release(r["seq"])
 
     def _finish(self, row: sqlite3.Row, status: str, usage: int = 0, error: dict | None = None) -> bool:
-        """Record the outcome unless the row changed meanwhile (detached, re-attached, cancelled)."""
+        """Record the outcome unless the row changed meanwhile (detached, re-attached, cancelled) or this worker's
+        claim on it was lost."""
         return self.db.execute(
             "UPDATE vector_store_files SET status = ?, usage_bytes = ?, last_error = ? WHERE seq = ? AND "
-            "status = 'in_progress' AND chunking = ? AND coalesce(batch_id, '') = coalesce(?, '')",
+            "status = 'in_progress' AND chunking = ? AND coalesce(batch_id, '') = coalesce(?, '') AND owner = ?",
             (status, usage, json.dumps(error) if error else None, row["seq"], row["chunking"],
-             row["batch_id"])).rowcount == 1
+             row["batch_id"], self.claims.owner)).rowcount == 1
 
     def _ingest(self, row: sqlite3.Row) -> None:
         store_id, file_id = row["store_id"], row["file_id"]

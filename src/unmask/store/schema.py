@@ -37,6 +37,12 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (batch_id, line)
     );
     """,
+    # 2: claims on batches (store/claims.py): the process running a batch and its lease, so that several server
+    # processes on one database run each batch once
+    """
+    ALTER TABLE batches ADD COLUMN owner TEXT;
+    ALTER TABLE batches ADD COLUMN lease_until REAL
+    """,
 ]
 
 
