@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="block part: new tokens (default 64; --tiny 8)")
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="block part: sections that would end past this many seconds are skipped")
+    ap.add_argument("--moe-reserve-s", type=float, default=110.0,
+                    help="block part, both shapes: seconds of the budget the dense shape's sections leave to the MoE")
     args = ap.parse_args(argv)
     if args.part in ("block", "all"):
         import device_check_block

@@ -9,8 +9,9 @@
 2. Identity: the static step (engine/static_step.py; CUDA graphs on a GPU) against the eager step on the same
    greedy requests, tokens compared per request.
 3. Speed: unmask with the static step and eagerly, at batch 1, 4, 16, 64: a fixed 1, 2, 4 and 8 tokens per
-   forward (policy topk, EOS ignored) and threshold 0.9; random-token prompts of --prompt-len, --max-tokens
-   each; a warm-up run of each static configuration first (it captures the graphs), then the timed one. Tokens/s,
+   forward (policy topk, EOS ignored), threshold 0.9, and threshold 0.9 sampled at temperature 0.8 / top-p 0.95
+   (the static step drawing on the device, the eager step on the host); random-token prompts of --prompt-len,
+   --max-tokens each; a warm-up run of each static configuration first (it captures the graphs), then the timed one. Tokens/s,
    ms per forward (wall time / engine steps, prefill included), tokens per forward. The eager engine warms up
    once per batch size only: its runs are the slow ones, and it has no graphs to capture.
 4. Host synchronisations per step: the torch profiler's cudaStreamSynchronize / cudaDeviceSynchronize /
@@ -20,8 +21,9 @@
    at each batch, and with a static cache + torch.compile (transformers' CompileConfig, mode reduce-overhead)
    at batch 1 (skipped with --tiny or when the time budget is spent; compile time reported apart).
 
-6. LLaDA2.0-mini's MoE shape (scripts/device_check_moe.py), in what the time budget leaves, or alone with
-   `--shapes llada2-mini` (the dense shape alone: `--shapes qwen3-1.7b`).
+6. LLaDA2.0-mini's MoE shape (scripts/device_check_moe.py), in the --moe-reserve-s seconds the dense shape's
+   sections leave free (and whatever else the budget leaves), or alone with `--shapes llada2-mini` (the dense
+   shape alone: `--shapes qwen3-1.7b`).
 
 Writes block_check.json (after every part) and block_check.md (the table for docs/benchmarks.md). Sections
 that would overrun --budget-s are skipped and marked so, so that the one call ends inside its limit.
@@ -42,7 +44,9 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=True, block_size=16)
 MODES = {"topk1": dict(policy="topk", tokens_per_step=1), "topk2": dict(policy="topk", tokens_per_step=2),
          "topk4": dict(policy="topk", tokens_per_step=4), "topk8": dict(policy="topk", tokens_per_step=8),
-         "threshold0.9": dict(policy="threshold", threshold=0.9)}
+         "threshold0.9": dict(policy="threshold", threshold=0.9),
+         # sampled (temperature 0.8, top-p 0.95): the static step draws on the device, the eager step on the host
+         "sample0.8": dict(policy="threshold", threshold=0.9, temperature=0.8, top_p=0.95, seed=0)}
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 START = time.monotonic()
 
@@ -80,8 +84,11 @@ def new_engine(model, spec, static: bool, batches: list[int], prompt_len: int, m
     from unmask.engine.static_step import MAX_WIDTH
 
     per_request = -(-(prompt_len + max_tokens) // 16) * 16 + MAX_WIDTH + 16
-    return Engine(model, spec, None, max_num_seqs=max(batches), max_batch_tokens=max(4096, prompt_len * max(batches)),
-                  static_step=static, kv_pool_tokens=per_request * max(batches))
+    eng = Engine(model, spec, None, max_num_seqs=max(batches), max_batch_tokens=max(4096, prompt_len * max(batches)),
+                 static_step=static, kv_pool_tokens=per_request * max(batches))
+    if static:  # sampled requests draw inside the step (its default where it is captured; here off the GPU too)
+        eng.runner.static.sample = True
+    return eng
 
 
 def unmask_speed(model, spec, args, report: dict, out: Path, key: str = "unmask", modes: tuple[str, ...] = tuple(MODES),
@@ -110,7 +117,7 @@ def unmask_speed(model, spec, args, report: dict, out: Path, key: str = "unmask"
                 rows.append({"static": static, "graphs": graphs, "batch": batch, "mode": name,
                              "skipped": "time budget"})
                 continue
-            params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, **knobs)
+            params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, **{"temperature": 0.0, **knobs})
             batch_prompts = prompts(batch, args.prompt_len, spec.arch.vocab_size, seed=batch)
             if static or batch not in warmed:  # warm-up: captures the shapes' graphs (eager: once per batch)
                 run_engine(eng, batch_prompts, params, args.device)
@@ -121,7 +128,7 @@ def unmask_speed(model, spec, args, report: dict, out: Path, key: str = "unmask"
             row = {"static": static, "graphs": bool(st and st.graphs), "batch": batch, "mode": name, **r,
                    "captures": st.captures if st else 0, "replays": st.replays if st else 0}
             rows.append(row)
-            if graphs or not static:
+            if (graphs or not static) and "temperature" not in knobs:  # sampled: other draws, not comparable
                 outputs[f"{static}-{batch}-{name}"] = got
             log(f"{key} static={static} graphs={graphs} batch={batch} {name}: {r['tokens_per_s']:,.0f} tokens/s, "
                 f"{r['ms_per_forward']:.2f} ms/forward, {r['tokens_per_forward']:.2f} tokens/forward")
@@ -188,16 +195,17 @@ def host_syncs(model, spec, args, report: dict, key: str = "host_syncs") -> None
 
 def host_time(model, spec, args, report: dict, key: str = "host_time") -> None:
     """Where a static step's wall time goes, per engine step, at the smallest and largest batch (topk 4): the
-    host's planning (Scheduler.schedule), staging (StaticStep._fill), its wait in the step's one read (on a GPU:
-    for the device), reading the proposals out (the rest of _outputs), committing (Sequence.apply), and the
-    rest (the launch or, off the GPU, the forward itself; the engine's own loop). perf_counter around each."""
+    host's planning (Scheduler.schedule), staging (StaticStep._stage: the rows the step did not advance
+    itself), its wait in the step's one read (on a GPU: for the device), reading the proposals out (the rest of
+    _outputs), committing (Sequence.apply), and the rest (the launch or, off the GPU, the forward itself; the
+    engine's own loop). perf_counter around each; `staged`: the share of the requests' rows the host staged."""
     from unmask.engine.params import GenerationParams
     from unmask.engine.scheduler import Scheduler
     from unmask.engine.sequence import Sequence
     from unmask.engine.static_step import StaticStep
 
     params = GenerationParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, **MODES["topk4"])
-    parts = {"plan": (Scheduler, "schedule"), "stage": (StaticStep, "_fill"), "read": (StaticStep, "_outputs"),
+    parts = {"plan": (Scheduler, "schedule"), "stage": (StaticStep, "_stage"), "read": (StaticStep, "_outputs"),
              "commit": (Sequence, "apply")}
     rows = report.setdefault(key, [])
     for batch in dict.fromkeys([args.batches[0], args.batches[-1]]):
@@ -220,6 +228,8 @@ def host_time(model, spec, args, report: dict, key: str = "host_time") -> None:
             for name, (cls, attr) in parts.items():
                 setattr(cls, attr, timed(name, saved[name]))
             wait0 = eng.runner.static.wait_s
+            res = eng.runner.static.resident
+            staged0 = (res.staged, res.resident)
             r = run_engine(eng, batch_prompts, params, args.device)
         finally:
             for name, (cls, attr) in parts.items():
@@ -230,8 +240,10 @@ def host_time(model, spec, args, report: dict, key: str = "host_time") -> None:
               "commit": spent["commit"]}
         ms = {k: 1000 * v / steps for k, v in ms.items()}
         ms["rest"] = 1000 * r["seconds"] / steps - sum(ms.values())
-        rows.append({"batch": batch, "steps": r["steps"], "ms_per_step": 1000 * r["seconds"] / steps, **ms})
-        log(f"{key} batch={batch}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in rows[-1].items() if k != "batch"))
+        staged, resident = res.staged - staged0[0], res.resident - staged0[1]
+        rows.append({"batch": batch, "steps": r["steps"], "ms_per_step": 1000 * r["seconds"] / steps, **ms,
+                     "staged": staged / max(staged + resident, 1)})
+        log(f"{key} batch={batch}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[-1].items() if k != "batch"))
 
 
 def hf_speed(path: Path, args, report: dict, out: Path) -> None:
@@ -318,7 +330,9 @@ def guarded(name: str, report: dict, fn, *args) -> None:
 
 
 def over_budget(args, need_s: float) -> bool:
-    return time.monotonic() - START + need_s > args.budget_s
+    """Whether a section of need_s seconds would end past the budget, less what is kept for the sections after it
+    (args.reserve_s: the MoE shape's time while the dense shape runs)."""
+    return time.monotonic() - START + need_s + getattr(args, "reserve_s", 0.0) > args.budget_s
 
 
 def save(report: dict, out: Path) -> None:
@@ -359,10 +373,12 @@ def checks(report: dict, identity: str, syncs: str) -> list[str]:
     times = report.get(syncs.replace("host_syncs", "host_time"), [])
     if times:
         md += ["\nWhere a static step's time goes (ms per engine step, topk 4: planning, staging the inputs, waiting "
-               "in the one read, reading the proposals out, committing, the rest):\n",
-               "| batch | ms/step | plan | stage | wait | read | commit | rest |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+               "in the one read, reading the proposals out, committing, the rest; the share of the requests' rows "
+               "the host staged):\n",
+               "| batch | ms/step | plan | stage | wait | read | commit | rest | rows staged |",
+               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         md += [f"| {t['batch']} | {t['ms_per_step']:.3f} | {t['plan']:.3f} | {t['stage']:.3f} | {t['wait']:.3f} "
-               f"| {t['read']:.3f} | {t['commit']:.3f} | {t['rest']:.3f} |" for t in times]
+               f"| {t['read']:.3f} | {t['commit']:.3f} | {t['rest']:.3f} | {t['staged']:.0%} |" for t in times]
     return md
 
 
@@ -406,6 +422,7 @@ def run(args) -> dict:
               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
               "name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()}
     if args.shapes in ("all", "qwen3-1.7b"):
+        args.reserve_s = args.moe_reserve_s if args.shapes == "all" else 0.0
         tmp = Path(tempfile.mkdtemp())
         path = build_checkpoint(tmp / "sdar", args.tiny)
         log(f"checkpoint written: {path}")
@@ -423,6 +440,7 @@ def run(args) -> dict:
     if args.shapes in ("all", "llada2-mini"):  # what the time budget leaves (or a call of its own)
         from device_check_moe import run_moe
 
+        args.reserve_s = 0.0
         guarded("moe", report, run_moe, args, report)
         save(report, args.out)
     md = markdown(report)

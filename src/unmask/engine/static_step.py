@@ -9,29 +9,35 @@ on fixed buffers instead, and the whole forward is replayed from a CUDA graph:
     of batch sizes the same way, padding a step up to the next one); width W: the longest segment rounded up
     to a power of two; context: the farthest key any row reads, rounded up likewise; K: the most rows one
     request reads logits from (its masked positions), rounded up likewise. One graph per (rows, W, context,
-    K), captured the first time that shape runs (warm-up on a side stream with synchronising ops refused, as
-    engine/graphs.py does), replayed after.
+    K, whether a row samples), captured the first time that shape runs (warm-up on a side stream with
+    synchronising ops refused, as engine/graphs.py does), replayed after.
   * inputs: token ids, positions, block ids, each row's cache start, its page table (the pool page of each of
-    its positions up to the context), the K rows it reads and its commit rule, copied in with one
-    host-to-device copy (and one of the rows' thresholds); the pool slots each token writes and each key is
-    read from are looked up in the tables inside the graph.
+    its positions up to the context), the K rows it reads, its commit rule and sampling settings, in one long
+    tensor and one float tensor per shape (engine/static_inputs.py); the pool slots each token writes and each
+    key is read from are looked up in the tables inside the graph. The step itself writes the next step's
+    inputs at its end (the committed tokens into each row's canvas, the read rows still masked, the counters),
+    so the host stages only the rows whose next plan differs from that (a new request, a block's first step,
+    a commit the host made otherwise): one copy of those rows, none on a step inside every row's block.
   * padding cannot reach real rows: a padding token has block id PAD_BLOCK, above every real one, so no real
     query sees it (`block_id[k] <= block_id[q]`); a real row's padding tokens write K/V past its segment, at
     positions the next step overwrites before anything reads them (the eager path's scratch rule); padding
     rows read and write the pool's scratch pages, which belong to no request. Rows never mix: norms, linears
     and the MLP act per token and attention per row.
   * the KV cache is the preallocated, paged pool (engine/kv_pool.py); attention gathers each row's keys
-    [0, context) through its page table and masks them (the cached prefix whole, the row's own tokens by block id), so no dense
-    T x T mask over the whole sequence exists, only [rows, W, context].
+    [0, context) through its page table and masks them (the cached prefix whole, the row's own tokens by
+    block id), so no dense T x T mask over the whole sequence exists, only [rows, W, context].
   * decoding on the device: the output head (over the K read rows of each row only: a block's committed half
     and the finished block it carries need none), the mask-token ban, the greedy proposal (argmax, p(x0),
-    p1 - p2, log p(x0); `decoding.sampling.propose`, the same function the host runs) and, for threshold and
-    topk requests, the commit rule (`decoding.device_select`, the batched form of `decoding.policies`'
-    rules, with the block's forced first token) run inside the graph; one copy of [5, rows x K] numbers
-    (tokens, confidences, commit flags) to the host is the step's only synchronisation, and it carries the
-    events the server streams. The host then writes the committed tokens into its canvas; requests under
-    another rule run it there over their M proposals. Requests that sample, adjust logits or record top
-    alternatives get their rows' logits instead (projected from the graph's hidden states: a second copy).
+    p1 - p2, log p(x0); `decoding.sampling.propose`, the same function the host runs), for requests that
+    sample (with device sampling: on by default where the step is captured, UNMASK_DEVICE_SAMPLING) a draw
+    under their temperature, top-k and top-p from a counter-based generator keyed by the request's seed
+    (`decoding.device_sample`), and for threshold and topk requests the commit rule (`decoding.device_select`,
+    the batched form of `decoding.policies`' rules, with the block's forced first token) run inside the graph;
+    one copy of [5, rows x K] numbers (tokens, confidences, commit flags) to the host is the step's only
+    synchronisation, and it carries the events the server streams. The host then writes the committed tokens
+    into its canvas; requests under another rule run it there over their M proposals. Requests that adjust
+    logits or record top alternatives (and sampled ones without device sampling) get their rows' logits
+    instead (projected from the graph's hidden states: a second copy).
 
 Off the GPU, or with UNMASK_CUDA_GRAPHS=0, the same buffers and the same forward run without capture, which
 is how the CPU suite tests this path (tests/test_static_step.py: tokens identical to the eager path).
@@ -45,19 +51,22 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from unmask.decoding.device_select import HOST, DeviceDecision, commit_rows, rule_code
-from unmask.decoding.policies import LEARNED, NEEDS_ENTROPY, SPECULATIVE
+from unmask.decoding.device_sample import sample_rows, uniforms
+from unmask.decoding.device_select import HOST, DeviceDecision, commit_rows
 from unmask.decoding.sampling import Proposal, SamplingParams, propose
 from unmask.engine.graphs import graphs_requested
 from unmask.engine.kv_pool import PAGE, KVPool, PooledCache
 from unmask.engine.sequence import Sequence, StepPlan
+from unmask.engine.static_inputs import (PADDING, Resident, RowRule, advance_on_device, cache_of, columns,
+                                         fill_rows, row_rule, stage_width)
+from unmask.errors import InvalidRequestError
 from unmask.models.attention import _SDPA_HAS_GQA, repeat_kv
 
 log = logging.getLogger("unmask.engine")
@@ -65,8 +74,8 @@ log = logging.getLogger("unmask.engine")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_WIDTH = 64          # tokens one row may feed; wider steps (prefill chunks) run eagerly
 MIN_CONTEXT = 128       # smallest context bucket: short prompts share one graph per (rows, width, K)
-PAD_BLOCK = 1 << 40     # padding tokens' block id: above every real block, so no real query sees them
 _OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
 
 
 def static_step_requested(explicit: bool | None) -> bool:
@@ -83,23 +92,6 @@ def cuda_graphs_on(device: torch.device, explicit: bool | None = None) -> bool:
 
 def _pow2(n: int, lo: int) -> int:
     return max(lo, 1 << max(0, n - 1).bit_length())
-
-
-def _cache(plan: StepPlan):
-    """The request's cache; also for a first block that neither reads nor writes one (its K/V go to scratch
-    positions of the request's run, which nothing reads before they are written)."""
-    return plan.segment.cache if plan.segment.cache is not None else plan.seq.cache
-
-
-def proposed_on_device(seq: Sequence) -> bool:
-    """Whether this request's decision reads only the greedy proposal of each row (tokens, p(x0), p1 - p2,
-    log p(x0)): greedy without filtered confidences, a rule that needs no entropy and no logits, nothing that
-    edits logits first (penalties, DRY, grammars, min_tokens bans) and no top alternatives to record."""
-    s, p = seq.sampling, seq.params
-    return (s.greedy and not (s.greedy_filters and (s.top_k > 0 or s.top_p < 1))
-            and seq.policy.name not in NEEDS_ENTROPY and seq.policy.name not in ("credit", LEARNED, SPECULATIVE)
-            and seq.adjuster is None and seq.dry is None and seq.constraint is None and seq.revise is None
-            and seq.top is None and not (p.min_tokens and seq.stops))
 
 
 class StaticBatch:
@@ -149,62 +141,55 @@ class StaticBatch:
         return F.scaled_dot_product_attention(qh, keys, vals, attn_mask=self.mask, **kwargs).transpose(1, 2)
 
 
-class _Columns(NamedTuple):
-    """Views of a staging tensor [rows, 3W + 5 + K + context / PAGE] (host or device); one copy moves them all."""
-
-    ids: Tensor      # [rows, W] token ids
-    pos: Tensor      # [rows, W] positions
-    bids: Tensor     # [rows, W] block ids (padding: PAD_BLOCK)
-    start: Tensor    # [rows] segment start (the row's cached length)
-    count: Tensor    # [rows] read rows that are real (the request's masked targets)
-    rule: Tensor     # [rows] device_select rule code
-    quota: Tensor    # [rows] topk's tokens per step
-    first: Tensor    # [rows] read row forced into the commit (-1: none)
-    reads: Tensor    # [rows, K] which of its W rows each row projects to logits
-    table: Tensor    # [rows, context / PAGE] the pool page of each row's positions (past its pages: scratch)
-
-
-def _columns(stage: Tensor, w: int, k: int) -> _Columns:
-    wide = [stage[:, i * w:(i + 1) * w] for i in range(3)]
-    narrow = [stage[:, 3 * w + i] for i in range(5)]
-    return _Columns(*wide, *narrow, stage[:, 3 * w + 5:3 * w + 5 + k], stage[:, 3 * w + 5 + k:])
-
-
 @dataclass
 class _Shape:
-    stage: Tensor      # host [rows, 3W + 5 + K + context / PAGE] long (_Columns)
-    taus: Tensor       # host [rows] float32: each row's threshold
-    inputs: Tensor     # the stage on the device
-    dtaus: Tensor      # the thresholds on the device
+    stage: Tensor      # host [rows, stage_width] long (static_inputs.Columns)
+    floats: Tensor     # host [rows, 3] float32: each row's threshold, temperature, top-p
+    inputs: Tensor     # the stage on the device (advanced by each step: static_inputs.advance_on_device)
+    dfloats: Tensor    # the floats on the device
     hidden: Tensor | None  # [rows x K, D]: final hidden states of the read rows (for logits the host needs)
     packed: Tensor | None  # [5, rows x K] float64: proposed token, p(x0), p1 - p2, log p(x0), committed (0/1)
     run: Callable[[], None]
     captured: bool
+    index: Tensor | None = None  # host [rows] long (pinned on CUDA): the rows a partial staging copies
     copied: object = None  # CUDA event after an input copy that no host read waited for (a step without logits)
 
 
-def device_rule(seq: Sequence) -> tuple[int, int, float, int]:
-    """(rule code, tokens per step, threshold, block start whose first token is forced or -1) of a request whose
-    commit the device decides: a greedy proposal (`proposed_on_device`) under threshold or topk. Others: HOST."""
-    if not proposed_on_device(seq):
-        return HOST, 0, 1.0, -1
-    code = rule_code(seq.policy.name)
-    if code == HOST:
-        return HOST, 0, 1.0, -1
-    forced = seq.block_start if seq.traits.ar_first_token and seq.block.step == 0 else -1
-    return code, seq.policy.tokens_per_step or 1, seq.policy.threshold, forced
+def sample_on_device_requested(explicit: bool | None, graphs: bool) -> bool:
+    """An option wins; else UNMASK_DEVICE_SAMPLING (0/1); unset: where the step is captured (a replayed graph would
+    otherwise copy the sampled rows' logits out, a second read per step). Off the GPU the host samples by
+    default, so a seeded request draws what the eager path draws."""
+    if explicit is not None:
+        return explicit
+    env = os.environ.get("UNMASK_DEVICE_SAMPLING")
+    if env is None:
+        return graphs
+    if env.lower() not in _OFF + _ON:
+        raise InvalidRequestError(f"UNMASK_DEVICE_SAMPLING must be one of 1/true/yes/on or 0/false/no/off, got {env!r}",
+                                  "UNMASK_DEVICE_SAMPLING")
+    return env.lower() in _ON
 
 
 class StaticStep:
     """Runs qualifying steps on static buffers; `execute` returns None for a step it does not take."""
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, mask_id: int, max_width: int = MAX_WIDTH,
-                 max_graphs: int = 128, cuda_graphs: bool | None = None):
+                 max_graphs: int = 128, cuda_graphs: bool | None = None, sample_on_device: bool | None = None,
+                 resident: bool = True, sticky_rows: int | None = None):
+        """sample_on_device: sampled requests draw inside the step (decoding/device_sample.py); resident: rows whose
+        next inputs the step wrote itself are not staged again (static_inputs.Resident; False stages every row
+        every step, the same inputs); sticky_rows: up to this many rows a step keeps the last step's wider W
+        (None: 4 where the step is captured, where a forward of a few rows costs its weight reads whatever its
+        width; 0 off the GPU, where the extra width is compute)."""
         self.model, self.pool, self.mask_id = model, pool, mask_id
         self.device = pool.device
         self.max_width = min(max_width, pool.scratch)
         self.max_graphs = max_graphs
         self.graphs = cuda_graphs_on(self.device, cuda_graphs)
+        self.sample = sample_on_device_requested(sample_on_device, self.graphs)
+        self.resident = Resident() if resident else None
+        self.sticky_rows = (4 if self.graphs else 0) if sticky_rows is None else sticky_rows
+        self.last_key: tuple | None = None  # the last step's shape (`key` keeps its K and W where they cover)
         self.mempool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.shapes: OrderedDict[tuple, _Shape] = OrderedDict()
         self.steps = self.captures = self.replays = 0
@@ -213,42 +198,54 @@ class StaticStep:
 
     # ------------------------------------------------------------------ which steps
     def key(self, plans: list[StepPlan]) -> tuple | None:
+        """(rows, W, context, K) of a step that fits the buffers, else None. K, and W up to `sticky_rows` rows,
+        stay those of the last step where they cover this one (padding up to its shape, as vLLM pads a batch up
+        to a captured size): the device then holds its rows' inputs already (static_inputs.Resident), where a
+        K shrinking as a block fills, or W falling back from a block's first step, would start a new shape."""
         if not plans or len(plans) > ROW_BUCKETS[-1]:
             return None
         width = reach = 0
         for p in plans:
-            seg, cache = p.segment, _cache(p)
+            seg, cache = p.segment, cache_of(p)
             if (type(p.seq) is not Sequence or p.seq.bidirectional or not isinstance(cache, PooledCache)
                     or cache.pool is not self.pool or seg.attend is not None or seg.suffix or seg.block_ids is None
                     or not 0 < seg.length <= self.max_width or seg.start > cache.length):
                 return None
             width = max(width, seg.length)
             reach = max(reach, seg.start)
-        w = _pow2(width, 1)
-        reads = max(p.logit_rows.numel() for p in plans)  # rows through the output head: the masked ones only
-        for p in plans:  # a real row's padding tokens write past its segment: that must stay inside its pages
-            if p.segment.start + w > _cache(p).capacity:
-                return None
         rows = next(b for b in ROW_BUCKETS if b >= len(plans))
-        return rows, w, _pow2(reach + w, MIN_CONTEXT), min(w, _pow2(reads, 1))
+        w = _pow2(width, 1)
+        k = min(w, _pow2(max(p.logit_rows.numel() for p in plans), 1))  # the output head reads masked rows only
+        last = self.last_key
+        if last is not None and last[0] == rows:
+            if w < last[1] <= self.max_width and rows <= self.sticky_rows:
+                w = last[1]
+            if k <= last[3] <= w:
+                k = last[3]
+        for p in plans:  # a real row's padding tokens write past its segment: that must stay inside its pages
+            if p.segment.start + w > cache_of(p).capacity:
+                return None
+        return rows, w, _pow2(reach + w, MIN_CONTEXT), k
 
     # ------------------------------------------------------------------ one step
     def execute(self, plans: list[StepPlan]) -> list[Tensor | Proposal] | None:
-        """Per plan, a Proposal of its logit rows (greedy requests) or their float32 logits on the host."""
+        """Per plan, a Proposal of its logit rows (requests proposed on the device) or their float32 logits on the
+        host."""
         key = self.key(plans)
         if key is None:
             return None
+        rules = [row_rule(p.seq, self.sample) for p in plans]
+        key += (any(r.temperature > 0 for r in rules),)  # a shape that samples sorts its rows' vocabularies
+        self.last_key = key
         shape = self.shapes.get(key)
         if shape is not None and shape.copied is not None:  # the last copy out of this staging tensor must be done
             shape.copied.synchronize()
             shape.copied = None
-        stage, taus = self._fill(key, plans, *((shape.stage, shape.taus) if shape is not None else (None, None)))
         if shape is None:
-            shape = self._build(key, stage, taus)
+            shape = self._build(key, *self._stage(key, None, plans, rules))
         else:
             self.shapes.move_to_end(key)
-            shape.inputs.copy_(shape.stage, non_blocking=True)
-            shape.dtaus.copy_(shape.taus, non_blocking=True)
+            self._stage(key, shape, plans, rules)
         shape.run()
         self.steps += 1
         self.replays += shape.captured
@@ -256,68 +253,50 @@ class StaticStep:
             seg = p.segment
             if seg.write:
                 seg.cache.length = seg.start + seg.write
-        out = self._outputs(key, shape, plans)
+        out = self._outputs(key, shape, plans, rules)
         if not self.host_reads and self.device.type == "cuda":  # no logit rows: nothing waited for the device
             shape.copied = torch.cuda.Event()
             shape.copied.record()
         return out
 
-    def _fill(self, key: tuple, plans: list[StepPlan], stage: Tensor | None, taus: Tensor | None
-              ) -> tuple[Tensor, Tensor]:
-        """The step's inputs into the host staging tensors: ~25 tensor ops whatever the batch size. `stage` [rows,
-        3W + 5 + K + context / PAGE] long (see `_columns`); `taus` [rows] float32, each row's threshold."""
-        rows, w, context, k = key
-        pin = self.device.type == "cuda"
-        if stage is None:
-            stage = torch.empty(rows, 3 * w + 5 + k + context // PAGE, dtype=torch.long, pin_memory=pin)
-            taus = torch.empty(rows, dtype=torch.float32, pin_memory=pin)
-        c = _columns(stage, w, k)
-        n = len(plans)
-        j = torch.arange(w)
-        lengths = torch.tensor([p.segment.length for p in plans])
-        starts = torch.tensor([p.segment.start for p in plans])
-        valid = j[None, :] < lengths[:, None]
-        c.ids.zero_()
-        c.bids.fill_(PAD_BLOCK)
-        c.ids[:n][valid] = torch.cat([p.token_ids for p in plans])  # host tensors (Sequence.seq)
-        c.bids[:n][valid] = torch.cat([p.segment.block_ids for p in plans])
-        c.pos[:n] = starts[:, None] + j
-        c.pos[n:] = j
-        c.start[:n] = starts
-        c.start[n:] = 0
-        # page tables: a row's own pages, then (reads only, masked) a scratch page; padding rows write and read
-        # the scratch pages alone
-        scratch = torch.tensor(self.pool.scratch_pages)
-        c.table[:] = scratch[torch.arange(context // PAGE) % len(scratch)]
-        tables = [_cache(p).table[:context // PAGE] for p in plans]
-        c.table[:n][torch.arange(context // PAGE)[None, :] < torch.tensor([len(t) for t in tables])[:, None]] = \
-            torch.cat(tables)
-        counts = torch.tensor([p.logit_rows.numel() for p in plans])
-        c.reads.zero_()  # which of its W rows each row projects (padding: row 0)
-        c.reads[:n][torch.arange(k)[None, :] < counts[:, None]] = torch.cat([p.logit_rows for p in plans])
-        c.count[:n] = counts
-        c.count[n:] = 0
-        # the commit rule of each request the device decides for (decoding/device_select.py); HOST: the host does
-        rules = [device_rule(p.seq) for p in plans]
-        c.rule[:n] = torch.tensor([r for r, _, _, _ in rules])
-        c.rule[n:] = HOST
-        c.quota[:n] = torch.tensor([q for _, q, _, _ in rules])
-        taus[:n] = torch.tensor([t for _, _, t, _ in rules], dtype=torch.float32)
-        taus[n:] = 1.0
-        # a family that writes a block's first token autoregressively: the read row of that token (-1: none)
-        c.first[:n] = torch.tensor([f - p.segment.start - int(p.seq.traits.shift) if f >= 0 else -1
-                                    for p, (_, _, _, f) in zip(plans, rules)])
-        c.first[n:] = -1
-        return stage, taus
+    def _stage(self, key: tuple, shape: _Shape | None, plans: list[StepPlan],
+               rules: list[RowRule]) -> tuple[Tensor, Tensor] | None:
+        """The rows the device does not hold already, from the host: all of them in one copy, or (a step where
+        some rows were advanced by the last one) those rows' slices, copied into their places. A new shape
+        (None): its host staging tensors, every row filled."""
+        rows, w, context, k, _ = key
+        stale = range(rows) if self.resident is None else self.resident.stale_rows(key, plans, rules)
+        pad = rows - len(plans)
+        if shape is None:
+            pin = self.device.type == "cuda"
+            stage = torch.empty(rows, stage_width(w, k, context), dtype=torch.long, pin_memory=pin)
+            floats = torch.empty(rows, 3, dtype=torch.float32, pin_memory=pin)
+            fill_rows(stage, floats, w, k, context, plans + [None] * pad, rules + [PADDING] * pad,
+                      self.pool.scratch_pages)
+            return stage, floats
+        if len(stale) == rows:
+            fill_rows(shape.stage, shape.floats, w, k, context, plans + [None] * pad, rules + [PADDING] * pad,
+                      self.pool.scratch_pages)
+            shape.inputs.copy_(shape.stage, non_blocking=True)
+            shape.dfloats.copy_(shape.floats, non_blocking=True)
+        elif stale:
+            m = len(stale)
+            fill_rows(shape.stage, shape.floats, w, k, context, [plans[i] if i < len(plans) else None for i in stale],
+                      [rules[i] if i < len(plans) else PADDING for i in stale], self.pool.scratch_pages)
+            shape.index[:m] = torch.tensor(stale)
+            idx = shape.index[:m].to(self.device, non_blocking=True)
+            shape.inputs.index_copy_(0, idx, shape.stage[:m].to(self.device, non_blocking=True))
+            shape.dfloats.index_copy_(0, idx, shape.floats[:m].to(self.device, non_blocking=True))
+        return None
 
-    def _build(self, key: tuple, stage: Tensor, taus: Tensor) -> _Shape:
-        rows, w, context, k = key
-        inputs, dtaus = stage.to(self.device).clone(), taus.to(self.device).clone()
-        c = _columns(inputs, w, k)
+    def _build(self, key: tuple, stage: Tensor, floats: Tensor) -> _Shape:
+        rows, w, context, k, sampled = key
+        inputs, dfloats = stage.to(self.device).clone(), floats.to(self.device).clone()
+        c = columns(inputs, w, k)
         batch = StaticBatch(self.pool, c.ids, c.bids, c.start, c.table, context)
         greedy = SamplingParams()
         model, mask_id = self.model, self.mask_id
-        columns = torch.arange(k, device=self.device)
+        cols = torch.arange(k, device=self.device)
 
         def forward() -> tuple[Tensor, Tensor]:
             batch.prepare()
@@ -326,29 +305,41 @@ class StaticStep:
             logits = model.logits(hidden)                        # [rows x K, V]: the rows a policy reads
             logits[:, mask_id] = float("-inf")                   # never propose the mask (Sequence.apply does too)
             prop = propose(logits, greedy, need_entropy=False)
+            tokens, probs, margin, logprobs = prop.tokens, prop.probs, prop.margin, prop.logprobs
+            if sampled:  # rows with a temperature draw instead (decoding/device_sample.py)
+                temp = dfloats[:, 1].repeat_interleave(k)
+                drawn = temp > 0
+                s = sample_rows(logits.float(), torch.where(drawn, temp, 1.0), c.top_k.repeat_interleave(k),
+                                dfloats[:, 2].repeat_interleave(k), uniforms(c.seed, c.counter, k).reshape(-1))
+                tokens, probs, margin, logprobs = (torch.where(drawn, a, b) for a, b in
+                                                   ((s.tokens, tokens), (s.probs, probs), (s.margin, margin),
+                                                    (s.logprobs, logprobs)))
             # the commit rule on the device too (threshold / topk; decoding/device_select.py)
-            valid = columns[None, :] < c.count[:, None]
+            valid = cols[None, :] < c.count[:, None]
             first = c.reads[:, 0] == c.first
-            commit = commit_rows(prop.probs.view(rows, k), valid, c.rule, dtaus, c.quota, first)
-            packed = torch.stack([prop.tokens.double(), prop.probs.double(), prop.margin.double(),
-                                  prop.logprobs.double(), commit.reshape(-1).double()])
+            commit = commit_rows(probs.view(rows, k), valid, c.rule, dfloats[:, 0], c.quota, first)
+            packed = torch.stack([tokens.double(), probs.double(), margin.double(), logprobs.double(),
+                                  commit.reshape(-1).double()])
+            advance_on_device(c, tokens.view(rows, k), commit)  # the next step's inputs (static_inputs.py)
             return hidden, packed
 
-        shape = self._capture(forward, stage, taus, inputs, dtaus) if self.graphs else None
+        shape = self._capture(forward, stage, floats, inputs, dfloats) if self.graphs else None
         if shape is None:  # uncaptured: the same forward on the same buffers, run each step
-            shape = _Shape(stage, taus, inputs, dtaus, None, None, lambda: None, False)
+            shape = _Shape(stage, floats, inputs, dfloats, None, None, lambda: None, False)
 
             def run() -> None:
                 shape.hidden, shape.packed = forward()
 
             shape.run = run
+        shape.index = torch.empty(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.shapes[key] = shape
         while len(self.shapes) > self.max_graphs:
             self.shapes.popitem(last=False)
         return shape
 
-    def _capture(self, forward: Callable, stage: Tensor, taus: Tensor, inputs: Tensor,
-                 dtaus: Tensor) -> _Shape | None:
+    def _capture(self, forward: Callable, stage: Tensor, floats: Tensor, inputs: Tensor,
+                 dfloats: Tensor) -> _Shape | None:
+        saved = inputs.clone()  # the forward advances its inputs: the first replay must start from these
         try:
             graph = torch.cuda.CUDAGraph()
             side = torch.cuda.Stream()
@@ -361,23 +352,26 @@ class StaticStep:
                 finally:
                     torch.cuda.set_sync_debug_mode(prev)
             torch.cuda.current_stream().wait_stream(side)
+            inputs.copy_(saved)
             with torch.cuda.graph(graph, pool=self.mempool):
                 hidden, packed = forward()
         except Exception as e:  # an op this build or model cannot capture (the MoE's expert loop syncs): no graphs
             self.graphs = False
+            inputs.copy_(saved)
             log.warning("CUDA graphs off for the static step (capture failed: %s); it runs uncaptured",
                         str(e).splitlines()[0][:200])
             return None
+        inputs.copy_(saved)  # (capturing runs nothing on a GPU; a stand-in that runs the forward advanced them)
         self.captures += 1
-        return _Shape(stage, taus, inputs, dtaus, hidden, packed, graph.replay, True)
+        return _Shape(stage, floats, inputs, dfloats, hidden, packed, graph.replay, True)
 
     # ------------------------------------------------------------------ results
-    def _outputs(self, key: tuple, shape: _Shape, plans: list[StepPlan]) -> list[Tensor | Proposal]:
+    def _outputs(self, key: tuple, shape: _Shape, plans: list[StepPlan],
+                 rules: list[RowRule]) -> list[Tensor | Proposal]:
         k = key[3]
-        on_device = [proposed_on_device(p.seq) for p in plans]
         self.host_reads = 0
         cols = None
-        if any(d and p.logit_rows.numel() for d, p in zip(on_device, plans)):
+        if any(r.on_device and p.logit_rows.numel() for r, p in zip(rules, plans)):
             t0 = time.perf_counter()
             packed = shape.packed.cpu()  # the step's one synchronisation
             self.wait_s += time.perf_counter() - t0
@@ -385,29 +379,35 @@ class StaticStep:
             # typed once for the whole step; each request below takes views (a few us, not a few ops each)
             cols = (packed[0].long(), packed[1].float(), packed[2].float(), packed[3].float(),
                     torch.full((packed.shape[1],), float("nan")), packed[4].bool())
-        want = [i for i, (d, p) in enumerate(zip(on_device, plans)) if not d and p.logit_rows.numel()]
+        want = [i for i, (r, p) in enumerate(zip(rules, plans)) if not r.on_device and p.logit_rows.numel()]
         host_logits = None
-        if want:  # sampled or adjusted requests: their rows' logits, projected from the graph's hidden states
+        if want:  # sampled on the host or adjusted requests: their rows' logits, from the graph's hidden states
             flat = torch.cat([torch.arange(plans[i].logit_rows.numel()) + i * k for i in want])
             host_logits = self.model.logits(shape.hidden[flat.to(self.device, non_blocking=True)]).cpu()
             self.host_reads += 1
         out: list[Tensor | Proposal] = []
+        commits: list[Tensor | None] = []  # the device's commit of each row it decided (the resident rows' state)
         taken = 0
         vocab = self.model.lm_head.weight.shape[0]
-        for i, (d, p) in enumerate(zip(on_device, plans)):
+        for i, (r, p) in enumerate(zip(rules, plans)):
             m = p.logit_rows.numel()
+            decided = r.on_device and r.code != HOST
+            commits.append(torch.zeros(0, dtype=torch.bool) if decided else None)
             if m == 0:
                 out.append(torch.empty(0, vocab))
-            elif d:
+            elif r.on_device:
                 tokens, probs, margin, logprobs, entropy, commit = (c[i * k:i * k + m] for c in cols)
-                if rule_code(p.seq.policy.name) == HOST:  # the request's rule runs on the host, over the proposal
+                if not decided:  # the request's rule runs on the host, over the proposal
                     out.append(Proposal(tokens=tokens, probs=probs, entropy=entropy, margin=margin, logprobs=logprobs))
                 else:
                     out.append(DeviceDecision(tokens=tokens, probs=probs, entropy=entropy, margin=margin,
                                               logprobs=logprobs, commit=commit))
+                    commits[-1] = commit
             else:
                 out.append(host_logits[taken:taken + m])
                 taken += m
+        if self.resident is not None:
+            self.resident.remember(key, plans, rules, commits)
         return out
 
 

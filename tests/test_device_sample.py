@@ -1,0 +1,165 @@
+"""decoding/device_sample.py, the static step's sampling on the device: its counter-based uniforms, its draws
+against the host's `propose` (the same token where the rule leaves one choice, the same distribution by counts
+where it samples), and sampled requests in the engine's static step (tokens, reads, reproducibility)."""
+import pytest
+import torch
+
+from test_static_step import PROMPTS, checked_device_decisions, models  # noqa: F401 (fixture)
+from unmask.decoding.device_sample import sample_rows, splitmix64, uniforms
+from unmask.decoding.sampling import SamplingParams, propose
+from unmask.engine.engine import Engine
+from unmask.engine.params import GenerationParams
+from unmask.engine.static_step import sample_on_device_requested
+from unmask.errors import InvalidRequestError
+
+
+def splitmix64_reference(x: int) -> int:
+    """SplitMix64's output function in Python integers (Steele et al.), the definition the tensor form follows."""
+    m = (1 << 64) - 1
+    z = (x + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def test_splitmix64_wraps_like_the_64_bit_definition():
+    xs = [0, 1, 2, 12345, (1 << 62) + 7, (1 << 63) - 1, -1, -(1 << 63), -987654321]
+    got = splitmix64(torch.tensor(xs, dtype=torch.long)).tolist()
+    assert [g % (1 << 64) for g in got] == [splitmix64_reference(x % (1 << 64)) for x in xs]
+
+
+def test_uniforms_are_per_seed_counter_and_column():
+    seed = torch.tensor([7, 7, 8])
+    u = uniforms(seed, torch.tensor([0, 1, 0]), 4)
+    assert u.shape == (3, 4) and u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
+    assert torch.equal(u, uniforms(seed, torch.tensor([0, 1, 0]), 4))  # no state: the same inputs, the same draws
+    assert len(set(u.flatten().tolist())) == 12
+    many = uniforms(torch.full((20000,), 3), torch.arange(20000), 1).flatten()
+    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float((many < 0.1).float().mean()) - 0.1) < 0.01
+
+
+def processed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution `propose` draws from, as its docstring defines it: logits / T, the top_k largest, the
+    smallest prefix of the sorted survivors with mass >= top_p, renormalised."""
+    x = logits / temperature
+    order = x.argsort(descending=True)
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    keep[order[:top_k or len(x)]] = True
+    p = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=0)
+    if top_p < 1:
+        mass_before = p[order].cumsum(0) - p[order]
+        drop = mass_before >= top_p
+        drop[0] = False
+        keep[order[drop]] = False
+    return torch.softmax(x.masked_fill(~keep, float("-inf")), dim=0)
+
+
+CONFIGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8), (0.9, 4, 0.7)]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", CONFIGS)
+def test_device_draws_follow_the_hosts_distribution(temperature, top_k, top_p):
+    """6,000 draws from one row each way: the device's counts and the host's (torch.multinomial) both within 5
+    standard errors of the processed distribution, nothing drawn outside its support, and the device's p(x0) and
+    log p(x0) those of the token it drew."""
+    logits = torch.tensor([2.0, 1.5, 1.2, 0.3, -0.5, -1.0, 0.9, -3.0])
+    v, n = logits.numel(), 6000
+    rows = logits.expand(n, v).contiguous()
+    s = sample_rows(rows, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p),
+                    uniforms(torch.full((n,), 11), torch.arange(n), 1).flatten())
+    host = propose(rows.clone(), SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+                   torch.Generator().manual_seed(0))
+    p = processed(logits, temperature, top_k, top_p)
+    assert torch.allclose(host.probs, p[host.tokens], atol=1e-6)  # the reference is the host's distribution
+    support = p > 0
+    for tokens in (s.tokens, host.tokens):
+        counts = torch.bincount(tokens, minlength=v).float()
+        assert not counts[~support].any()
+        se = (p * (1 - p) / n).sqrt()
+        assert bool(((counts / n - p).abs() <= 5 * se + 1e-9).all()), (counts / n, p)
+    assert torch.allclose(s.probs, p[s.tokens], atol=1e-6)
+    assert torch.allclose(s.logprobs, p[s.tokens].log(), atol=1e-5)
+    top2 = p.sort(descending=True).values
+    assert torch.allclose(s.margin, (top2[0] - top2[1]).expand(n), atol=1e-6)
+
+
+def test_a_single_choice_is_the_hosts_token():
+    """top_k 1, or a top_p below the top token's mass: one token survives, the host's and the device's."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(50, 300, generator=g) * 3
+    u = uniforms(torch.full((50,), 2), torch.arange(50), 1).flatten()
+    for top_k, top_p in ((1, 1.0), (0, 1e-4)):
+        s = sample_rows(logits, torch.full((50,), 0.8), torch.full((50,), top_k), torch.full((50,), top_p), u)
+        host = propose(logits.clone(), SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p),
+                       torch.Generator().manual_seed(0))
+        assert torch.equal(s.tokens, host.tokens) and torch.equal(s.tokens, logits.argmax(dim=1))
+        assert torch.allclose(s.probs, torch.ones(50)) and torch.allclose(s.logprobs, host.logprobs)
+
+
+def run(model, spec, prompts, params, static=True, max_num_seqs=8):
+    eng = Engine(model, spec, max_num_seqs=max_num_seqs, static_step=static, kv_pool_tokens=4096)
+    seqs = [eng.add_request(p, params) for p in prompts]
+    eng.run_to_completion()
+    return [s.output_ids for s in seqs], eng
+
+
+def test_device_sampling_is_chosen_by_option_environment_or_capture(monkeypatch):
+    monkeypatch.delenv("UNMASK_DEVICE_SAMPLING", raising=False)
+    assert sample_on_device_requested(None, graphs=True) and not sample_on_device_requested(None, graphs=False)
+    assert sample_on_device_requested(True, graphs=False) and not sample_on_device_requested(False, graphs=True)
+    monkeypatch.setenv("UNMASK_DEVICE_SAMPLING", "1")
+    assert sample_on_device_requested(None, graphs=False)
+    monkeypatch.setenv("UNMASK_DEVICE_SAMPLING", "0")
+    assert not sample_on_device_requested(None, graphs=True)
+    monkeypatch.setenv("UNMASK_DEVICE_SAMPLING", "maybe")
+    with pytest.raises(InvalidRequestError, match="UNMASK_DEVICE_SAMPLING must be one of .*got 'maybe'"):
+        sample_on_device_requested(None, graphs=True)
+
+
+@pytest.mark.parametrize("family", ["sdar", "fast_dllm_v2", "unmask_shifted"])
+def test_sampled_requests_with_one_choice_give_the_eager_tokens_in_one_read(family, models, monkeypatch):
+    """temperature 0.8 with top_k 1: the rule leaves one token, so the device's draws are the host's; the step's
+    one read carries them (no logits copied out) and the device decides every commit."""
+    monkeypatch.setenv("UNMASK_DEVICE_SAMPLING", "1")
+    model, spec = models[family]
+    params = GenerationParams(max_tokens=12, policy="topk", tokens_per_step=2, block_size=4, temperature=0.8,
+                              top_k=1, seed=4)
+    eager, _ = run(model, spec, PROMPTS[:3], params, static=False)
+    made = checked_device_decisions(monkeypatch)
+    got, eng = run(model, spec, PROMPTS[:3], params)
+    st = eng.runner.static
+    assert got == eager and st.sample and made[0] > 0 and made[1] == 0
+    assert st.host_reads == 1 and all(key[4] for key in st.shapes)  # every shape sampled, one read each
+
+
+def test_seeded_device_draws_repeat_and_do_not_depend_on_the_batch(models, monkeypatch):
+    """A seeded sampled request draws the same tokens alone, in a batch of five and again; another seed, others."""
+    monkeypatch.setenv("UNMASK_DEVICE_SAMPLING", "1")
+    model, spec = models["unmask_shifted"]  # a 96-token vocabulary: the CPU sorts it fast
+
+    def params(seed):
+        return GenerationParams(max_tokens=8, policy="topk", tokens_per_step=2, block_size=4, temperature=1.2,
+                                seed=seed, ignore_eos=True)
+
+    batched, eng = run(model, spec, PROMPTS, params(9))
+    assert eng.runner.static.steps == eng.stats.steps
+    for p, out in zip(PROMPTS, batched):
+        assert run(model, spec, [p], params(9))[0] == [out]
+    assert run(model, spec, PROMPTS, params(9))[0] == batched
+    assert run(model, spec, PROMPTS, params(10))[0] != batched
+
+
+def test_mixed_batches_keep_greedy_rows_greedy(models, monkeypatch):
+    """Greedy and sampled requests in one sampled shape: the greedy ones give the eager path's tokens."""
+    monkeypatch.setenv("UNMASK_DEVICE_SAMPLING", "1")
+    model, spec = models["unmask_shifted"]  # a 96-token vocabulary: the CPU sorts it fast
+    greedy = GenerationParams(max_tokens=8, policy="threshold", threshold=0.5, block_size=4)
+    sampled = GenerationParams(max_tokens=8, policy="threshold", threshold=0.5, block_size=4, temperature=0.8,
+                               top_p=0.9, seed=3)
+    eng = Engine(model, spec, max_num_seqs=8, static_step=True, kv_pool_tokens=4096)
+    seqs = [eng.add_request(p, sampled if i % 2 else greedy) for i, p in enumerate(PROMPTS)]
+    eng.run_to_completion()
+    eager, _ = run(model, spec, PROMPTS[::2], greedy, static=False)
+    assert [seqs[i].output_ids for i in range(0, 5, 2)] == eager
+    assert all(len(s.output_ids) > 0 for s in seqs[1::2]) and eng.runner.static.host_reads == 1
+    assert any(key[4] for key in eng.runner.static.shapes)  # the sampled shapes ran
