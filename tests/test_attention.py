@@ -2,6 +2,8 @@
 the single masked SDPA call it replaces."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from unmask.models import attention
 from unmask.models.attention import AttentionBatch, KVCache, Segment, ragged_attention
@@ -107,6 +109,74 @@ def test_causal_prompt_chunk_without_a_mask_equals_the_masked_call(start, length
 @pytest.mark.parametrize("ids,rows", [([0, 1, 2, 3, 4, 4], 4), ([5, 6, 7], 3), ([0, 0, 1, 1], 0), ([0, 2, 3], 0),
                                       ([0, 1, 1, 2, 2], 0)])
 def test_causal_rows_of_block_ids(ids, rows):
-    s = Segment(start=0, length=len(ids), block_ids=torch.tensor(ids))
+    b = torch.tensor(ids)
+    s = Segment(start=0, length=len(ids), block_ids=b)
     s.prepare()
-    assert s.causal_rows == rows and s.inner is not None
+    assert s.causal_rows == rows and s.masked
+    # the mask rows a masked path asks for, built from the block ids on demand
+    full = b[None, :] <= b[:, None]
+    assert torch.equal(s.own_mask(0, len(ids)), full) and torch.equal(s.own_mask(1, 3, 2), full[1:3, :2])
+    assert torch.equal(s.mask_rows(0, len(ids)), full)
+
+
+def test_one_block_is_unmasked_and_an_explicit_mask_is_used_as_given():
+    s = Segment(start=4, length=3, suffix=2, block_ids=torch.tensor([7, 7, 7]))
+    s.cache = KVCache([(1, 2)], torch.float32, "cpu", capacity=16)
+    s.cache.length = 4
+    s.prepare()
+    assert not s.masked and s.causal_rows == 0 and s.own_mask(0, 3) is None and s.mask_rows(0, 3) is None
+    attend = torch.tensor([[True, False, False], [True, True, False], [False, True, True]])
+    s = Segment(start=0, length=3, block_ids=torch.arange(3), attend=attend)
+    s.prepare()
+    assert s.masked and s.causal_rows == 0 and torch.equal(s.own_mask(0, 3), attend)
+
+
+def _causal_context_model(tmp_path, max_pos: int = 4096):
+    from unmask.models.loader import load_model
+    from unmask.train.checkpoint import export_model
+    from unmask.train.model_init import fresh_model, init_weights, new_unmask_config
+
+    cfg = new_unmask_config(96, 32, 2, 4, 2, 8, 64, max_pos, 4, mask_id=3, eos_ids=[2], tie_embeddings=True)
+    cfg["causal_context"] = cfg["shift_logits"] = True
+    tm = fresh_model(cfg, {"eos_token_id": [2]}, seed=0)
+    init_weights(tm.model, 0, std=0.2)
+    return load_model(export_model(tm, tmp_path / "m", None))[0]
+
+
+class _LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an operator returns while active (a [T, T] mask would be T * T)."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_causal_prompt_chunks_build_no_square_mask_and_match_the_causal_forward(tmp_path):
+    """A causal-context prompt prefilled in three chunks: every chunk's hidden states equal the dense causal forward
+    (the chunks after the first read the cached prefix), and no operator returns a tensor anywhere near a
+    [chunk, chunk] mask: the largest is an activation, linear in the chunk (the MLP's [chunk, 64])."""
+    from unmask.models.attention import commit_cache_lengths
+    from unmask.models.transformer import CAUSAL
+
+    model = _causal_context_model(tmp_path)
+    chunk, n = 1024, 3072
+    ids = torch.randint(4, 96, (n,), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(capacity=n)
+    hidden, largest = [], []
+    with torch.no_grad():
+        for lo in range(0, n, chunk):
+            pos = torch.arange(lo, lo + chunk)
+            with _LargestTensor() as probe:
+                batch = AttentionBatch([Segment(start=lo, length=chunk, write=chunk, cache=cache, block_ids=pos)])
+                hidden.append(model(ids[lo:lo + chunk], pos, batch.prepare()))
+            commit_cache_lengths(batch)
+            largest.append(probe.largest)
+            assert batch.segments[0].causal_rows == chunk
+        dense = model.forward_dense(ids[None], torch.arange(n)[None], CAUSAL)[0]
+    assert max(largest) <= 64 * chunk < chunk * chunk // 8
+    assert (torch.cat(hidden) - dense).abs().max().item() < 1e-5

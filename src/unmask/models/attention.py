@@ -107,7 +107,7 @@ class Segment:
     # [length, length] bool: which of the segment's own tokens each one sees, when block ids cannot say it (draft
     # blocks of a self-speculative step share positions and must not see each other); overrides block_ids
     attend: Tensor | None = None
-    inner: Tensor | None = None      # filled by prepare(): [length, length] bool, None = no masking
+    masked: bool = False             # filled by prepare(): some own key is hidden from some query (own_mask says which)
     # filled by prepare(): rows [0, causal_rows) are token-causal (block ids one per token) and the rest, if any,
     # one final group seeing every own key (a causal-context prompt chunk ending in the active block); 0 = other
     causal_rows: int = 0
@@ -124,21 +124,31 @@ class Segment:
             self.cache.reserve(self.start + self.length, self.start)
             if self.start > self.cache.length and self.start > 0:
                 raise ValueError(f"segment starts at {self.start} but the cache holds {self.cache.length}")
-        self.inner = None
-        if self.attend is not None:
-            self.inner = self.attend
-        elif self.block_ids is not None:
+        # O(length) here: no [length, length] mask is built (1 GiB of bool at a 32K chunk); the paths that need mask
+        # rows build only the rows they attend at a time (own_mask)
+        self.masked, self.causal_rows = self.attend is not None, 0
+        if self.attend is None and self.block_ids is not None and self.block_ids.numel():
             b = self.block_ids
-            inner = b[None, :] <= b[:, None]
-            self.inner = None if bool(inner.all()) else inner
-            self.causal_rows = 0 if self.inner is None else _causal_rows(b)
+            self.masked = bool(b.min() < b.max())  # every query sees every own key iff all ids are equal
+            self.causal_rows = _causal_rows(b) if self.masked else 0
+
+    def own_mask(self, lo: int, hi: int, end: int | None = None) -> Tensor | None:
+        """Which of own keys [0, end) (default: all) queries [lo, hi) see, [hi - lo, end] bool; None = all."""
+        if not self.masked:
+            return None
+        end = self.length if end is None else end
+        if self.attend is not None:
+            return self.attend[lo:hi, :end]
+        b = self.block_ids
+        return b[None, :end] <= b[lo:hi, None]
 
     def mask_rows(self, lo: int, hi: int) -> Tensor | None:
         """Mask rows [lo, hi) over all keys (cached prefix and suffix are always visible)."""
-        if self.inner is None:
+        own = self.own_mask(lo, hi)
+        if own is None:
             return None
-        n, dev = hi - lo, self.inner.device
-        return torch.cat([torch.ones(n, self.start, dtype=torch.bool, device=dev), self.inner[lo:hi],
+        n, dev = hi - lo, own.device
+        return torch.cat([torch.ones(n, self.start, dtype=torch.bool, device=dev), own,
                           torch.ones(n, self.suffix, dtype=torch.bool, device=dev)], dim=1)
 
 
@@ -147,7 +157,8 @@ def _causal_rows(b: Tensor) -> int:
     the last group is a single token: all causal); 0 when the ids are not of that form."""
     n = b.numel()
     c = int(torch.searchsorted(b, b[-1:]))  # first row of the final group (ids never decrease along a segment)
-    if c == 0 or int(b[c] - b[c - 1]) != 1 or not bool((b[1:c] - b[:c - 1] == 1).all()):
+    if (c == 0 or int(b[c] - b[c - 1]) != 1 or not bool((b[1:c] - b[:c - 1] == 1).all())
+            or not bool((b[c:] == b[-1]).all())):
         return 0
     return n if c == n - 1 else c
 
@@ -273,7 +284,7 @@ def _attend_split(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | 
     for i in range(0, lq, OWN_ROWS):
         j = min(i + OWN_ROWS, lq)
         e = ends[j - 1]
-        ob, lb = _flash_lse(q[:, i:j], ko[:, :e], vo[:, :e], seg.inner[i:j, :e], scale)
+        ob, lb = _flash_lse(q[:, i:j], ko[:, :e], vo[:, :e], seg.own_mask(i, j, e), scale)
         obs.append(ob)
         lbs.append(lb)
     ob, lb = (obs[0], lbs[0]) if len(obs) == 1 else (torch.cat(obs, dim=1), torch.cat(lbs, dim=1))
@@ -314,10 +325,10 @@ def _attend_chunked(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float 
         out = _attend_causal(q, k, v, seg, scale)
         if out is not None:
             return out
-    if (seg.inner is not None and seg.attend is None and can_split_on(q) and not seg.suffix and seg.start > 0
+    if (seg.masked and seg.attend is None and can_split_on(q) and not seg.suffix and seg.start > 0
             and seg.start * lq >= SPLIT_MIN_ELEMENTS):
         return _attend_split(q, k, v, seg, scale)
-    if seg.inner is None or lq * lk <= MAX_MASK_ELEMENTS:
+    if not seg.masked or lq * lk <= MAX_MASK_ELEMENTS:
         return sdpa(q, k, v, seg.mask_rows(0, lq), scale)
     step = max(1, MAX_MASK_ELEMENTS // lk)
     return torch.cat([sdpa(q[:, i:i + step], k, v, seg.mask_rows(i, min(i + step, lq)), scale)
