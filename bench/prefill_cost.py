@@ -12,7 +12,8 @@ computed on the fly: the cost is the real one, the text is not meaningful):
   tune     prefill seconds (the chunk steps until the prompt is in the cache) for a base setting and one change at a
            time: chunk (max_batch_tokens), threads, dtype, the split attention path off, the token-causal path off
            (prompt chunks of a causal-context model attended through the masked calls instead of the kernels'
-           causal rule); interleaved per round (order rotated), per-round ratios against the base.
+           causal rule), RMSNorm and RoPE as written before the fused kernel (--plain-layers); interleaved per
+           round (order rotated), per-round ratios against the base.
   ttft     time to first token against prompt length, unmask and the AR twin in the same process, interleaved per
            round: unmask = add_request until the first answer token is committed (prefill chunks + the first
            decode step; topk policy, one token per forward, as bench/benchlib/cost.py); the twin = transformers
@@ -44,7 +45,7 @@ from benchlib.common import ratio_summary, rotated, summary  # noqa: E402
 from benchlib.cost import corpus_ids  # noqa: E402
 from unmask.engine.engine import Engine  # noqa: E402
 from unmask.engine.params import GenerationParams  # noqa: E402
-from unmask.models import attention, transformer  # noqa: E402
+from unmask.models import attention, layers, transformer  # noqa: E402
 from unmask.models.loader import load_model  # noqa: E402
 from unmask.tokenizer import Tokenizer  # noqa: E402
 
@@ -76,6 +77,42 @@ def first_token(model, spec, ids: list[int], chunk: int) -> dict:
     return {"prefill_s": prefill, "ttft_s": ttft}
 
 
+# ---- the shared layers as written before the fused RMSNorm and the in-place RoPE (layers.py at 02f6105), kept
+# here as the A/B reference of `tune --plain-layers`
+
+
+def _plain_norm(self, x):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+    return self.weight * xf.to(x.dtype)
+
+
+def _plain_cos_sin(self, positions):
+    if self.inv_freq.device != positions.device:
+        self.inv_freq = self.inv_freq.to(positions.device)
+    freqs = positions.float()[..., None] * self.inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos() * self.mscale, emb.sin() * self.mscale
+
+
+def _plain_apply(self, x, cos, sin):
+    r = self.rotary_dim
+    xr = x[..., :r].float()
+    half = r // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    out = (xr * cos[..., None, :] + rotated * sin[..., None, :]).to(x.dtype)
+    return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+
+
+_LAYERS = {"fused": (layers.RMSNorm.forward, layers.Rotary.cos_sin, layers.Rotary.apply),
+           "plain": (_plain_norm, _plain_cos_sin, _plain_apply)}
+
+
+def use_layers(kind: str) -> None:
+    """RMSNorm and RoPE as the library has them ("fused") or as before ("plain")."""
+    layers.RMSNorm.forward, layers.Rotary.cos_sin, layers.Rotary.apply = _LAYERS[kind]
+
+
 @contextlib.contextmanager
 def marked_attention():
     """record_function("attention") around every layer's attention call (transformer.py's module-level name)."""
@@ -101,6 +138,7 @@ def profile(args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
     model, spec = load(args.model, args.dtype, max(lengths) + 64)
     ids = corpus_ids(Tokenizer(args.model), args.corpus, max(lengths))
+    use_layers("plain" if args.plain_layers else "fused")
     first_token(model, spec, ids[:1024], args.chunk)  # warm-up
     out = {}
     for L in lengths:
@@ -127,7 +165,8 @@ def tune(args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
     ids = corpus_ids(Tokenizer(args.model), args.corpus, max(lengths))
     models = {d: load(args.model, d, max(lengths) + 64) for d in {args.dtype, *args.dtypes.split(",")} if d}
-    base = {"chunk": args.chunk, "threads": args.threads, "dtype": args.dtype, "split": True, "causal": True}
+    base = {"chunk": args.chunk, "threads": args.threads, "dtype": args.dtype, "split": True, "causal": True,
+            "layers": "fused"}
     variants = [("base", base)]
     variants += [(f"chunk={c}", {**base, "chunk": int(c)}) for c in args.chunks.split(",") if c]
     variants += [(f"threads={t}", {**base, "threads": int(t)}) for t in args.threads_list.split(",") if t]
@@ -136,6 +175,8 @@ def tune(args) -> dict:
         variants.append(("split=off", {**base, "split": False}))
     if args.causal_off:
         variants.append(("causal=off", {**base, "causal": False}))
+    if args.plain_layers:
+        variants.append(("layers=plain", {**base, "layers": "plain"}))
     default_split, causal_path = attention.SPLIT_MIN_ELEMENTS, attention._attend_causal
     runs: dict[tuple[int, str], list[dict]] = {}
     for r in range(args.rounds):
@@ -144,12 +185,14 @@ def tune(args) -> dict:
                 torch.set_num_threads(v["threads"])
                 attention.SPLIT_MIN_ELEMENTS = default_split if v["split"] else 1 << 62
                 attention._attend_causal = causal_path if v["causal"] else (lambda *a: None)
+                use_layers(v["layers"])
                 model, spec = models[v["dtype"]]
                 res = first_token(model, spec, ids[:L], v["chunk"])
                 runs.setdefault((L, name), []).append(res)
                 print(f"round {r} L={L} {name}: prefill {res['prefill_s']:.2f} s, TTFT {res['ttft_s']:.2f} s",
                       flush=True)
     attention.SPLIT_MIN_ELEMENTS, attention._attend_causal = default_split, causal_path
+    use_layers("fused")
     torch.set_num_threads(args.threads)
     out = {}
     for L in lengths:
@@ -216,6 +259,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="", help="tune: other dtypes")
     ap.add_argument("--split-off", action="store_true", help="tune: also the split attention path off")
     ap.add_argument("--causal-off", action="store_true", help="tune: also the token-causal path off")
+    ap.add_argument("--plain-layers", action="store_true",
+                    help="tune: also RMSNorm and RoPE as written before the fused kernel (the A/B of that change); "
+                         "profile: run with them")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

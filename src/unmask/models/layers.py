@@ -10,6 +10,22 @@ from torch import Tensor, nn
 from unmask.errors import UnsupportedModelError
 
 
+# torch >= 2.4's fused RMSNorm: one kernel on CUDA; on the CPU (torch 2.13) it runs as pow, mean, rsqrt and two
+# products, slower than the formula below (one 4096 x 256 norm: 3.6 ms against 1.1 ms, float32, 1 thread)
+_RMS_NORM = getattr(F, "rms_norm", None)
+
+
+def rms_normalize(x: Tensor, eps: float) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, computed in float32, returned in x's dtype.
+
+    Off CUDA: the sum of squares in one pass with float32 accumulation (no x^2 temporary, no float32 copy of a
+    half-precision x: the product promotes), the [..., 1] factors apart, then one product and the cast back."""
+    if x.is_cuda and _RMS_NORM is not None:
+        return _RMS_NORM(x, (x.shape[-1],), eps=eps).to(x.dtype)  # .to: under autocast it returns float32
+    ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    return (x * torch.rsqrt(ss.square() / x.shape[-1] + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """Normalise in float32, cast back, then scale (LLaDA/Qwen convention: weight, not 1 + weight)."""
 
@@ -19,9 +35,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        y = rms_normalize(x, self.eps)  # a new tensor: without autograd it can take the scale in place
+        if y.dtype == self.weight.dtype and not torch.is_grad_enabled():
+            return y.mul_(self.weight)
+        return self.weight * y
 
 
 ACTIVATIONS = {
@@ -104,16 +121,25 @@ class Rotary(nn.Module):
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos() * self.mscale, emb.sin() * self.mscale
+        c, s = freqs.cos(), freqs.sin()  # each half once: the halves of the tables are equal
+        if self.mscale != 1.0:
+            c, s = c * self.mscale, s * self.mscale
+        return torch.cat([c, c], dim=-1), torch.cat([s, s], dim=-1)
 
     def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [..., L, H, D]; cos/sin [..., L, rotary_dim]."""
-        r = self.rotary_dim
-        xr = x[..., :r].float()
-        half = r // 2
-        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-        out = xr * cos[..., None, :] + rotated * sin[..., None, :]
+        """x [..., L, H, D]; cos/sin [..., L, rotary_dim] (cos_sin's: both halves equal, so only the first is read).
+
+        (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) in float32 (the products promote a half-precision x: no
+        float32 copy of it, no rotated copy). Without autograd the halves are written into one output buffer."""
+        r, half = self.rotary_dim, self.rotary_dim // 2
+        c, s = cos[..., None, :half], sin[..., None, :half]
+        x1, x2 = x[..., :half], x[..., half:r]
+        if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+            out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)  # out= has no backward
+        else:
+            out = torch.empty((*x.shape[:-1], r), dtype=torch.float32, device=x.device)
+            torch.mul(x1, c, out=out[..., :half]).addcmul_(x2, s, value=-1)
+            torch.mul(x2, c, out=out[..., half:]).addcmul_(x1, s)
         out = out.to(x.dtype)
         return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
 
