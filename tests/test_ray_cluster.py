@@ -144,7 +144,8 @@ def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path
     # --port 0: the front listens on a free port and prints it; --root-path as behind a proxy that strips /u
     server = subprocess.Popen([str(BIN / "unmask"), "serve", "--ray", "--address", address, "--port", "0",
                                "--root-path", "/u", "--replicas", "2", "--num-cpus", "0.5", "--embedding-model", "off",
-                               "--max-num-seqs", "4", "--data-dir", str(tmp_path / "data")],
+                               "--max-num-seqs", "4", "--data-dir", str(tmp_path / "data"),
+                               "--static-step", "--kv-pool-tokens", "256"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         log = []
@@ -158,14 +159,37 @@ def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path
         assert not base.endswith(":0")
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=30)
         assert [m.id for m in client.models.list()] == ["unmask-tiny"]
-        replicas, k = set(), 0
-        while len(replicas) < 2 and time.time() < deadline:   # the front's router learns of both replicas
+        keys, k = {}, 0   # replica -> a prompt_cache_key that it answers
+        while len(keys) < 2 and time.time() < deadline:   # the front's router learns of both replicas
             raw = client.chat.completions.with_raw_response.create(
                 model="unmask-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, prompt_cache_key=str(k))
             assert raw.parse().choices[0].message.content
-            replicas.add(raw.headers["x-unmask-replica"])
+            keys.setdefault(raw.headers["x-unmask-replica"], str(k))
             k += 1
-        assert len(replicas) == 2
+        assert len(keys) == 2
+        # --static-step --kv-pool-tokens reached both replicas' engines: a request over the pool is refused by its
+        # size (a threshold request: the built-in model's default policy, speculative, does not use the pool)
+        for replica, key in keys.items():
+            r = httpx.post(base + "/v1/chat/completions", timeout=30, json={
+                "model": "unmask-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 400,
+                "policy": "threshold", "prompt_cache_key": key})
+            assert r.status_code == 400 and r.headers["x-unmask-replica"] == replica, r.text
+            assert "needs" in r.json()["error"]["message"] and "preallocated KV pool, which holds 256" in \
+                r.json()["error"]["message"], r.text
+        # both replicas open the one --data-dir (batches are claimed row by row): batches run to their whole output
+        batch_in = "".join(json.dumps(chat(f"b{i}", f"Item {i}.", model="unmask-tiny")) + "\n" for i in range(3)).encode()
+        file_id = client.files.create(file=("in.jsonl", batch_in), purpose="batch").id
+        batches = [client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id for _ in range(2)]
+        for batch_id in batches:
+            while (batch := client.batches.retrieve(batch_id)).status not in ("completed", "failed"):
+                assert time.time() < deadline + 60, batch
+                time.sleep(0.5)
+            assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+            output = client.files.content(batch.output_file_id).read().decode().splitlines()
+            assert [json.loads(x)["custom_id"] for x in output] == ["b0", "b1", "b2"]
+        assert (tmp_path / "data" / "unmask.db").is_file()
+        assert not [p.name for p in (tmp_path / "data").iterdir() if p.name.startswith("replica-")]
         # the replicas' app sees the root path, as `unmask serve --root-path` does: the OpenAPI document names it
         assert httpx.get(base + "/openapi.json", timeout=30).json()["servers"] == [{"url": "/u"}]
         assert httpx.get(base + "/health", timeout=30).json() == {"status": "ok"}

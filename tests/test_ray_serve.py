@@ -171,3 +171,89 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_503_retries_the_rest_a
         replicas.add(chat(client, "hello", prompt_cache_key=f"after-{k}")[1])
         k += 1
     assert victim not in replicas and len(replicas) == 2
+
+
+# ---------------------------------------------------------------------------------------- scaling down
+STREAM_TOKENS = 48
+
+
+def stream_through(handle, content: str) -> dict:
+    """One streamed chat request through the engine deployment's handle, as the gateway sends it: its replica,
+    when it started and ended, its generated tokens (the usage chunk), finish reason and last frame."""
+    import json
+
+    body = {"model": "unmask-tiny", "messages": [{"role": "user", "content": content}], "max_tokens": STREAM_TOKENS,
+            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    request = {"method": "POST", "path": "/v1/chat/completions", "root_path": "", "query": b"",
+               "headers": [(b"content-type", b"application/json")], "body": json.dumps(body).encode()}
+    started = time.time()
+    head, raw = None, b""
+    for item in handle.options(stream=True).forward.remote(request):
+        if head is None:
+            head, raw = item, item["body"]
+        else:
+            raw += item
+    frames = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(f) for f in frames if f != "[DONE]"]
+    usage = next((c["usage"] for c in chunks if c.get("usage")), {})
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
+    return {"replica": head["replica"], "status": head["status"], "start": started, "end": time.time(),
+            "tokens": usage.get("completion_tokens"), "finish": finish, "last": frames[-1] if frames else None}
+
+
+def test_autoscaled_replicas_scale_down_to_min_without_cutting_a_stream(cluster):
+    """--autoscale 1,2 started at two replicas (initial_replicas), under less load than one replica's batch holds:
+    Ray Serve stops one after downscale_delay_s while streams run on both, the streams on the stopping replica
+    finish whole (it drains before it goes), and the deployment settles at MIN, one replica."""
+    args, scale = launch.builder_args({
+        "model": str(default_model_path()), "embedding_model": "off", "max_num_seqs": 4, "max_queue": 8,
+        "drain_timeout": 20.0, "autoscale": "1,2", "num_cpus": 0.5,
+        # Ray's delays shortened for the test: down after 8 s (from when the replicas started), never up
+        "autoscaling_config": {"initial_replicas": 2, "downscale_delay_s": 8, "upscale_delay_s": 600}})
+    handle = serve.run(launch.build(args, scale, ingress=False), name="scaling", route_prefix=None)
+    stop, states, results, failures = threading.Event(), [], [], []
+
+    def watch():   # (time, RUNNING, STOPPING) of the engine deployment, every 0.2 s
+        while not stop.is_set():
+            status = serve.status().applications["scaling"].deployments["Engine"].replica_states
+            states.append((time.time(), status.get("RUNNING", 0), status.get("STOPPING", 0)))
+            time.sleep(0.2)
+
+    def streams(worker: int):   # back to back, so that some stream is in flight whenever a replica stops
+        n = 0
+        while not stop.is_set():
+            try:
+                results.append(stream_through(handle, f"Worker {worker}, story {n}."))
+            except Exception as e:  # noqa: BLE001 - a cut stream is what the test looks for
+                failures.append(repr(e))
+            n += 1
+
+    threads = [threading.Thread(target=watch)] + [threading.Thread(target=streams, args=(w,)) for w in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        deadline, settled = time.time() + 90, None
+        while time.time() < deadline:   # until one replica is left and a stream has run on it since
+            stopping = [t for t, running, leaving in states if leaving or running < 2]
+            settled = next((t for t, running, leaving in states if stopping and t > stopping[0]
+                            and (running, leaving) == (1, 0)), None)
+            if settled and any(r["start"] > settled for r in results):
+                break
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+        launch.undeploy("scaling")
+    assert states[0][1] == 2, states[:5]   # it started at two replicas
+    assert stopping and settled, states[-5:]
+    assert not failures, failures
+    # every stream whole: all its tokens, finish_reason length, [DONE]
+    assert results and all((r["status"], r["tokens"], r["finish"], r["last"]) == (200, STREAM_TOKENS, ["length"],
+                                                                                  "[DONE]") for r in results), results
+    t_stop = stopping[0]
+    survivor = results[-1]["replica"]
+    stopped = {r["replica"] for r in results} - {survivor}
+    assert len(stopped) == 1, results
+    in_flight = [r for r in results if r["replica"] in stopped and r["start"] < t_stop < r["end"]]
+    assert in_flight, "no stream ran on the replica when it began stopping: the test did not exercise a cut"

@@ -28,7 +28,10 @@ def serve_on_ray(args, host: str, port: int, root_path: str, address: str | None
     try:
         require_ray()
         scale = launch.Scale(replicas=replicas, autoscale=launch.parse_autoscale(autoscale) if autoscale else None,
-                             num_cpus=num_cpus, num_gpus=num_gpus, niceness=os.getpriority(os.PRIO_PROCESS, 0))
+                             num_cpus=num_cpus, num_gpus=num_gpus, niceness=os.getpriority(os.PRIO_PROCESS, 0),
+                             autoscaling=launch.parse_autoscaling(os.environ.get("UNMASK_AUTOSCALING_CONFIG") or "{}"))
+        if scale.autoscale is not None:
+            launch.autoscaling_config(scale, args.max_num_seqs)   # initial_replicas outside MIN,MAX: one line now
         started = launch.connect(address)
     except ClusterError as e:
         _fail(str(e))

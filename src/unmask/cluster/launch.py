@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from unmask.cluster import ClusterError, require_ray
 
@@ -20,6 +21,7 @@ class Scale:
     num_cpus: float = 1.0                        # per replica
     num_gpus: float = 0.0
     niceness: int | None = None                  # the engines' scheduling priority; None: Ray's (nice 15)
+    autoscaling: dict = field(default_factory=dict)   # more keys of Ray Serve's autoscaling_config (delays, ...)
 
     @property
     def threads(self) -> int:
@@ -36,6 +38,50 @@ def parse_autoscale(text: str) -> tuple[int, int]:
     if not sep or low < 0 or high < 1 or low > high:
         raise ClusterError(f"--autoscale takes MIN,MAX replicas with 0 <= MIN <= MAX and MAX >= 1, got {text!r}")
     return low, high
+
+
+FIXED_AUTOSCALING = ("min_replicas", "max_replicas", "target_ongoing_requests")   # set by --autoscale, --max-num-seqs
+
+
+def parse_autoscaling(value) -> dict:
+    """UNMASK_AUTOSCALING_CONFIG (JSON) or the builder's `autoscaling_config` (a mapping or JSON): more keys of Ray
+    Serve's `autoscaling_config` (`downscale_delay_s`, `upscale_delay_s`, `initial_replicas`, `look_back_period_s`,
+    ...), checked against Ray's own model."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ClusterError(f"the autoscaling config must be a JSON object, got {value!r} ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ClusterError(f"the autoscaling config must be a JSON object, got {value!r}")
+    fixed = sorted(set(value) & set(FIXED_AUTOSCALING))
+    if fixed:
+        raise ClusterError(f"the autoscaling config cannot set {', '.join(fixed)}: --autoscale MIN,MAX and "
+                           "--max-num-seqs do")
+    from pydantic import ValidationError
+    from ray.serve.config import AutoscalingConfig
+
+    known = set(AutoscalingConfig.model_fields) - set(FIXED_AUTOSCALING)
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ClusterError(f"unknown autoscaling key(s) {', '.join(unknown)}; Ray Serve's: {', '.join(sorted(known))}")
+    try:
+        AutoscalingConfig(min_replicas=0, max_replicas=10**6, **value)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ClusterError(f"autoscaling config: {'.'.join(map(str, first['loc'])) or 'value'}: {first['msg']}") from None
+    return dict(value)
+
+
+def autoscaling_config(scale: Scale, max_num_seqs: int) -> dict:
+    """Ray Serve's autoscaling_config of the engine deployment: between MIN and MAX replicas, each aiming at a full
+    batch of requests (a replica whose batch is full asks for another), with Ray's delays unless overridden."""
+    low, high = scale.autoscale
+    config = {"min_replicas": low, "max_replicas": high, "initial_replicas": max(low, 1),
+              "target_ongoing_requests": max_num_seqs, **scale.autoscaling}
+    if not low <= config["initial_replicas"] <= high:
+        raise ClusterError(f"initial_replicas {config['initial_replicas']} is outside --autoscale {low},{high}")
+    return config
 
 
 def runtime_env() -> dict:
@@ -98,9 +144,7 @@ def build(args, scale: Scale, ingress: bool = True):
                                                              request_router_kwargs={"slots": args.max_num_seqs}),
                "graceful_shutdown_timeout_s": args.drain_timeout + 5, "health_check_period_s": 2.0}
     if scale.autoscale is not None:
-        low, high = scale.autoscale
-        options["autoscaling_config"] = {"min_replicas": low, "max_replicas": high, "initial_replicas": max(low, 1),
-                                         "target_ongoing_requests": args.max_num_seqs}
+        options["autoscaling_config"] = autoscaling_config(scale, args.max_num_seqs)
     else:
         options["num_replicas"] = scale.replicas
     engine = serve.deployment(EngineReplica, name="Engine", **options)
@@ -142,15 +186,47 @@ def undeploy(app_name: str = APP_NAME, stop_serve: bool = False) -> None:
         serve.shutdown()
 
 
-BUILDER_KEYS = {"model", "served_model_name", "api_keys", "cors_origins", "max_num_seqs", "max_queue", "device", "dtype",
-                "kv_cache_dtype", "embedding_model", "data_dir", "default_max_tokens", "drain_timeout", "replicas",
-                "autoscale", "num_cpus", "num_gpus"}
+SERVER_KEYS = ("cors_origins", "max_num_seqs", "max_queue", "device", "dtype", "kv_cache_dtype", "embedding_model",
+               "default_max_tokens", "drain_timeout")
+STATIC_STEP_KEYS = ("static_step", "cuda_graphs", "gpu_memory_utilization", "kv_pool_tokens")   # as the flags
+BUILDER_KEYS = {"model", "served_model_name", "api_keys", "data_dir", "replicas", "autoscale", "autoscaling_config",
+                "num_cpus", "num_gpus", *SERVER_KEYS, *STATIC_STEP_KEYS}
 
 
-def application(config: dict):
-    """An application builder for Ray Serve's config files (`serve run unmask.cluster.launch:application
-    model=DIR`, KubeRay's serveConfigV2 `import_path` with `args`): the same application as `unmask serve --ray`,
-    from the keys of BUILDER_KEYS (names as ServerArgs' fields and the Scale's; `autoscale` as "MIN,MAX")."""
+def _switch(key: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ClusterError(f"{key} must be true or false, got {value!r}")
+    return text in ("1", "true", "yes", "on")
+
+
+def static_step_args(config: dict) -> dict:
+    """The builder's static-step keys as ServerArgs fields, checked as `unmask serve` checks the flags."""
+    from unmask.engine.kv_pool import check_pool_options
+    from unmask.errors import InvalidRequestError
+
+    static = _switch("static_step", config["static_step"]) if "static_step" in config else None
+    utilization = float(config["gpu_memory_utilization"]) if "gpu_memory_utilization" in config else None
+    tokens = int(config["kv_pool_tokens"]) if config.get("kv_pool_tokens") is not None else None
+    if not static and (utilization is not None or tokens is not None):
+        raise ClusterError("gpu_memory_utilization and kv_pool_tokens size the static step's KV pool: add "
+                           "static_step: true")
+    try:
+        check_pool_options(0.9 if utilization is None else utilization, tokens,
+                           names=("gpu_memory_utilization", "kv_pool_tokens"))
+    except InvalidRequestError as e:
+        raise ClusterError(str(e)) from None
+    fields = {"static_step": static, "kv_pool_tokens": tokens,
+              "memory_utilization": 0.9 if utilization is None else utilization}
+    if "cuda_graphs" in config:
+        fields["cuda_graphs"] = _switch("cuda_graphs", config["cuda_graphs"])
+    return fields
+
+
+def builder_args(config: dict):
+    """(ServerArgs, Scale) of an application builder's `args` (BUILDER_KEYS)."""
     from pathlib import Path
 
     from unmask.server.app import ServerArgs
@@ -168,14 +244,21 @@ def application(config: dict):
     keys = config.get("api_keys") or os.environ.get("UNMASK_API_KEY", "").split()
     args = ServerArgs(model=model, served_model_name=config.get("served_model_name") or default_served_name(model),
                       api_keys=[keys] if isinstance(keys, str) else list(keys),
-                      **{k: config[k] for k in ("cors_origins", "max_num_seqs", "max_queue", "device", "dtype",
-                                                "kv_cache_dtype", "embedding_model", "default_max_tokens",
-                                                "drain_timeout") if k in config})
+                      **{k: config[k] for k in SERVER_KEYS if k in config}, **static_step_args(config))
     for key in ("max_num_seqs", "max_queue", "default_max_tokens"):
         setattr(args, key, int(getattr(args, key)))
     if config.get("data_dir"):
         args.data_dir = Path(config["data_dir"])
     scale = Scale(replicas=int(config.get("replicas", 1)), num_cpus=float(config.get("num_cpus", 1.0)),
                   num_gpus=float(config.get("num_gpus", 0.0)),
-                  autoscale=parse_autoscale(str(config["autoscale"])) if config.get("autoscale") else None)
-    return build(args, scale)
+                  autoscale=parse_autoscale(str(config["autoscale"])) if config.get("autoscale") else None,
+                  autoscaling=parse_autoscaling(config.get("autoscaling_config") or {}))
+    return args, scale
+
+
+def application(config: dict):
+    """An application builder for Ray Serve's config files (`serve run unmask.cluster.launch:application
+    model=DIR`, KubeRay's serveConfigV2 `import_path` with `args`): the same application as `unmask serve --ray`,
+    from the keys of BUILDER_KEYS (names as ServerArgs' fields and the Scale's, the static step's as its flags;
+    `autoscale` as "MIN,MAX", `autoscaling_config` as more keys of Ray Serve's)."""
+    return build(*builder_args(config))

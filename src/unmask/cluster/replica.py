@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -71,8 +70,8 @@ class EngineReplica:
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         rank = getattr(ctx.rank, "rank", ctx.rank)
-        if args.data_dir is not None:   # one database per replica rank: a replacement resumes its batches
-            args = dataclasses.replace(args, data_dir=args.data_dir / f"replica-{rank}")
+        # every replica opens the same --data-dir: batches and ingestion are claimed row by row in its database
+        # (store/claims.py), so each batch and file is worked on by one replica at a time, whichever got the work
         self.app = create_app(args)
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))

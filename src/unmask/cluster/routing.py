@@ -84,7 +84,9 @@ class AffinityRouter(RequestRouter):
         if not key or len(candidate_replicas) < 2:
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=lambda r: rendezvous(key, r.replica_id.unique_id), reverse=True)
-        if key == STATE_KEY:   # the files and batches live on that replica alone: wait for it rather than go elsewhere
+        # the files and batches live in the --data-dir of that replica's node (shared by the replicas of one node,
+        # not across nodes): wait for it rather than go elsewhere
+        if key == STATE_KEY:
             return [ranked[:1]]
         cache = self.replica_queue_len_cache
         lens = [cache.get(r.replica_id) for r in ranked]
