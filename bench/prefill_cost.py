@@ -14,6 +14,10 @@ computed on the fly: the cost is the real one, the text is not meaningful):
            (prompt chunks of a causal-context model attended through the masked calls instead of the kernels'
            causal rule), RMSNorm and RoPE as written before the fused kernel (--plain-layers); interleaved per
            round (order rotated), per-round ratios against the base.
+  prepare  Segment.prepare of one causal-context prompt chunk per length (seconds, peak RSS growth), this version
+           against another attention.py (--attention FILE), interleaved.
+  layers   the RMSNorms and RoPE of one forward over a --chunk-row chunk: as the library has them ("fused"), as
+           before ("plain") and with torch's F.rms_norm (the CUDA branch), interleaved.
   ttft     time to first token against prompt length, unmask and the AR twin in the same process, interleaved per
            round: unmask = add_request until the first answer token is committed (prefill chunks + the first
            decode step; topk policy, one token per forward, as bench/benchlib/cost.py); the twin = transformers
@@ -23,6 +27,9 @@ computed on the fly: the cost is the real one, the text is not meaningful):
     python bench/prefill_cost.py tune --lengths 8192 --chunks 2048,8192 --threads-list 1 --dtypes bfloat16 \
         --split-off --causal-off --rounds 2
     python bench/prefill_cost.py ttft --lengths 1024,2048,4096,8192,16384,32768 --rounds 2
+    python bench/prefill_cost.py layers --chunk 4096 --threads 1 --rounds 15 [--dtype bfloat16]
+    git show 02f6105:src/unmask/models/attention.py > /tmp/attention-02f6105.py
+    python bench/prefill_cost.py prepare --lengths 4096,32768 --attention /tmp/attention-02f6105.py --rounds 3
 """
 from __future__ import annotations
 
@@ -104,8 +111,13 @@ def _plain_apply(self, x, cos, sin):
     return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
 
 
+def _torch_norm(self, x):  # torch's F.rms_norm, as the library calls it on CUDA
+    return self.weight * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
 _LAYERS = {"fused": (layers.RMSNorm.forward, layers.Rotary.cos_sin, layers.Rotary.apply),
-           "plain": (_plain_norm, _plain_cos_sin, _plain_apply)}
+           "plain": (_plain_norm, _plain_cos_sin, _plain_apply),
+           "torch-norm": (_torch_norm, layers.Rotary.cos_sin, layers.Rotary.apply)}
 
 
 def use_layers(kind: str) -> None:
@@ -206,6 +218,78 @@ def tune(args) -> dict:
     return out
 
 
+def layer_cost(args) -> dict:
+    """The RMSNorms and RoPE of one forward over a chunk of --chunk rows (every norm module of the model on its
+    input's shape, then per layer cos/sin and the q and k rotations), each layers kind, interleaved."""
+    model = load(args.model, args.dtype, args.chunk)[0]
+    a = model.cfg
+    n, dt = args.chunk, model.lm_head.weight.dtype
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, a.hidden_size, generator=g).to(dt)
+    q, k = (torch.randn(n, h, a.head_dim, generator=g).to(dt) for h in (a.num_heads, a.num_kv_heads))
+    norms = [m for m in model.modules() if isinstance(m, layers.RMSNorm)]
+    pos = torch.arange(n)
+
+    def forward() -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for m in norms:
+                m(x) if m.weight.numel() == a.hidden_size else (m(q), m(k))
+            for _ in range(a.num_layers):
+                c, s = model.rope.cos_sin(pos)
+                model.rope.apply(q, c, s), model.rope.apply(k, c, s)
+        return time.perf_counter() - t0
+
+    kinds = ["plain", "fused", "torch-norm"]
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for r in range(args.rounds):
+        for kind in rotated(kinds, r):
+            use_layers(kind)
+            times[kind].append(forward())
+    use_layers("fused")
+    out = {kind: {"seconds": summary(v), "plain_over_this": ratio_summary(times["plain"], v)}
+           for kind, v in times.items()}
+    for kind, v in out.items():
+        print(f"{kind}: {v['seconds']['median'] * 1e3:.1f} ms per forward ({len(norms)} norms, {a.num_layers} "
+              f"layers of RoPE, {n} rows, {dt}); plain / this per round {v['plain_over_this']['median']:.2f}x "
+              f"[{v['plain_over_this']['min']:.2f}-{v['plain_over_this']['max']:.2f}]")
+    return out
+
+
+def load_attention(path: str):
+    """Another version of models/attention.py (e.g. `git show REV:src/unmask/models/attention.py > FILE`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attention_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def prepare(args) -> dict:
+    """Segment.prepare of one causal-context prompt chunk (block ids = positions): seconds and peak RSS growth,
+    this version against --attention FILE, interleaved."""
+    from benchlib.common import PeakMemory
+
+    versions = {"current": attention, **({"file": load_attention(args.attention)} if args.attention else {})}
+    mem, runs = PeakMemory(), {}
+    for r in range(args.rounds):
+        for L in (int(x) for x in args.lengths.split(",")):
+            for name in rotated(list(versions), r):
+                mem.start()
+                t0 = time.perf_counter()
+                seg = versions[name].Segment(start=0, length=L, block_ids=torch.arange(L))
+                seg.prepare()
+                row = {"seconds": time.perf_counter() - t0, **mem.stop()}
+                del seg
+                runs.setdefault(f"{L}/{name}", []).append(row)
+                print(f"round {r} L={L} {name}: prepare {row['seconds'] * 1e3:.1f} ms, peak RSS growth "
+                      f"{row['delta_mb']:.0f} MB", flush=True)
+    return {k: {"seconds": summary([x["seconds"] for x in v]), "delta_mb": summary([x["delta_mb"] for x in v])}
+            for k, v in runs.items()}
+
+
 def twin_first_token(twin, ids: list[int]) -> dict:
     x = torch.tensor([ids])
     with torch.no_grad():
@@ -245,7 +329,7 @@ def ttft(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=("profile", "tune", "ttft"))
+    ap.add_argument("mode", choices=("profile", "tune", "ttft", "prepare", "layers"))
     ap.add_argument("--model", default=str(MODEL))
     ap.add_argument("--twin", default=str(TWIN))
     ap.add_argument("--corpus", default=str(ROOT / "data/corpus/heldout.jsonl"))
@@ -262,10 +346,11 @@ def main() -> None:
     ap.add_argument("--plain-layers", action="store_true",
                     help="tune: also RMSNorm and RoPE as written before the fused kernel (the A/B of that change); "
                          "profile: run with them")
+    ap.add_argument("--attention", default=None, help="prepare: another models/attention.py to compare")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    out = {"profile": profile, "tune": tune, "ttft": ttft}[args.mode](args)
+    out = {"profile": profile, "tune": tune, "ttft": ttft, "prepare": prepare, "layers": layer_cost}[args.mode](args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": out}, indent=1) + "\n")

@@ -11,7 +11,7 @@ from unmask.errors import UnsupportedModelError
 
 
 # torch >= 2.4's fused RMSNorm: one kernel on CUDA; on the CPU (torch 2.13) it runs as pow, mean, rsqrt and two
-# products, slower than the formula below (one 4096 x 256 norm: 3.6 ms against 1.1 ms, float32, 1 thread)
+# products, slower than the formula below in float32 (bench/prefill_cost.py layers; docs/benchmarks.md)
 _RMS_NORM = getattr(F, "rms_norm", None)
 
 
