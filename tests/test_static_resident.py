@@ -55,15 +55,18 @@ def run(model, spec, prompts, params, static=True, resident=True, sticky_rows=0)
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("knobs", [dict(policy="threshold", threshold=0.3), dict(policy="topk", tokens_per_step=2)])
-def test_the_device_advances_the_inputs_the_host_would_stage(family, knobs, models, monkeypatch):
+@pytest.mark.parametrize("sticky_rows", [0, 8])
+def test_the_device_advances_the_inputs_the_host_would_stage(family, knobs, sticky_rows, models, monkeypatch):
     """Blocks of 8 (several steps inside a block): at every step the buffers equal a fresh staging of the plans,
-    most rows of the steps inside a block come from the device, and the tokens are the eager path's."""
+    rows of the steps inside a block come from the device (with the width kept, sticky_rows, also the step
+    after a block's first, whose segment the device moves past the block it wrote), and the tokens are the
+    eager path's."""
     model, spec = models[family]
     params = GenerationParams(max_tokens=16, block_size=8, **knobs)
     eager, _ = run(model, spec, PROMPTS, params, static=False)
     made = checked_device_decisions(monkeypatch)
     seen = watch_inputs(monkeypatch)
-    got, eng = run(model, spec, PROMPTS, params)
+    got, eng = run(model, spec, PROMPTS, params, sticky_rows=sticky_rows)
     assert got == eager and made[0] > 0
     res = eng.runner.static.resident
     assert seen[1] > 0 and res.resident > 0 and res.staged > 0, (seen, res.resident, res.staged)
@@ -101,13 +104,27 @@ def test_resident_and_restaged_inputs_give_the_same_tokens(models):
 
 def test_small_batches_keep_the_wider_width_inside_a_block(models, monkeypatch):
     """sticky_rows (on a GPU: up to 4 rows) keeps a block's first-step width for the steps after it, so those steps
-    replay one shape whose inputs the device advanced: the same tokens, fewer shapes, fewer rows staged."""
+    replay one shape whose inputs the device advanced, the step right after a block's first included (its
+    segment moved past the block it wrote): the host stages a row only at a block's first step. The same
+    tokens, one width, fewer rows staged."""
+    from unmask.engine.static_inputs import Resident
+
     model, spec = models["sdar"]
     params = GenerationParams(max_tokens=24, policy="topk", tokens_per_step=2, block_size=8, ignore_eos=True)
     seen = watch_inputs(monkeypatch)
     narrow, eng0 = run(model, spec, PROMPTS[:2], params)
+    staged_at = []
+    real = Resident.stale_rows
+
+    def stale_rows(self, key, plans, rules):
+        stale = real(self, key, plans, rules)
+        staged_at.append(([i for i in stale if i < len(plans)], [i for i, p in enumerate(plans) if p.segment.write]))
+        return stale
+
+    monkeypatch.setattr(Resident, "stale_rows", stale_rows)
     wide, eng = run(model, spec, PROMPTS[:2], params, sticky_rows=4)
     assert wide == narrow and seen[1] > 0
     st, st0 = eng.runner.static, eng0.runner.static
     assert {k[1] for k in st.shapes} == {16} and {k[1] for k in st0.shapes} == {8, 16}
+    assert all(stale == writes for stale, writes in staged_at[1:]), staged_at
     assert st.resident.staged < st0.resident.staged and st.resident.resident > st0.resident.resident

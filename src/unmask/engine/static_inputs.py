@@ -1,17 +1,18 @@
 """The static step's inputs: staged on the host for the rows that need it, advanced on the device for the rest.
 
-A static step (engine/static_step.py) reads one long tensor per shape, [rows, 3W + 9 + K + context / PAGE]
+A static step (engine/static_step.py) reads one long tensor per shape, [rows, 3W + 10 + K + context / PAGE]
 (`Columns`), and one float tensor [rows, 3] (each row's threshold, temperature and top-p). The host stages a
 row there when the row's layout is new (a request joins, a block starts, the shape changed); the step itself
 writes the next step's inputs of every row at its end (`advance_on_device`): the committed tokens into the
 row's canvas (its token ids), the read rows that stay masked, their count, the forced-first column cleared,
-the draw counter + 1. Positions, block ids, the cache start and the page table do not change while a block
-is decoded, so a row whose next plan is what the step left (`Resident.stale_rows` checks it against the
+the draw counter + 1, and after a block's first step (which writes the finished block's K/V) the segment
+moved past what it wrote. The page table does not change while a request runs, so a row whose next plan is
+what the step left (`Resident.stale_rows` checks it against the
 step's own commit flags, which the host read anyway) needs nothing from the host: no staging, no copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -23,7 +24,7 @@ from unmask.engine.kv_pool import PAGE
 from unmask.engine.sequence import Sequence, StepPlan
 
 PAD_BLOCK = 1 << 40     # padding tokens' block id: above every real block, so no real query sees them
-NARROW = 9              # start, count, rule, quota, first, shift, top_k, seed, counter
+NARROW = 10             # start, count, rule, quota, first, shift, top_k, seed, counter, write
 _EMPTY = torch.empty(0, dtype=torch.long)
 
 
@@ -42,6 +43,7 @@ class Columns(NamedTuple):
     top_k: Tensor    # [rows] sampling's top-k (0: off)
     seed: Tensor     # [rows] the request's seed for device draws (decoding/device_sample.py)
     counter: Tensor  # [rows] the request's draw counter: its forwards so far
+    write: Tensor    # [rows] leading tokens whose K/V this step stores (a block's first step: the finished block)
     reads: Tensor    # [rows, K] which of its W rows each row projects to logits
     table: Tensor    # [rows, context / PAGE] the pool page of each row's positions (past its pages: scratch)
 
@@ -83,7 +85,9 @@ class RowRule:
     code: int = HOST
     quota: int = 0
     tau: float = 1.0
-    forced: int = -1          # block start whose first token is forced into the commit, or -1
+    # block start whose first token is forced into the commit, or -1 (not compared: a resident row's is -1, checked
+    # apart)
+    forced: int = field(default=-1, compare=False)
     temperature: float = 0.0  # > 0: drawn on the device
     top_k: int = 0
     top_p: float = 1.0
@@ -137,9 +141,10 @@ def fill_rows(stage: Tensor, floats: Tensor, w: int, k: int, context: int, plans
     shifts = [int(p.seq.traits.shift) if p is not None else 0 for p in plans]
     c.shift.copy_(torch.tensor(shifts))
     longs = torch.tensor([(r.code, r.quota, r.top_k, r.seed, p.seq.stats.forwards if p is not None else 0,
-                           r.forced - p.segment.start - s if r.forced >= 0 else -1)
+                           r.forced - p.segment.start - s if r.forced >= 0 else -1,
+                           p.segment.write if p is not None else 0)
                           for p, r, s in zip(plans, rules, shifts)], dtype=torch.long)
-    for col, values in zip((c.rule, c.quota, c.top_k, c.seed, c.counter, c.first), longs.unbind(1)):
+    for col, values in zip((c.rule, c.quota, c.top_k, c.seed, c.counter, c.first, c.write), longs.unbind(1)):
         col.copy_(values)
     floats[:n] = torch.tensor([(r.tau, r.temperature, r.top_p) for r in rules], dtype=torch.float32)
 
@@ -147,18 +152,34 @@ def fill_rows(stage: Tensor, floats: Tensor, w: int, k: int, context: int, plans
 def advance_on_device(c: Columns, tokens: Tensor, commit: Tensor) -> None:
     """The next step's inputs, written by the step (inside the captured graph): each committed token [rows, K] into
     its canvas column (read row + shift), the read rows left masked moved to the front in order (padding: row 0),
-    their count, no forced first column, the draw counter + 1. Exactly what `fill_rows` stages for the row's next
-    plan when that plan is the same segment with the host's commit equal to this one (Resident checks it)."""
+    their count, no forced first column, the draw counter + 1; and where the step wrote K/V (a block's first
+    step carries the finished block), the segment moved past what it wrote, as the next plan starts where the
+    cache now ends. Exactly what `fill_rows` stages for the row's next plan when that plan is this segment
+    (less what was written) with the host's commit equal to this one (Resident checks it)."""
     rows, w = c.ids.shape
     k = c.reads.shape[1]
+    dev = c.ids.device
     canvas_col = c.reads + c.shift[:, None]
-    hit = (canvas_col[:, None, :] == torch.arange(w, device=c.ids.device)[None, :, None]) & commit[:, None, :]
-    c.ids.copy_(torch.where(hit.any(dim=2), (hit.long() * tokens[:, None, :]).sum(dim=2), c.ids))
-    keep = (torch.arange(k, device=c.ids.device)[None, :] < c.count[:, None]) & ~commit
+    hit = (canvas_col[:, None, :] == torch.arange(w, device=dev)[None, :, None]) & commit[:, None, :]
+    ids = torch.where(hit.any(dim=2), (hit.long() * tokens[:, None, :]).sum(dim=2), c.ids)
+    keep = (torch.arange(k, device=dev)[None, :] < c.count[:, None]) & ~commit
     dest = torch.where(keep, keep.long().cumsum(dim=1) - 1, k)  # a kept row's new place; the rest to a spare column
-    moved = torch.zeros(rows, k + 1, dtype=c.reads.dtype, device=c.reads.device).scatter_(1, dest, c.reads)
-    c.reads.copy_(moved[:, :k])
-    c.count.copy_(keep.sum(dim=1))
+    moved = torch.zeros(rows, k + 1, dtype=c.reads.dtype, device=dev).scatter_(1, dest, c.reads)[:, :k]
+    # past the written prefix: token j of the next segment is token j + write of this one (a segment's real
+    # tokens are a prefix of its row: the rest has block id PAD_BLOCK)
+    wr = c.write
+    cols = torch.arange(w, device=dev)[None, :]
+    real = cols < ((c.bids != PAD_BLOCK).sum(dim=1) - wr)[:, None]
+    src = (cols + wr[:, None]).clamp(max=w - 1)
+    c.ids.copy_(torch.where(real, ids.gather(1, src), 0))
+    c.bids.copy_(torch.where(real, c.bids.gather(1, src), PAD_BLOCK))
+    c.pos.add_(wr[:, None])
+    c.start.add_(wr)
+    count = keep.sum(dim=1)
+    c.reads.copy_(torch.where(torch.arange(k, device=dev)[None, :] < count[:, None], (moved - wr[:, None]).clamp(min=0),
+                              0))
+    c.count.copy_(count)
+    c.write.zero_()
     c.first.fill_(-1)
     c.counter.add_(1)
 
@@ -201,13 +222,15 @@ class Resident:
         was = self.rows[i] if i < len(self.rows) else None
         seg = p.segment
         return (was is not None and was.seq is p.seq and was.start == seg.start and was.length == seg.length
-                and seg.write == 0 and was.cache is cache_of(p) and was.rule == r
+                and seg.write == 0 and r.forced < 0 and was.cache is cache_of(p) and was.rule == r
                 and torch.equal(was.rows, p.logit_rows))
 
-    def remember(self, key: tuple, plans: list[StepPlan], rules: list[RowRule], commits: list[Tensor | None]) -> None:
-        """After the step: the rows the device advanced from its own commit (`commits[i]`, None where the host
-        decided or had no proposal: those rows are staged next time)."""
+    def remember(self, key: tuple, plans: list[StepPlan], rules: list[RowRule], keeps: list[Tensor | None]) -> None:
+        """After the step: the rows the device advanced from its own commit (`keeps[i]`: the read rows it left
+        masked; None where the host decided or had no proposal: those rows are staged next time)."""
         self.key = key
-        self.rows = [None if m is None else _Row(p.seq, p.segment.start, p.segment.length, cache_of(p),
-                                                 replace(r, forced=-1), p.logit_rows[~m])
-                     for p, r, m in zip(plans, rules, commits)]
+        self.rows = [None if m is None else _Row(p.seq, p.segment.start + p.segment.write,
+                                                 p.segment.length - p.segment.write, cache_of(p), r,
+                                                 p.logit_rows[m] - p.segment.write if p.segment.write else
+                                                 p.logit_rows[m])
+                     for p, r, m in zip(plans, rules, keeps)]

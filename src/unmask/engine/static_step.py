@@ -75,6 +75,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_WIDTH = 64          # tokens one row may feed; wider steps (prefill chunks) run eagerly
 MIN_CONTEXT = 128       # smallest context bucket: short prompts share one graph per (rows, width, K)
 _OFF = ("0", "false", "no", "off")
+_NONE_KEPT = torch.zeros(0, dtype=torch.bool)  # a decided row without read rows keeps none
 _ON = ("1", "true", "yes", "on")
 
 
@@ -378,7 +379,7 @@ class StaticStep:
             self.host_reads += 1
             # typed once for the whole step; each request below takes views (a few us, not a few ops each)
             cols = (packed[0].long(), packed[1].float(), packed[2].float(), packed[3].float(),
-                    torch.full((packed.shape[1],), float("nan")), packed[4].bool())
+                    torch.full((packed.shape[1],), float("nan")), packed[4].bool(), packed[4] == 0)
         want = [i for i, (r, p) in enumerate(zip(rules, plans)) if not r.on_device and p.logit_rows.numel()]
         host_logits = None
         if want:  # sampled on the host or adjusted requests: their rows' logits, from the graph's hidden states
@@ -386,28 +387,28 @@ class StaticStep:
             host_logits = self.model.logits(shape.hidden[flat.to(self.device, non_blocking=True)]).cpu()
             self.host_reads += 1
         out: list[Tensor | Proposal] = []
-        commits: list[Tensor | None] = []  # the device's commit of each row it decided (the resident rows' state)
+        keeps: list[Tensor | None] = []  # per row the device decided, the read rows its commit left masked
         taken = 0
         vocab = self.model.lm_head.weight.shape[0]
         for i, (r, p) in enumerate(zip(rules, plans)):
             m = p.logit_rows.numel()
             decided = r.on_device and r.code != HOST
-            commits.append(torch.zeros(0, dtype=torch.bool) if decided else None)
+            keeps.append(_NONE_KEPT if decided else None)
             if m == 0:
                 out.append(torch.empty(0, vocab))
             elif r.on_device:
-                tokens, probs, margin, logprobs, entropy, commit = (c[i * k:i * k + m] for c in cols)
+                tokens, probs, margin, logprobs, entropy, commit, keep = (c[i * k:i * k + m] for c in cols)
                 if not decided:  # the request's rule runs on the host, over the proposal
                     out.append(Proposal(tokens=tokens, probs=probs, entropy=entropy, margin=margin, logprobs=logprobs))
                 else:
                     out.append(DeviceDecision(tokens=tokens, probs=probs, entropy=entropy, margin=margin,
                                               logprobs=logprobs, commit=commit))
-                    commits[-1] = commit
+                    keeps[-1] = keep
             else:
                 out.append(host_logits[taken:taken + m])
                 taken += m
         if self.resident is not None:
-            self.resident.remember(key, plans, rules, commits)
+            self.resident.remember(key, plans, rules, keeps)
         return out
 
 
