@@ -28,6 +28,8 @@ def test_the_builder_passes_the_static_step_settings_to_the_engine_args():
     ({"static_step": True, "gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
     ({"static_step": True, "kv_pool_tokens": 8}, "kv_pool_tokens must be at least 16 (one page of the KV pool), got 8"),
     ({"static_step": "maybe"}, "static_step must be true or false, got 'maybe'"),
+    ({"static_step": True, "kv_pool_tokens": "many"}, "kv_pool_tokens must be a whole number, got 'many'"),
+    ({"static_step": True, "gpu_memory_utilization": "half"}, "gpu_memory_utilization must be a number, got 'half'"),
     ({"autoscale": "1,2", "autoscaling_config": {"min_replicas": 0}},
      "the autoscaling config cannot set min_replicas: --autoscale MIN,MAX and --max-num-seqs do"),
     ({"autoscale": "1,2", "autoscaling_config": {"downscale_delay": 5}}, "unknown autoscaling key(s) downscale_delay;"),

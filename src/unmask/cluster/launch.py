@@ -208,8 +208,14 @@ def static_step_args(config: dict) -> dict:
     from unmask.errors import InvalidRequestError
 
     static = _switch("static_step", config["static_step"]) if "static_step" in config else None
-    utilization = float(config["gpu_memory_utilization"]) if "gpu_memory_utilization" in config else None
-    tokens = int(config["kv_pool_tokens"]) if config.get("kv_pool_tokens") is not None else None
+    try:
+        utilization = float(config["gpu_memory_utilization"]) if "gpu_memory_utilization" in config else None
+    except (TypeError, ValueError):
+        raise ClusterError(f"gpu_memory_utilization must be a number, got {config['gpu_memory_utilization']!r}") from None
+    try:
+        tokens = int(config["kv_pool_tokens"]) if config.get("kv_pool_tokens") is not None else None
+    except (TypeError, ValueError):
+        raise ClusterError(f"kv_pool_tokens must be a whole number, got {config['kv_pool_tokens']!r}") from None
     if not static and (utilization is not None or tokens is not None):
         raise ClusterError("gpu_memory_utilization and kv_pool_tokens size the static step's KV pool: add "
                            "static_step: true")
