@@ -26,6 +26,7 @@ from unmask.engine.sequence import Sequence, StepPlan
 PAD_BLOCK = 1 << 40     # padding tokens' block id: above every real block, so no real query sees them
 NARROW = 10             # start, count, rule, quota, first, shift, top_k, seed, counter, write
 _EMPTY = torch.empty(0, dtype=torch.long)
+_TAG = 1 << 32          # read rows are < MAX_WIDTH: row i's values tagged i x _TAG stay apart
 
 
 class Columns(NamedTuple):
@@ -187,11 +188,12 @@ def advance_on_device(c: Columns, tokens: Tensor, commit: Tensor) -> None:
 @dataclass
 class _Row:
     seq: Sequence
-    start: int
+    start: int    # the segment the device moved the row to: past what the step wrote
     length: int
     cache: object
     rule: RowRule
-    rows: Tensor  # the read rows the device kept (those its commit left masked)
+    read: Tensor  # the step's read rows (logit_rows); the device kept those its commit left masked, less `write`
+    write: int
 
 
 class Resident:
@@ -200,6 +202,7 @@ class Resident:
     def __init__(self):
         self.key: tuple | None = None
         self.rows: list[_Row | None] = []
+        self.commit: Tensor | None = None  # the last step's commit flags [rows x K] (host), as the device made them
         self.resident = self.staged = 0  # requests' rows that needed nothing from the host / that it staged, in all
 
     def stale_rows(self, key: tuple, plans: list[StepPlan], rules: list[RowRule]) -> list[int]:
@@ -211,26 +214,44 @@ class Resident:
         if key != self.key:
             stale = list(range(rows))
         else:
-            stale = [i for i, (p, r) in enumerate(zip(plans, rules)) if not self._same(i, p, r)]
+            same = [i for i, (p, r) in enumerate(zip(plans, rules)) if self._same_segment(i, p, r)]
+            ok = set(self._same_reads(key[3], plans, same))
+            stale = [i for i in range(len(plans)) if i not in ok]
             stale += [i for i in range(len(plans), rows) if i < len(self.rows) and self.rows[i] is not None]
         real = sum(i < len(plans) for i in stale)
         self.staged += real
         self.resident += len(plans) - real
         return stale
 
-    def _same(self, i: int, p: StepPlan, r: RowRule) -> bool:
+    def _same_segment(self, i: int, p: StepPlan, r: RowRule) -> bool:
         was = self.rows[i] if i < len(self.rows) else None
         seg = p.segment
         return (was is not None and was.seq is p.seq and was.start == seg.start and was.length == seg.length
-                and seg.write == 0 and r.forced < 0 and was.cache is cache_of(p) and was.rule == r
-                and torch.equal(was.rows, p.logit_rows))
+                and seg.write == 0 and r.forced < 0 and was.cache is cache_of(p) and was.rule == r)
 
-    def remember(self, key: tuple, plans: list[StepPlan], rules: list[RowRule], keeps: list[Tensor | None]) -> None:
-        """After the step: the rows the device advanced from its own commit (`keeps[i]`: the read rows it left
-        masked; None where the host decided or had no proposal: those rows are staged next time)."""
-        self.key = key
-        self.rows = [None if m is None else _Row(p.seq, p.segment.start + p.segment.write,
-                                                 p.segment.length - p.segment.write, cache_of(p), r,
-                                                 p.logit_rows[m] - p.segment.write if p.segment.write else
-                                                 p.logit_rows[m])
-                     for p, r, m in zip(plans, rules, keeps)]
+    def _same_reads(self, k: int, plans: list[StepPlan], rows: list[int]) -> list[int]:
+        """Of `rows`, those whose plan reads exactly the rows the device kept: one comparison for all of them (the
+        per-row tensor ops would cost more host time than the staging they save), per row only on a mismatch.
+        Each value is tagged with its row, so that equal concatenations mean equal rows; nothing is read out of
+        a tensor (HostReads counts such calls as device reads)."""
+        if not rows:
+            return []
+        if self.commit is None:  # no row had read rows last step: nothing was committed
+            return [i for i in rows if plans[i].logit_rows.numel() == 0 and self.rows[i].read.numel() == 0]
+        prev = [(i, self.rows[i].read.numel(), self.rows[i].write) for i in rows]
+        flags = torch.tensor([i * k + j for i, m, _ in prev for j in range(m)], dtype=torch.long)
+        shift = torch.tensor([i * _TAG - w for i, m, w in prev for _ in range(m)], dtype=torch.long)
+        expected = (torch.cat([self.rows[i].read for i in rows]) + shift)[~self.commit[flags]]
+        tags = torch.tensor([i * _TAG for i in rows for _ in range(plans[i].logit_rows.numel())], dtype=torch.long)
+        if torch.equal(expected, torch.cat([plans[i].logit_rows for i in rows]) + tags):
+            return rows
+        return [i for i in rows if self._same_reads(k, plans, [i]) == [i]] if len(rows) > 1 else []
+
+    def remember(self, key: tuple, plans: list[StepPlan], rules: list[RowRule], decided: list[bool],
+                 commit: Tensor | None) -> None:
+        """After the step: the rows the device advanced from its own commit flags `commit` [rows x K] (`decided[i]`
+        False where the host decided or had no proposal: those rows are staged next time)."""
+        self.key, self.commit = key, commit
+        self.rows = [_Row(p.seq, p.segment.start + p.segment.write, p.segment.length - p.segment.write, cache_of(p),
+                          r, p.logit_rows, p.segment.write) if d else None
+                     for p, r, d in zip(plans, rules, decided)]

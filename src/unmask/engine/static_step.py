@@ -75,7 +75,6 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_WIDTH = 64          # tokens one row may feed; wider steps (prefill chunks) run eagerly
 MIN_CONTEXT = 128       # smallest context bucket: short prompts share one graph per (rows, width, K)
 _OFF = ("0", "false", "no", "off")
-_NONE_KEPT = torch.zeros(0, dtype=torch.bool)  # a decided row without read rows keeps none
 _ON = ("1", "true", "yes", "on")
 
 
@@ -379,7 +378,7 @@ class StaticStep:
             self.host_reads += 1
             # typed once for the whole step; each request below takes views (a few us, not a few ops each)
             cols = (packed[0].long(), packed[1].float(), packed[2].float(), packed[3].float(),
-                    torch.full((packed.shape[1],), float("nan")), packed[4].bool(), packed[4] == 0)
+                    torch.full((packed.shape[1],), float("nan")), packed[4].bool())
         want = [i for i, (r, p) in enumerate(zip(rules, plans)) if not r.on_device and p.logit_rows.numel()]
         host_logits = None
         if want:  # sampled on the host or adjusted requests: their rows' logits, from the graph's hidden states
@@ -387,28 +386,27 @@ class StaticStep:
             host_logits = self.model.logits(shape.hidden[flat.to(self.device, non_blocking=True)]).cpu()
             self.host_reads += 1
         out: list[Tensor | Proposal] = []
-        keeps: list[Tensor | None] = []  # per row the device decided, the read rows its commit left masked
+        decided_rows: list[bool] = []  # rows whose commit the device made: their next inputs are the device's
         taken = 0
         vocab = self.model.lm_head.weight.shape[0]
         for i, (r, p) in enumerate(zip(rules, plans)):
             m = p.logit_rows.numel()
             decided = r.on_device and r.code != HOST
-            keeps.append(_NONE_KEPT if decided else None)
+            decided_rows.append(decided and (m == 0 or cols is not None))
             if m == 0:
                 out.append(torch.empty(0, vocab))
             elif r.on_device:
-                tokens, probs, margin, logprobs, entropy, commit, keep = (c[i * k:i * k + m] for c in cols)
+                tokens, probs, margin, logprobs, entropy, commit = (c[i * k:i * k + m] for c in cols)
                 if not decided:  # the request's rule runs on the host, over the proposal
                     out.append(Proposal(tokens=tokens, probs=probs, entropy=entropy, margin=margin, logprobs=logprobs))
                 else:
                     out.append(DeviceDecision(tokens=tokens, probs=probs, entropy=entropy, margin=margin,
                                               logprobs=logprobs, commit=commit))
-                    keeps[-1] = keep
             else:
                 out.append(host_logits[taken:taken + m])
                 taken += m
         if self.resident is not None:
-            self.resident.remember(key, plans, rules, keeps)
+            self.resident.remember(key, plans, rules, decided_rows, cols[5] if cols is not None else None)
         return out
 
 
