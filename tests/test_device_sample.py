@@ -4,7 +4,7 @@ where it samples), and sampled requests in the engine's static step (tokens, rea
 import pytest
 import torch
 
-from test_static_step import PROMPTS, checked_device_decisions, models  # noqa: F401 (fixture)
+from test_static_step import PROMPTS, checked_device_decisions, counted_steps, models  # noqa: F401 (fixture)
 from unmask.decoding.device_sample import sample_rows, splitmix64, uniforms
 from unmask.decoding.sampling import SamplingParams, propose
 from unmask.engine.engine import Engine
@@ -126,10 +126,13 @@ def test_sampled_requests_with_one_choice_give_the_eager_tokens_in_one_read(fami
                               top_k=1, seed=4)
     eager, _ = run(model, spec, PROMPTS[:3], params, static=False)
     made = checked_device_decisions(monkeypatch)
-    got, eng = run(model, spec, PROMPTS[:3], params)
+    eng = Engine(model, spec, max_num_seqs=8, static_step=True, kv_pool_tokens=4096)
+    seqs = [eng.add_request(p, params) for p in PROMPTS[:3]]
+    reads = counted_steps(eng, monkeypatch)
+    eng.run_to_completion()
     st = eng.runner.static
-    assert got == eager and st.sample and made[0] > 0 and made[1] == 0
-    assert st.host_reads == 1 and all(key[4] for key in st.shapes)  # every shape sampled, one read each
+    assert [s.output_ids for s in seqs] == eager and st.sample and made[0] > 0 and made[1] == 0
+    assert set(reads) == {1} and all(key[4] for key in st.shapes)  # every shape sampled, one read each step
 
 
 def test_seeded_device_draws_repeat_and_do_not_depend_on_the_batch(models, monkeypatch):

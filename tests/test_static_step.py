@@ -401,9 +401,12 @@ class FakeCapture:
         return False
 
 
-def test_the_capture_path_replays_into_the_captured_outputs(models, monkeypatch):
+@pytest.mark.parametrize("gpu_defaults", [False, True])
+def test_the_capture_path_replays_into_the_captured_outputs(gpu_defaults, models, monkeypatch):
     """The CUDA-only branch on the CPU, with torch.cuda's graph API replaced by stand-ins: warm-up under the
-    sync-refusing debug mode on a side stream, one capture per shape, replays after, same tokens as eager."""
+    sync-refusing debug mode on a side stream, one capture per shape, replays after, same tokens as eager.
+    gpu_defaults: as on a GPU, sampled requests draw inside the graph (one here, whose top_k 1 leaves the
+    eager token) and up to 4 rows keep the wider width; the replays advance their own inputs."""
     from unmask.engine import static_step as S
 
     modes = []
@@ -431,14 +434,23 @@ def test_the_capture_path_replays_into_the_captured_outputs(models, monkeypatch)
 
     monkeypatch.setattr(S.StaticStep, "_capture", capture)
     model, spec = models["sdar"]
-    params = GenerationParams(max_tokens=12, policy="threshold", threshold=0.4, block_size=4)
+    params = [GenerationParams(max_tokens=12, policy="threshold", threshold=0.4, block_size=4)] * 5
+    if gpu_defaults:
+        params = params[:3] + [GenerationParams(max_tokens=12, policy="threshold", threshold=0.4, block_size=4,
+                                                temperature=0.8, top_k=1, seed=1)]
     eng = Engine(model, spec, max_num_seqs=8, static_step=True, kv_pool_tokens=4096)
     st = eng.runner.static
     st.graphs, st.mempool = True, torch.cuda.graph_pool_handle()
-    seqs = [eng.add_request(p, params) for p in PROMPTS]
+    if gpu_defaults:
+        st.sample, st.sticky_rows = True, 4
+    seqs = [eng.add_request(p, q) for p, q in zip(PROMPTS, params)]
     eng.run_to_completion()
-    eager, _ = run(model, spec, PROMPTS, params, static=False)
+    eager = []
+    for p, q in zip(PROMPTS, params):
+        eager += run(model, spec, [p], q, static=False)[0]
     assert [s.output_ids for s in seqs] == eager
+    if gpu_defaults:
+        assert any(key[4] for key in st.shapes) and st.resident.resident > 0
     assert st.captures == len(st.shapes) and all(shape.captured for shape in st.shapes.values())
     assert st.replays == st.steps > st.captures
     assert modes[:2] == ["error", 0]  # the warm-up refused synchronising ops, then the mode came back
