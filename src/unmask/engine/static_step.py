@@ -370,15 +370,20 @@ class StaticStep:
                  rules: list[RowRule]) -> list[Tensor | Proposal]:
         k = key[3]
         self.host_reads = 0
-        cols = None
-        if any(r.on_device and p.logit_rows.numel() for r, p in zip(rules, plans)):
+        counts = [p.logit_rows.numel() for p in plans]
+        cols = flags = None
+        if any(r.on_device and m for r, m in zip(rules, counts)):
             t0 = time.perf_counter()
             packed = shape.packed.cpu()  # the step's one synchronisation
             self.wait_s += time.perf_counter() - t0
             self.host_reads += 1
-            # typed once for the whole step; each request below takes views (a few us, not a few ops each)
-            cols = (packed[0].long(), packed[1].float(), packed[2].float(), packed[3].float(),
-                    torch.full((packed.shape[1],), float("nan")), packed[4].bool())
+            flags = packed[4].bool()  # [rows x K] commit flags, as the resident rows' check reads them
+            # each row's real columns, typed and split once for the whole step (a few ops, not a few per request)
+            index = torch.tensor([i * k + j for i, m in enumerate(counts) for j in range(m)], dtype=torch.long)
+            real = packed[:, index]
+            cols = list(zip(*(t.split(counts) for t in (real[0].long(), real[1].float(), real[2].float(),
+                                                          real[3].float(), torch.full((real.shape[1],), float("nan")),
+                                                          real[4].bool()))))
         want = [i for i, (r, p) in enumerate(zip(rules, plans)) if not r.on_device and p.logit_rows.numel()]
         host_logits = None
         if want:  # sampled on the host or adjusted requests: their rows' logits, from the graph's hidden states
@@ -389,14 +394,13 @@ class StaticStep:
         decided_rows: list[bool] = []  # rows whose commit the device made: their next inputs are the device's
         taken = 0
         vocab = self.model.lm_head.weight.shape[0]
-        for i, (r, p) in enumerate(zip(rules, plans)):
-            m = p.logit_rows.numel()
+        for i, (r, m) in enumerate(zip(rules, counts)):
             decided = r.on_device and r.code != HOST
             decided_rows.append(decided and (m == 0 or cols is not None))
             if m == 0:
                 out.append(torch.empty(0, vocab))
             elif r.on_device:
-                tokens, probs, margin, logprobs, entropy, commit = (c[i * k:i * k + m] for c in cols)
+                tokens, probs, margin, logprobs, entropy, commit = cols[i]
                 if not decided:  # the request's rule runs on the host, over the proposal
                     out.append(Proposal(tokens=tokens, probs=probs, entropy=entropy, margin=margin, logprobs=logprobs))
                 else:
@@ -406,7 +410,7 @@ class StaticStep:
                 out.append(host_logits[taken:taken + m])
                 taken += m
         if self.resident is not None:
-            self.resident.remember(key, plans, rules, decided_rows, cols[5] if cols is not None else None)
+            self.resident.remember(key, plans, rules, decided_rows, flags)
         return out
 
 
