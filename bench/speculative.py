@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--infill", type=int, default=59)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="both sides' weights (bfloat16: what `unmask serve` picks on CPUs with AVX512-BF16 / AMX)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
@@ -56,19 +58,19 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype="float32", device="cpu")
+    llm = LLM(args.model, dtype=args.dtype, device="cpu")
     if not policies.speculative_model(llm):
         sys.exit(f"{args.model} has no causal context: policy speculative does not run on it")
     variants = [policies.Variant(n, lbl, knobs) for n, lbl, knobs in VARIANTS]
     if args.distilled is not None:
-        other = LLM(args.distilled, dtype="float32", device="cpu")
+        other = LLM(args.distilled, dtype=args.dtype, device="cpu")
         from unmask.engine.engine import Engine
 
         other.engine = Engine(other.model, other.spec, other.tokenizer, max_num_seqs=1, prefix_cache_bytes=0)
         variants += [policies.Variant(f"distilled:{n}", f"distilled: {lbl}", knobs, group="distilled", llm=other)
                      for n, lbl, knobs in VARIANTS]
     if not args.no_twin:
-        hf = twin.HFTwin(args.twin, dtype="float32")
+        hf = twin.HFTwin(args.twin, dtype=args.dtype)
         variants.append(policies.Variant(hf.name, "AR twin, transformers generate (KV cache)", decoder=hf,
                                          cache="KV (DynamicCache)", group="twin"))
     tasks, info = policies.load_tasks(llm, args.corpus, args.sft_heldout, args.next_line, args.infill)
@@ -84,7 +86,7 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = {"command": " ".join(sys.argv), "model": str(args.model), "distilled": str(args.distilled),
-               "threads": torch.get_num_threads(), "rounds": args.rounds, "tasks": info,
+               "threads": torch.get_num_threads(), "dtype": args.dtype, "rounds": args.rounds, "tasks": info,
                "seconds": time.perf_counter() - t0, "results": results}
         args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
