@@ -36,11 +36,6 @@ CASES = {  # name -> generate arguments: short decoding, and a long prompt whose
 }
 
 
-# torch (and with it the OpenMP runtime, which reads the policy once) loads before the CLI module, so "unset"
-# measures the runtime's own default even where the CLI would choose one
-BOOT = "import sys, torch; from unmask.cli import main; sys.argv = ['unmask'] + sys.argv[1:]; main()"
-
-
 def policy_env(policy: str, threads: int) -> dict:
     env = dict(os.environ)
     env.pop("OMP_WAIT_POLICY", None)
@@ -55,7 +50,7 @@ def policy_env(policy: str, threads: int) -> dict:
 
 def one(policy: str, args: list[str], threads: int) -> float:
     env = policy_env(policy, threads)
-    cmd = [sys.executable, "-c", BOOT, "generate", "--stats", *args]
+    cmd = [sys.executable, "-m", "unmask.cli", "generate", "--stats", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     found = re.findall(r"([\d.]+) tokens/s", p.stdout + p.stderr)
     if p.returncode or not found:
@@ -69,7 +64,7 @@ def serve_once(policy: str, threads: int, concurrency: int) -> float:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-c", BOOT, "serve", "--port", str(port)], cwd=ROOT,
+    server = subprocess.Popen([sys.executable, "-m", "unmask.cli", "serve", "--port", str(port)], cwd=ROOT,
                               env=policy_env(policy, threads), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):

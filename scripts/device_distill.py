@@ -106,13 +106,10 @@ def main() -> None:
     ap.add_argument("--chat", default="data/sft/train.jsonl", help="chat / FIM records whose prompts are answered")
     ap.add_argument("--sft-heldout", default="data/sft/heldout.jsonl", help="held-out infill records for the eval")
     ap.add_argument("--quick", action="store_true", help="a few prompts and steps, tiny evaluations (CPU smoke run)")
-    ap.add_argument("--join", type=Path, help="a fetched --out: write the model directory --to and exit")
-    ap.add_argument("--to", type=Path, help="with --join: the model directory to write")
+    dt.add_join_args(ap)
     a = ap.parse_args()
     if a.join:
-        if a.to is None:
-            ap.error("--join needs --to MODEL_DIR")
-        dt.join_shards(a.join, a.to)
+        dt.join_fetched(a, ap)
         return
     if not (a.model / "config.json").is_file():
         ap.error(f"--model {a.model}: no config.json there (a model directory)")
@@ -158,9 +155,9 @@ def main() -> None:
     if report.is_file():  # the teacher's and the student's compute, for the AR twin comparison
         summary["compute"] = json.loads(report.read_text())
     student = runs / "distill" / "model"
-    for name in ("generation_config.json",):  # the defaults the base ships with (default policy, penalties)
-        if (a.model / name).is_file() and not (student / name).is_file():
-            shutil.copy2(a.model / name, student / name)
+    gen = "generation_config.json"  # the defaults the base ships with (default policy, penalties)
+    if (a.model / gen).is_file() and not (student / gen).is_file():
+        shutil.copy2(a.model / gen, student / gen)
     save()
 
     for who, path in (("base", a.model), ("student", student)):

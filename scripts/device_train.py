@@ -189,6 +189,18 @@ def join_shards(fetched: Path, dst: Path, which: str = "model") -> None:
     print(f"{dst}: {len(state)} tensors from {len(files)} shards; logs in {meta / 'logs'}")
 
 
+def add_join_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--join", type=Path, help="a fetched --out: write the model directory --to and exit")
+    ap.add_argument("--to", type=Path, help="with --join: the model directory to write")
+
+
+def join_fetched(a, ap: argparse.ArgumentParser) -> None:
+    """--join FETCHED --to MODEL_DIR (this script's and device_distill.py's way back from a device call)."""
+    if a.to is None:
+        ap.error("--join needs --to MODEL_DIR")
+    join_shards(a.join, a.to)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "device-train")
@@ -225,14 +237,11 @@ def main() -> None:
     ap.add_argument("--keep-base", action="store_true",
                     help="also bring back the causal base (bf16 shards base-*.safetensors), which a compute-matched "
                          "AR twin starts from; --join ... --base-to DIR writes it")
-    ap.add_argument("--join", type=Path, help="a fetched --out: write the model directory --to and exit")
-    ap.add_argument("--to", type=Path, help="with --join: the model directory to write")
+    add_join_args(ap)
     ap.add_argument("--base-to", type=Path, help="with --join: also write the causal base (--keep-base) here")
     a = ap.parse_args()
     if a.join:
-        if a.to is None:
-            ap.error("--join needs --to MODEL_DIR")
-        join_shards(a.join, a.to)
+        join_fetched(a, ap)
         if a.base_to is not None:
             join_shards(a.join, a.base_to, which="base")
         return
