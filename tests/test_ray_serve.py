@@ -174,7 +174,7 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_503_retries_the_rest_a
 
 
 # ---------------------------------------------------------------------------------------- scaling down
-STREAM_TOKENS = 48
+STREAM_TOKENS = 128  # long enough that a stream spans the moment a replica starts stopping (48 missed it once)
 
 
 def stream_through(handle, content: str) -> dict:
@@ -228,7 +228,7 @@ def test_autoscaled_replicas_scale_down_to_min_without_cutting_a_stream(cluster)
                 failures.append(repr(e))
             n += 1
 
-    threads = [threading.Thread(target=watch)] + [threading.Thread(target=streams, args=(w,)) for w in range(3)]
+    threads = [threading.Thread(target=watch)] + [threading.Thread(target=streams, args=(w,)) for w in range(4)]
     for t in threads:
         t.start()
     try:
