@@ -27,8 +27,9 @@ from unmask.tokenizer import Tokenizer
 from unmask.train.data import DataError, TokenRows, check_vocab, load_pretraining, mix_rows
 from unmask.train.model_init import count_params, load_trainable
 from unmask.train.sft import SFTEncoder
-from unmask.train.trainer import (TrainConfig, TrainConfigError, TrainResult, _finish, _maybe_lora,
-                                  _objective, _prepare, _special_ids, run)
+from unmask.train.run_dir import finish_run, prepare_run
+from unmask.train.trainer import (TrainConfig, TrainConfigError, TrainResult, _maybe_lora, _objective, _special_ids,
+                                  run)
 from unmask.train.trajectories import (FORMAT, TeacherCost, Trajectory, TrajectoryCache, TrajectoryConfig,
                                        draw_prompts, generate_missing, read_all, tokenizer_digest, weights_digest)
 
@@ -91,7 +92,7 @@ def distill(cfg: TrainConfig, model_dir: str | Path, traj: TrajectoryConfig, *, 
         raise TrainConfigError("distillation trains the diffusion objective; objective 'causal' is for `train`")
     text = Path(text) if text is not None else None
     chat = Path(chat) if chat is not None else None
-    ctx = _prepare(cfg)
+    ctx = prepare_run(cfg)
     log = _say if ctx.main else (lambda _: None)
     try:
         tm = load_trainable(model_dir)
@@ -145,9 +146,9 @@ def distill(cfg: TrainConfig, model_dir: str | Path, traj: TrajectoryConfig, *, 
             write_report(Path(cfg.out_dir), cfg, teacher, teacher_cost, teacher_params, n_params, res,
                          two_stream=obj.block_sizes is not None)
     except BaseException:
-        _finish(ctx, failed=True)
+        finish_run(ctx, failed=True)
         raise
-    _finish(ctx)
+    finish_run(ctx)
     return res
 
 

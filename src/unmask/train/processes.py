@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from unmask.train.trainer import TrainConfig
+    from unmask.train.config import TrainConfig
 
 
 @dataclass

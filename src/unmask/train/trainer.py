@@ -11,155 +11,31 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import shutil
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from unmask.errors import UnmaskError
-from unmask.models.registry import family_for
 from unmask.models.transformer import DiffusionTransformer
 from unmask.tokenizer import Tokenizer
-from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, clear_leftovers, ensure_writable, export_model,
-                                     load_checkpoint, rng_state, save_adapter, save_checkpoint, set_rng_state)
+from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, clear_leftovers, load_checkpoint, rng_state,
+                                     save_checkpoint, set_rng_state)
+# the settings and result types live in config.py; callers import them from here as well
+from unmask.train.config import DEFAULT_BLOCK_SIZES, TrainConfig, TrainDivergedError, TrainResult
 from unmask.train.data import (BatchIterator, DataError, TokenRows, check_same_tokenizer, check_vocab, eval_batches,
                                load_pretraining, mix_rows)
-from unmask.train.model_init import (ModelShape, TrainableModel, TrainConfigError, apply_lora, count_params,
-                                     fresh_model, frozen_fingerprint, load_trainable, shape_config, trainable_state)
+from unmask.train.model_init import (TrainableModel, TrainConfigError, apply_lora, count_params, fresh_model,
+                                     frozen_fingerprint, load_trainable, shape_config, trainable_state)
 from unmask.train.objectives import Noise, Objective, diffusion_loss_sum, draw_noise, loss_eligible
 from unmask.train.precision import use_bf16
-from unmask.train.processes import _Dist, _init_dist, _Reporter
+from unmask.train.processes import _Dist, _Reporter
+from unmask.train.resume import check_resume
+from unmask.train.run_dir import earlier_run, export_run, finish_run, prepare_run
 from unmask.train.sft import SFTEncoder, load_sft
-
-DEFAULT_BLOCK_SIZES = (4, 8, 16, 32)
-
-
-class TrainDivergedError(UnmaskError):
-    """The training loss or the weights became non-finite (NaN or infinity)."""
-
-
-# settings a resumed run must share with the checkpoint for its batches and noise to line up; the model itself
-# is compared by its architecture (_check_resume), since `cfg.model` only describes a fresh model
-_RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "sft_pack", "mix_fraction", "objective",
-                "causal_context", "next_token_weight", "suffix_fraction", "confidence_weight", "full_block_fraction",
-                "corrupt_fraction", "long_documents", "passkey_fraction", "rope_scaling")
-ON_ERROR = ("raise", "skip")
-# what an earlier run leaves in out_dir: a new run without resume or overwrite must not replace it
-_RUN_FILES = (CHECKPOINT, "model", "adapter")
-
-
-@dataclass
-class TrainConfig:
-    out_dir: str = "runs/unmask"
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1          # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 100
-    total_steps: int = 2000
-    batch_size: int = 16               # rows per optimizer step, over all processes
-    grad_accum: int = 1                # micro-batches per optimizer step (per process)
-    seq_len: int = 256
-    block_sizes: tuple[int, ...] | None = None  # None: (4, 8, 16, 32) pre-training; the model's own when fine-tuning
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    eval_every: int = 200              # 0: never
-    eval_batches: int = 8
-    save_every: int = 200              # 0: only at the end
-    log_every: int = 10
-    seed: int = 0
-    bf16: bool | None = None           # bf16 autocast (weights, optimizer stay float32); None: where native
-    device: str = "auto"               # "cpu", "cuda", "auto"
-    lora_rank: int = 0                 # >0: train LoRA adapters only (fine-tuning)
-    lora_alpha: float | None = None    # default 2 * rank
-    lora_merge: bool = True            # export merged full weights (the adapter is saved either way)
-    resume: bool = False               # continue from out_dir/checkpoint.pt if it exists
-    overwrite: bool = False            # start over in an out_dir that holds an earlier run (else refused)
-    export_dtype: str = "auto"         # "auto": float32 for a fresh model, else the source checkpoint's dtype
-    on_error: Literal["skip", "raise"] = "raise"  # malformed SFT lines
-    sft_pack: bool = False             # several short SFT records per row (see sft.build_sft_rows)
-    mix_fraction: float = 0.0          # fine-tuning: share of rows that are plain corpus text (loss on all tokens)
-    progress: Literal["auto", "rich", "plain", "none"] = "auto"
-    compile: bool = False              # torch.compile each transformer block (see compile_blocks)
-    # "causal": next-token pre-training under causal attention, exported with shift_logits so that
-    # block-diffusion training continues from it (objectives.py); pre-training (`train`) only
-    objective: Literal["diffusion", "causal"] = "diffusion"
-    # block diffusion whose committed text is read causally (objectives.py, "Causal context"): `train` sets
-    # it on a shifted model's config, fine-tuning follows the model's config; next_token_weight scores the
-    # clean stream's next-token rows alongside (0: off)
-    causal_context: bool = False
-    next_token_weight: float = 1.0
-    suffix_fraction: float = 0.0       # block diffusion: share of blocks masked as a tail (objectives.py)
-    full_block_fraction: float = 0.0   # block diffusion: share of blocks masked whole (objectives.py)
-    confidence_weight: float = 0.0     # certainty forcing: entropy of right masked predictions (objectives.py)
-    corrupt_fraction: float = 0.0      # share of noised positions holding a random token, not the mask (corruption.py)
-    # long-context continued pre-training (long_context.py): rows packed one document per package, a share of
-    # passkey retrieval rows, RoPE scaling "linear:F" / "yarn:F" written to the exported config.json
-    long_documents: bool = False
-    passkey_fraction: float = 0.0
-    rope_scaling: str | None = None
-    model: ModelShape = field(default_factory=ModelShape)  # fresh pre-training model only
-
-    def __post_init__(self):
-        if isinstance(self.model, dict):
-            self.model = ModelShape(**self.model)
-        if self.block_sizes is not None:
-            try:
-                self.block_sizes = tuple(int(b) for b in self.block_sizes)
-            except (TypeError, ValueError):
-                raise TrainConfigError(f"block_sizes must be positive integers, got {self.block_sizes!r}") from None
-            if not self.block_sizes or min(self.block_sizes) < 1:
-                raise TrainConfigError(f"block_sizes must be positive integers, got {list(self.block_sizes)}")
-        # nan passes `<= 0` and reaches AdamW (a traceback); inf trains to all-NaN weights
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise TrainConfigError(f"lr must be a finite number > 0, got {self.lr}")
-        for name in ("total_steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_batches"):
-            if getattr(self, name) <= 0:
-                raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        # negative values pass `step % n == 0` on every step: an eval or checkpoint each step
-        for name in ("warmup_steps", "eval_every", "save_every", "lora_rank"):
-            if getattr(self, name) < 0:
-                raise TrainConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.on_error not in ON_ERROR:
-            raise TrainConfigError(f"on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
-        if self.resume and self.overwrite:
-            raise TrainConfigError("resume continues the run in out_dir and overwrite starts it over: choose one")
-        if not 0.0 <= self.passkey_fraction < 1.0:
-            raise TrainConfigError(f"passkey_fraction must be in [0, 1), got {self.passkey_fraction}")
-        if self.objective not in ("diffusion", "causal"):
-            raise TrainConfigError(f"objective must be 'diffusion' or 'causal', got {self.objective!r}")
-        for name in ("suffix_fraction", "full_block_fraction", "corrupt_fraction"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise TrainConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.next_token_weight < 0:
-            raise TrainConfigError(f"next_token_weight must be >= 0, got {self.next_token_weight}")
-        if not (math.isfinite(self.confidence_weight) and self.confidence_weight >= 0):
-            raise TrainConfigError(f"confidence_weight must be a finite number >= 0, got {self.confidence_weight}")
-        for name in ("confidence_weight", "corrupt_fraction"):
-            if getattr(self, name) and self.objective == "causal":
-                raise TrainConfigError(f"{name} acts on masked positions; objective 'causal' masks nothing")
-        if self.causal_context and self.objective == "causal":
-            raise TrainConfigError("causal_context is a block-diffusion setting; objective 'causal' is all causal")
-        if not 0.0 <= self.mix_fraction < 1.0:
-            raise TrainConfigError(f"mix_fraction must be in [0, 1), got {self.mix_fraction}")
-        if self.batch_size % self.grad_accum:
-            raise TrainConfigError(f"batch_size {self.batch_size} is not divisible by grad_accum {self.grad_accum}")
-
-
-@dataclass
-class TrainResult:
-    out_dir: Path
-    model_dir: Path | None             # exported Hugging Face-format directory (rank 0; None with an unmerged LoRA)
-    steps: int
-    losses: list[float]                # training loss of every step, from step 1
-    eval_losses: list[tuple[int, float]]
-    tokens_per_s: float                # data tokens (not the doubled input) per second of training
-    model: nn.Module | None = None     # the trained model (canonical layout, LoRA layers if any)
 
 
 # ------------------------------------------------------------------ the loop
@@ -198,56 +74,10 @@ def _noise_gen(seed: int, step: int, salt: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 31 + salt)
 
 
-def _check_resume(saved: dict, cfg: TrainConfig, tm: TrainableModel, model: nn.Module,
-                  block_sizes: tuple[int, ...] | None) -> None:
-    """Refuse, in one line, a checkpoint that this run's settings or model do not match. `block_sizes`: the
-    sizes this run trains with, which block_sizes None (the default) stands for on either side."""
-    now, defaults = asdict(cfg), asdict(TrainConfig())
-    config = saved.get("config", {})
-
-    def value(k: str, v):
-        return _norm(block_sizes if k == "block_sizes" and v is None else v)
-
-    # a key missing from an older checkpoint had its default value then
-    diff = [k for k in _RESUME_KEYS if value(k, config.get(k, defaults[k])) != value(k, now.get(k))]
-    if diff:
-        raise CheckpointError(f"cannot resume: {', '.join(f'{k} was {config.get(k)!r}, now {now.get(k)!r}' for k in diff)}")
-    # the model being trained (a fresh one, --init-from or the fine-tuned checkpoint), not cfg.model
-    saved_arch = _arch_of(saved.get("model_config"))
-    if saved_arch is not None:
-        ours = asdict(tm.arch)
-        diff = [k for k, v in asdict(saved_arch).items() if v != ours.get(k)]
-        if diff:
-            raise CheckpointError("cannot resume: the checkpoint is of another model shape ("
-                                  + ", ".join(f"{k} was {getattr(saved_arch, k)!r}, now {ours.get(k)!r}" for k in diff)
-                                  + ")")
-    mine = trainable_state(model)
-    missing = set(mine) - set(saved["model"])
-    if missing:
-        raise CheckpointError(f"checkpoint lacks trained weights {sorted(missing)[:3]}")
-    for name, p in mine.items():  # a last guard: load_state_dict would raise a multi-line size mismatch
-        if tuple(saved["model"][name].shape) != tuple(p.shape):
-            raise CheckpointError(f"cannot resume: checkpoint weight {name} has shape "
-                                  f"{list(saved['model'][name].shape)}, the model's is {list(p.shape)}")
-
-
-def _arch_of(model_config) -> object | None:
-    """The ArchConfig a checkpoint's model_config describes, or None if it cannot be read."""
-    if not isinstance(model_config, dict):
-        return None
-    try:
-        return family_for(model_config).parse_config(model_config)
-    except Exception:  # an older or foreign record: the weight shapes are still compared
-        return None
-
-
 def _millions(n: int) -> str:
     """2 decimals of a million, or the plain count below 10,000 (a tiny LoRA read '0.00M trained')."""
     return f"{n / 1e6:.2f}M" if n >= 10_000 else f"{n:,}"
 
-
-def _norm(v):
-    return list(v) if isinstance(v, tuple) else v
 
 
 def _train_step(cfg: TrainConfig, ctx: _Dist, loss_module: nn.Module, obj: Objective, x0: Tensor, lm: Tensor,
@@ -314,10 +144,10 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
     saved = load_checkpoint(out) if cfg.resume else None
     if ctx.main and cfg.resume and saved is None:
         print(f"{out}: no checkpoint to resume, starting fresh")
-    elif ctx.main and cfg.overwrite and _earlier_run(out):
+    elif ctx.main and cfg.overwrite and earlier_run(out):
         print(f"{out}: starting over (overwrite); the earlier run's files are replaced as this one saves")
     if saved is not None:
-        _check_resume(saved, cfg, tm, model, obj.block_sizes)
+        check_resume(saved, cfg, tm, model, obj.block_sizes)
         if frozen is not None and saved.get("frozen") not in (None, frozen):
             raise CheckpointError("cannot resume: the base model's frozen weights differ from the checkpoint's "
                                   "(a LoRA run resumes on the base it started from; check --model)")
@@ -417,13 +247,12 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
             if on_step is not None:
                 on_step(step, metrics)
         _check_finite_weights(model, step)
-        model_dir = _export(cfg, tm, out, tokenizer_dir, rep) if ctx.main else None
+        model_dir = export_run(cfg, tm, out, tokenizer_dir, rep) if ctx.main else None
         ctx.barrier()
     finally:
         rep.close()
     tokens = B * cfg.seq_len * len(losses)
     return TrainResult(out, model_dir, step, losses, evals, tokens / train_time if train_time else 0.0, model)
-
 
 def _diverged(step: int, what: str, sched) -> str:
     return (f"training diverged at step {step}: {what} (lr {sched.get_last_lr()[0]:.2e}); stopped without saving "
@@ -438,73 +267,7 @@ def _check_finite_weights(model: nn.Module, step: int) -> None:
                                      "without saving it (the last checkpoint and model/ are untouched): lower the lr")
 
 
-def _earlier_run(out: Path) -> list[str]:
-    return [f"{n}/" if (out / n).is_dir() else n for n in _RUN_FILES if (out / n).exists()]
-
-
-def _export(cfg: TrainConfig, tm: TrainableModel, out: Path, tokenizer_dir: Path | None, rep: _Reporter) -> Path | None:
-    model_dir = None
-    tm.model.eval()
-    if tm.lora:
-        save_adapter(tm, out / "adapter")
-        rep.log(f"LoRA adapter saved to {out / 'adapter'}")
-    if not tm.lora or cfg.lora_merge:
-        dtype = cfg.export_dtype
-        if dtype == "auto":
-            src = tm.config.get("torch_dtype") if tm.source else None
-            dtype = src if src in ("float32", "bfloat16", "float16") else "float32"
-        model_dir = export_model(tm, out / "model", tokenizer_dir, dtype)
-        rep.log(f"model exported to {model_dir} ({tm.family.name} format)")
-    # what this run did not write is an earlier run's (an --overwrite): it does not describe these weights
-    stale = out / ("model" if model_dir is None else "adapter")
-    if stale.is_dir() and (model_dir is None or not tm.lora):
-        shutil.rmtree(stale)
-        rep.log(f"removed {stale}, left by the earlier run")
-    tm.model.train()
-    return model_dir
-
-
 # ------------------------------------------------------------------ entry points
-
-def _prepare(cfg: TrainConfig) -> _Dist:
-    out = Path(cfg.out_dir)
-    ctx = _init_dist(cfg.device)
-    try:  # every rank checks, so a failure never leaves the others waiting at a barrier
-        earlier = _earlier_run(out)
-        # a rerun into the same out_dir would replace its checkpoint and model/ (the Hugging Face examples'
-        # rule: an existing output directory needs an explicit choice)
-        if earlier and not cfg.overwrite and not (cfg.resume and (out / CHECKPOINT).is_file()):
-            held = f"{out} already holds {' and '.join(earlier)} from an earlier run"
-            if CHECKPOINT in earlier:
-                raise CheckpointError(f"{held}: --resume continues it, --overwrite starts over")
-            raise CheckpointError(f"{held} but no {CHECKPOINT} to resume: --overwrite replaces it")
-        ctx.created = _first_missing(out)
-        ensure_writable(out)  # fail before tokenizing or building anything
-        if cfg.batch_size % (cfg.grad_accum * ctx.world):
-            raise TrainConfigError(f"batch_size {cfg.batch_size} must be divisible by grad_accum {cfg.grad_accum} "
-                                   f"x {ctx.world} processes")
-    except BaseException:
-        _finish(ctx, failed=True)
-        raise
-    return ctx
-
-
-def _first_missing(path: Path) -> Path | None:
-    """The outermost folder of `path` that does not exist yet (what mkdir(parents=True) will create)."""
-    missing = None
-    for p in (path, *path.parents):
-        if p.exists():
-            break
-        missing = p
-    return missing
-
-
-def _finish(ctx: _Dist, failed: bool = False) -> None:
-    # a run that fails before its first step leaves no folder it made itself (an empty out_dir, a token cache)
-    if failed and ctx.created is not None and not ctx.started:
-        shutil.rmtree(ctx.created, ignore_errors=True)
-    if ctx.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init_from: str | Path | None = None,
@@ -516,7 +279,7 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
     .jsonl / .npy file. Documents are separated by <|endoftext|> (EOS if the tokenizer lacks it)
     and packed into rows of cfg.seq_len tokens.
     """
-    ctx = _prepare(cfg)
+    ctx = prepare_run(cfg)
     try:
         for name in ("causal_context", "corrupt_fraction"):  # the CLI sets them after the config's own checks
             if cfg.objective == "causal" and getattr(cfg, name):
@@ -563,9 +326,9 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
             obj = _objective(tm, sizes, cfg)
         res = run(cfg, _maybe_lora(tm, cfg), obj, rows, eval_rows, Path(tokenizer_dir), ctx, on_step)
     except BaseException:
-        _finish(ctx, failed=True)
+        finish_run(ctx, failed=True)
         raise
-    _finish(ctx)
+    finish_run(ctx)
     return res
 
 
@@ -580,7 +343,7 @@ def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *,
     """
     if cfg.objective != "diffusion":
         raise TrainConfigError("fine-tuning trains the diffusion objective; objective 'causal' is for `train`")
-    ctx = _prepare(cfg)
+    ctx = prepare_run(cfg)
     try:
         tm = load_trainable(model_dir)
         tok = Tokenizer(model_dir)
@@ -597,9 +360,9 @@ def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *,
         sizes = cfg.block_sizes or tuple(tm.config.get("train_block_sizes") or [tm.block_size])
         res = run(cfg, _maybe_lora(tm, cfg), _objective(tm, sizes, cfg), rows, eval_rows, None, ctx, on_step)
     except BaseException:
-        _finish(ctx, failed=True)
+        finish_run(ctx, failed=True)
         raise
-    _finish(ctx)
+    finish_run(ctx)
     return res
 
 
