@@ -29,67 +29,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unmask.errors import InvalidRequestError
-from unmask.models.attention import (AttentionBatch, KVCache, Segment, attend_prefix_causal, can_split_on,
-                                     repeat_kv, sdpa)
+from unmask.models.attention import (AttentionBatch, Segment, attend_prefix_causal, can_split_on, repeat_kv,
+                                     sdpa)
+from unmask.models.diffusion_gemma_cache import GemmaKVCache
 from unmask.models.diffusion_gemma_checkpoint import (FULL, SLIDING, GemmaArch, from_canonical_names,
                                                       parse_diffusion_gemma, to_canonical_names)
+from unmask.models.diffusion_gemma_ffn import Experts, GeGLU, Router
+from unmask.models.diffusion_gemma_ops import (GemmaRMSNorm, cast_like, fuse_rows, inv_freq, normalized,
+                                               rms_unweighted, rotate, to_f32)
 from unmask.models.layers import activation
 from unmask.models.registry import Family, register
-
-
-class GemmaRMSNorm(nn.Module):
-    """Gemma 4 RMSNorm: all in float32, x * (mean(x^2) + eps)^-1/2 * weight (plain weight, optional)."""
-
-    def __init__(self, dim: int, eps: float, with_scale: bool = True):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = normalized(x, self.eps)
-        if self.weight is not None:
-            out = out * _f32(self.weight)
-        return _like(out, x)
-
-
-# dtype casts that skip the dispatcher when they would be no-ops (a tiny model's step is mostly op overhead)
-def _f32(x: Tensor) -> Tensor:
-    return x if x.dtype == torch.float32 else x.float()
-
-
-def _like(x: Tensor, ref: Tensor) -> Tensor:
-    return x if x.dtype == ref.dtype else x.to(ref.dtype)
-
-
-def normalized(x: Tensor, eps: float) -> Tensor:
-    """float32 x * (mean(x^2) + eps)^-1/2 over the last dim (the shared part of every Gemma RMSNorm)."""
-    xf = _f32(x)
-    return xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-
-
-def rms_unweighted(x: Tensor, eps: float) -> Tensor:
-    return _like(normalized(x, eps), x)
-
-
-def inv_freq(kind: str, head_dim: int, theta: float, partial: float, factor: float) -> Tensor:
-    """Per layer type, float32 as the reference computes it (modeling_rope_utils)."""
-    if kind == "default":
-        dim = int(head_dim * partial)
-        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
-    # "proportional": the first int(partial * head_dim / 2) frequencies use the *full* head_dim as the
-    # denominator, the rest are 0 (those channels are not rotated); cos/sin still span the whole head
-    angles = int(partial * head_dim // 2)
-    rot = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").float() / head_dim))
-    rest = head_dim // 2 - angles
-    out = torch.cat([rot, torch.zeros(rest, dtype=torch.float32, device="cpu")]) if rest > 0 else rot
-    return out / factor
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Half-split RoPE over the whole head; x [N, H, D], cos/sin [N, D] in x's dtype."""
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
 # Below this many score elements a CPU step is dominated by per-op overhead, where three plain ops beat SDPA's
@@ -154,20 +103,6 @@ def attend_banded(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, w
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def fuse_rows(*linears: nn.Linear) -> Tensor:
-    """One [sum(out), in] weight whose row blocks the given linears' weights become views of.
-
-    A single GEMM then computes all projections (bitwise the same rows on CPU, measured); the
-    parameters keep their names for state_dict. Rebuilt if the parameters were replaced (.to()).
-    """
-    fused = torch.cat([m.weight.detach() for m in linears])
-    row = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight.data = fused[row:row + n]
-        row += n
-    return fused
-
 
 class GemmaAttention(nn.Module):
     def __init__(self, a: GemmaArch, layer: int):
@@ -205,9 +140,9 @@ class GemmaAttention(nn.Module):
         # q_norm / k_norm (weighted) and v_norm (unweighted) share one RMS pass; full layers take V from
         # the raw k_proj output, so their V is the unweighted normalisation of the K heads
         xn = normalized(heads, self.eps)
-        qk = rotate(_like(xn[:, :h + kv] * norm_w, x), cos, sin)
+        qk = rotate(cast_like(xn[:, :h + kv] * norm_w, x), cos, sin)
         q, k = qk[:, :h], qk[:, h:]
-        v = _like(xn[:, h + kv:] if self.v_proj is not None else xn[:, h:], x)
+        v = cast_like(xn[:, h + kv:] if self.v_proj is not None else xn[:, h:], x)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, N, D]
         if len(ctx.segments) == 1:
             out = self._segment(q, k, v, ctx.segments[0], *ctx.masks[self.sliding][0])
@@ -251,95 +186,6 @@ class GemmaAttention(nn.Module):
         return torch.cat([out, attend(q[:, n:], k[:, first:], v[:, first:], None)], dim=1)
 
 
-class GeGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-        self.act = activation(act)
-        self._fused: Tensor | None = None
-
-    def forward(self, x: Tensor) -> Tensor:
-        w = self._fused
-        if w is None or w.data_ptr() != self.gate_proj.weight.data_ptr():
-            w = self._fused = fuse_rows(self.gate_proj, self.up_proj)
-        gate, up = F.linear(x, w).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-
-class Router(nn.Module):
-    """Softmax top-k router on the RMS-normalised residual (DiffusionGemmaTextRouter)."""
-
-    def __init__(self, a: GemmaArch):
-        super().__init__()
-        self.proj = nn.Linear(a.hidden_size, a.num_experts, bias=False)
-        self.scale = nn.Parameter(torch.ones(a.hidden_size))
-        self.per_expert_scale = nn.Parameter(torch.ones(a.num_experts))
-        self.root = a.hidden_size ** -0.5
-        self.eps, self.top_k = a.rms_eps, a.top_k_experts
-
-    def forward(self, x_normed: Tensor) -> tuple[Tensor, Tensor]:
-        """x_normed: the residual stream already RMS-normalised (no weight)."""
-        probs = F.softmax(self.proj(x_normed * self.scale * self.root), dim=-1, dtype=torch.float32)
-        w, idx = torch.topk(probs, k=self.top_k, dim=-1)
-        w /= w.sum(dim=-1, keepdim=True)
-        return w * self.per_expert_scale[idx], idx
-
-
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-class Experts(nn.Module):
-    """Fused expert weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
-
-    One grouped GEMM per projection over the (token, expert) pairs sorted by expert; the per-token sum
-    over its k experts runs in slot order, as transformers' grouped_mm experts path does. Falls back
-    to a loop over experts where grouped GEMM is unavailable for the device / dtype.
-    """
-
-    def __init__(self, a: GemmaArch):
-        super().__init__()
-        e, i, h = a.num_experts, a.moe_intermediate_size, a.hidden_size
-        self.num_experts = e
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        self.act = activation(a.act)
-        self.grouped = _grouped_mm is not None
-
-    def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
-        n, k = idx.shape
-        if self.grouped:
-            try:
-                return self._grouped(x, idx, w, n, k)
-            except (RuntimeError, NotImplementedError):
-                # this torch build has no grouped-GEMM kernel for these dtypes/devices: use the
-                # per-expert loop below from now on (same result, measured slower)
-                self.grouped = False
-        out = torch.zeros_like(x)
-        for e in idx.unique().tolist():
-            tok, slot = (idx == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e]) * w[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
-
-    def _grouped(self, x: Tensor, idx: Tensor, w: Tensor, n: int, k: int) -> Tensor:
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        # counts by scatter_add, not bincount: CUDA's bincount reads the input's min and max back to the host
-        # (two device syncs per layer per step)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
-        offs = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
-        h = _grouped_mm(x[order // k], self.gate_up_proj.transpose(-2, -1), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        y = _grouped_mm(self.act(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
-        y = y * w.reshape(-1)[order, None]
-        # back to (token, slot) order with a gather: `out[order] = y` takes CPU's index_put path, measured
-        # ~150 us for 32 rows of 64 against a few us here
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        return y[inverse].view(n, k, -1).sum(dim=1).to(x.dtype)
-
 
 class GemmaLayer(nn.Module):
     def __init__(self, a: GemmaArch, layer: int):
@@ -361,9 +207,9 @@ class GemmaLayer(nn.Module):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
         # the dense MLP's pre-norm, the experts' pre-norm and the router's unweighted norm all normalise x
         xn = normalized(x, self.eps)
-        dense_in = _like(xn * _f32(self.pre_feedforward_layernorm.weight), x)
-        moe_in = _like(xn * _f32(self.pre_feedforward_layernorm_2.weight), x)
-        w, idx = self.router(_like(xn, x))
+        dense_in = cast_like(xn * to_f32(self.pre_feedforward_layernorm.weight), x)
+        moe_in = cast_like(xn * to_f32(self.pre_feedforward_layernorm_2.weight), x)
+        w, idx = self.router(cast_like(xn, x))
         dense = self.post_feedforward_layernorm_1(self.mlp(dense_in))
         moe = self.post_feedforward_layernorm_2(self.experts(moe_in, idx, w))
         x = x + self.post_feedforward_layernorm(dense + moe)
@@ -538,7 +384,7 @@ class DiffusionGemmaLM(nn.Module):
         return torch.tanh(out / cap) * cap if cap else out
 
     def new_cache(self, capacity: int = 256, max_capacity: int | None = None,
-                  dtype: torch.dtype | None = None) -> "GemmaKVCache":
+                  dtype: torch.dtype | None = None) -> GemmaKVCache:
         a, p = self.cfg, self.lm_head.weight
         if dtype == torch.int8:  # its attention writes and reads the sliding buffers directly (_segment)
             raise InvalidRequestError("an int8 KV cache is not supported for the diffusion_gemma family; choose "
@@ -546,71 +392,6 @@ class DiffusionGemmaLM(nn.Module):
         return GemmaKVCache(list(zip(a.kv_heads, a.head_dims)), [t == SLIDING for t in a.layer_types],
                             a.sliding_window, dtype or p.dtype, p.device, capacity, max_capacity)
 
-
-class GemmaKVCache(KVCache):
-    """Full-attention layers keep every position (as KVCache); sliding layers keep only what they can still read.
-
-    A query at or after position `start` on a sliding layer reads keys from start - (W - 1) on (encoder rows:
-    (p - W, p]; canvas rows: the last W - 1 cached positions), so each sliding buffer holds the absolute
-    positions [base, base + rows). When a write would run past it, the positions from start - (W - 1) on move
-    to the front (into a buffer twice what they and the write need, when the current one is too small or over
-    four times too large). A sliding layer then costs O(W + longest segment) rows instead of O(context): the
-    released model has five sliding layers to each full one.
-    """
-
-    def __init__(self, shapes: list[tuple[int, int]], sliding: list[bool], window: int, dtype: torch.dtype,
-                 device: torch.device | str, capacity: int = 256, max_capacity: int | None = None):
-        self.sliding = tuple(sliding)
-        self.keep = window - 1
-        self.base = 0    # absolute position of row 0 of every sliding buffer
-        self.rows = 0    # rows of every sliding buffer
-        super().__init__(shapes, dtype, device, capacity, max_capacity)  # full layers (KVCache._grow)
-        self._move_window(0, min(capacity, 2 * (self.keep + 1)))
-
-    def _absolute(self, layer: int) -> bool:
-        return not self.sliding[layer]
-
-    def _alloc(self, layer: int, rows: int) -> Tensor:
-        h, d = self.shapes[layer]
-        return torch.empty(h, rows, d, dtype=self.dtype, device=self.device)
-
-    def _move_window(self, first: int, rows: int) -> None:
-        """Sliding buffers of `rows` rows starting at absolute position `first` (>= base), valid rows kept."""
-        valid = max(0, self.length - first)
-        src = first - self.base
-        for i, windowed in enumerate(self.sliding):
-            if not windowed:
-                continue
-            for store in (self.k, self.v):
-                old = store[i]
-                if rows != self.rows or old is None:
-                    new = self._alloc(i, rows)
-                    if valid:
-                        new[:, :valid] = old[:, src:src + valid]
-                    store[i] = new
-                elif valid and src:
-                    old[:, :valid] = old[:, src:src + valid].clone()  # ranges may overlap
-        self.base, self.rows = first, rows
-
-    def reserve(self, end: int, start: int | None = None) -> None:
-        self._grow(end)
-        start = self.length if start is None else min(start, self.length)
-        first = max(0, start - self.keep)  # the first position a sliding layer still reads
-        if first < self.base:
-            raise ValueError(f"sliding-window cache: position {first} was already dropped (kept from {self.base})")
-        need = end - first
-        big = 4 * max(need, 32)  # a buffer over this is shrunk (after a long prefill chunk)
-        if end - self.base <= self.rows <= big:
-            return
-        # room for twice what is needed, so that compactions are rare, but not past the request's last position
-        target = max(2 * need, 64)
-        if self.max_capacity is not None:
-            target = max(need, min(target, self.max_capacity - first))
-        self._move_window(first, self.rows if target <= self.rows <= big else target)
-
-    def first_position(self, layer: int) -> int:
-        """The absolute position stored in row 0 of this layer's buffers."""
-        return self.base if self.sliding[layer] else 0
 
 
 def _gemma_sequence():
