@@ -33,6 +33,26 @@ def test_lookup_continues_a_period_and_is_empty_without_a_match():
     assert lookup_drafts(ids(7, 1, 8, 7), 2, min_ngram=2).numel() == 0
 
 
+def test_the_long_text_search_finds_what_the_window_search_finds():
+    """Past LONG_LOOKUP tokens the search extends last-token matches instead of comparing every window: the
+    same drafts on random texts of few symbols (many matches, periods, no match), at every n range."""
+    from unmask.decoding.speculative import _match_ends_long, _match_ends_short
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        x = torch.randint(0, int(torch.randint(2, 6, (1,), generator=g)), (int(torch.randint(2, 40, (1,), generator=g)),),
+                          generator=g)
+        for top, bottom in ((3, 1), (3, 2), (2, 2), (1, 1)):
+            top = min(top, x.numel() - 1)
+            short = [(n, e.tolist()) for n, e in _match_ends_short(x, top, bottom)]
+            assert short == [(n, e.tolist()) for n, e in _match_ends_long(x, top, bottom)]
+    # and through lookup_drafts on a text long enough to take the long path: "4 5 6" recurs at 5,000
+    text = torch.arange(10, 8010) % 997 + 10
+    text[5000:5003] = torch.tensor([4, 5, 6])
+    text[-3:] = torch.tensor([4, 5, 6])
+    assert lookup_drafts(text, 4).tolist() == text[5003:5007].tolist()
+
+
 def test_a_copied_draft_keeps_the_verifiers_law_under_sampling():
     """A copied draft is certain (q one-hot): it is kept with probability p(d), else the token is drawn from p
     without d; the output follows p either way."""

@@ -99,16 +99,41 @@ def lookup_drafts(ids: Tensor, max_tokens: int, max_ngram: int = 3, min_ngram: i
     of `ids`, the match implies a period (the text since the occurrence repeats), which the drafts continue. Empty when nothing matches. Free of
     model compute: a draft costs only its verifier row, and a wrong one only that row."""
     n_ids = int(ids.numel())
-    if max_tokens <= 0:
+    if max_tokens <= 0 or n_ids < 2:
         return ids[:0]
-    for n in range(min(max_ngram, n_ids - 1), min_ngram - 1, -1):
-        windows = ids[:n_ids - 1].unfold(0, n, 1)           # windows ending before the last token
-        hits = (windows == ids[n_ids - n:]).all(1).nonzero()
-        if hits.numel():
-            start = int(hits[-1]) + n
+    search = _match_ends_long if n_ids >= LONG_LOOKUP else _match_ends_short
+    for n, ends in search(ids, min(max_ngram, n_ids - 1), min_ngram):
+        if ends.numel():
+            start = int(ends[-1]) + 1
             copied = ids[start:start + max_tokens]
             if copied.numel() < max_tokens:  # ran into the end: the match implies a period, continue it
                 period = n_ids - start
                 copied = copied.repeat(-(-max_tokens // period))[:max_tokens]
             return copied
     return ids[:0]
+
+
+# From this many tokens on, matching the last token first and extending only its few matches is cheaper than
+# comparing every window (131,072 tokens: 2.1 ms -> 0.4 ms a step; 1,024: 23 -> 46 us; scratch timing, 2-core VM)
+LONG_LOOKUP = 4096
+
+
+def _match_ends_short(ids: Tensor, top: int, bottom: int):
+    """(n, ascending end positions of earlier windows equal to the last n tokens), n from top down to bottom."""
+    n_ids = int(ids.numel())
+    for n in range(top, bottom - 1, -1):
+        windows = ids[:n_ids - 1].unfold(0, n, 1)  # windows ending before the last token
+        yield n, (windows == ids[n_ids - n:]).all(1).nonzero().squeeze(1) + (n - 1)
+
+
+def _match_ends_long(ids: Tensor, top: int, bottom: int):
+    """As `_match_ends_short`, in one pass over the text: ends matching the last token, then narrowed per n."""
+    n_ids = int(ids.numel())
+    ends = (ids[:n_ids - 1] == ids[n_ids - 1]).nonzero().squeeze(1)
+    by_n = {1: ends}
+    for n in range(2, top + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[ids[ends - (n - 1)] == ids[n_ids - n]]
+        by_n[n] = ends
+    for n in range(top, bottom - 1, -1):
+        yield n, by_n[n]
