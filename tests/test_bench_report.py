@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from benchlib.report import _with_long  # noqa: E402
+from benchlib.common import with_long_prefill  # noqa: E402
 
 
 def _row(L: int, seconds: float) -> dict:
@@ -24,14 +24,14 @@ def test_long_rows_join_the_curve_and_the_fit_is_redone():
            "fits": {"prefill_s": {"slope": 9.0, "slope_per_round": {"median": 9.0}},
                     "s_per_token": {"slope": 0.0}, "delta_mb": {"slope": 1.0}}}
     long = {"prefill": {"rows": [_row(L, power(L)) for L in (4096, 32768, 131072)]}}
-    merged = _with_long(pre, long)
+    merged = with_long_prefill(pre, long)
     assert [r["length"] for r in merged["rows"]] == [1024, 2048, 4096, 32768, 131072]
     assert merged["rows"][2] is pre["rows"][2]  # a length both have keeps the interleaved suite's row
     assert merged["fits"]["prefill_s"]["slope"] == pytest.approx(1.5)
     assert merged["fits"]["prefill_s"]["slope_upper_half"] == pytest.approx(1.5)
     assert merged["fits"]["delta_mb"]["slope"] == pytest.approx(1.0)
     assert merged["fits"]["prefill_s"]["slope_per_round"] == {"median": 9.0}  # per-round slopes: the suite's own
-    assert _with_long(pre, None) is pre
+    assert with_long_prefill(pre, None) is pre
 
 
 def test_core_wall_leaves_out_opt_in_sections():

@@ -83,6 +83,24 @@ def loglog_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float] 
     return s, sum(p[1] - s * p[0] for p in pts) / len(pts)
 
 
+def with_long_prefill(pre: dict, long: dict | None) -> dict:
+    """The report's cost section: the prefill curve with the opt-in long prefills' rows appended (lengths it lacks) and refitted."""
+    if not long:
+        return pre
+    have = {r["length"] for r in pre["rows"]}
+    rows = sorted(pre["rows"] + [r for r in long["prefill"]["rows"] if r["length"] not in have],
+                  key=lambda r: r["length"])
+    fits = {}
+    for k, f in pre["fits"].items():
+        pts = [(r["length"], r[k]["median"]) for r in rows if r.get(k) and r[k].get("median")]
+        fit = loglog_fit([x for x, _ in pts], [y for _, y in pts])
+        half = pts[len(pts) // 2:]
+        upper = loglog_fit([x for x, _ in half], [y for _, y in half]) if len(pts) >= 4 else None
+        fits[k] = {"slope": fit[0] if fit else None, "intercept": fit[1] if fit else None,
+                   "slope_upper_half": upper[0] if upper else None, "slope_per_round": f.get("slope_per_round")}
+    return {"rows": rows, "fits": fits}
+
+
 # ---------------------------------------------------------------------------------------------- memory
 
 class PeakMemory:
