@@ -71,6 +71,7 @@ def test_a_retry_avoids_the_dead_replica_and_state_routes_stay_on_one():
     assert choose(router({}), REPLICAS) == [list("abc")]                # no key: the shortest queue
     state = affinity_key("/v1/files", b"")
     assert state == STATE_KEY
+    assert affinity_key("/v1/files", b"", shared_store=True) is None   # --database-url: any replica, shortest queue
     best = max("abc", key=lambda n: rendezvous(STATE_KEY, n))
     busy = {"a": 0, "b": 0, "c": 0, best: 9}          # full, and still the one: the state lives there
     assert choose(router(busy), REPLICAS, affinity=STATE_KEY) == [[best]]

@@ -146,7 +146,7 @@ class Gateway:
         message = {"method": request.method, "path": path, "root_path": scope.get("root_path", ""),
                    "query": scope.get("query_string", b""), "headers": list(scope["headers"]), "body": body,
                    "client": scope.get("client")}
-        affinity = routing.affinity_key(route, body)
+        affinity = routing.affinity_key(route, body, shared_store=bool(self.args.database_url))
         avoid = None
         while True:
             try:

@@ -189,7 +189,7 @@ def undeploy(app_name: str = APP_NAME, stop_serve: bool = False) -> None:
 SERVER_KEYS = ("cors_origins", "max_num_seqs", "max_queue", "device", "dtype", "kv_cache_dtype", "embedding_model",
                "default_max_tokens", "drain_timeout")
 STATIC_STEP_KEYS = ("static_step", "cuda_graphs", "gpu_memory_utilization", "kv_pool_tokens")   # as the flags
-BUILDER_KEYS = {"model", "served_model_name", "api_keys", "data_dir", "replicas", "autoscale", "autoscaling_config",
+BUILDER_KEYS = {"model", "served_model_name", "api_keys", "data_dir", "database_url", "replicas", "autoscale", "autoscaling_config",
                 "num_cpus", "num_gpus", *SERVER_KEYS, *STATIC_STEP_KEYS}
 
 
@@ -255,6 +255,8 @@ def builder_args(config: dict):
         setattr(args, key, int(getattr(args, key)))
     if config.get("data_dir"):
         args.data_dir = Path(config["data_dir"])
+    if config.get("database_url"):
+        args.database_url = str(config["database_url"])
     scale = Scale(replicas=int(config.get("replicas", 1)), num_cpus=float(config.get("num_cpus", 1.0)),
                   num_gpus=float(config.get("num_gpus", 0.0)),
                   autoscale=parse_autoscale(str(config["autoscale"])) if config.get("autoscale") else None,

@@ -70,8 +70,9 @@ class EngineReplica:
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         rank = getattr(ctx.rank, "rank", ctx.rank)
-        # every replica opens the same --data-dir: batches and ingestion are claimed row by row in its database
-        # (store/claims.py), so each batch and file is worked on by one replica at a time, whichever got the work
+        # every replica opens the same store (the --data-dir of its node, or the --database-url of every node):
+        # batches and ingestion are claimed row by row in its database (store/claims.py), so each batch and file
+        # is worked on by one replica at a time, whichever got the work
         self.app = create_app(args)
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))

@@ -15,7 +15,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 PREFIX_CHARS = 512            # a completions prompt's affinity: its first characters
-STATE_KEY = "state"           # the stateful APIs (files, batches, vector stores): always one replica
+STATE_KEY = "state"           # the stateful APIs (files, batches, vector stores): one replica (unless shared)
 STATE_PREFIXES = ("/v1/files", "/v1/batches", "/v1/vector_stores")
 
 
@@ -29,10 +29,12 @@ def _chat_prefix(messages: Any) -> Any:
     return messages[:1]
 
 
-def affinity_key(path: str, body: bytes) -> str | None:
-    """A short hash naming the prompt prefix of a request, or None (no preference: shortest queue)."""
+def affinity_key(path: str, body: bytes, shared_store: bool = False) -> str | None:
+    """A short hash naming the prompt prefix of a request, or None (no preference: shortest queue). The stateful
+    routes go to one replica (STATE_KEY: the store of its node's --data-dir), or to any with a `shared_store`
+    (--database-url: every replica on every node sees the same database)."""
     if path.startswith(STATE_PREFIXES):
-        return STATE_KEY
+        return None if shared_store else STATE_KEY
     if not body or not path.startswith("/v1/"):
         return None
     try:
@@ -85,7 +87,7 @@ class AffinityRouter(RequestRouter):
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=lambda r: rendezvous(key, r.replica_id.unique_id), reverse=True)
         # the files and batches live in the --data-dir of that replica's node (shared by the replicas of one node,
-        # not across nodes): wait for it rather than go elsewhere
+        # not across nodes; without --database-url): wait for it rather than go elsewhere
         if key == STATE_KEY:
             return [ranked[:1]]
         cache = self.replica_queue_len_cache

@@ -22,6 +22,9 @@ from unmask.retrieval.index import ChunkIndex, NewChunk
 from unmask.store.db import Connections
 
 
+SCHEMA_LOCK = 0x756E6D61736B03   # pg_advisory_xact_lock key of the index's CREATE statements (store/pg.py: 01, 02)
+
+
 def _quote(lexeme: str) -> str:
     """A lexeme as one tsquery operand."""
     return "'" + lexeme.replace("'", "''").replace("\\", "\\\\") + "'"
@@ -42,11 +45,18 @@ class PostgresIndex(ChunkIndex):
         self.table = f"unmask_chunks_{dimension}"
         self._conns = Connections(self._connect)
         c = self.conn
+        with c.transaction():   # one server at a time: concurrent CREATE ... IF NOT EXISTS collide on Postgres
+            c.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+            self._create(c)
+
+    def _create(self, c) -> None:
         try:
-            c.execute("CREATE EXTENSION IF NOT EXISTS vector")
-        except psycopg.Error as e:
-            raise UnmaskError(f"the Postgres server at {url.split('@')[-1]} has no pgvector extension: {e}") from None
-        t = self.table
+            with c.transaction():   # a savepoint: the error below leaves the outer transaction usable
+                c.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        except self._psycopg.Error as e:
+            raise UnmaskError(f"the Postgres server at {self.url.split('@')[-1]} has no pgvector extension: "
+                              f"{e}") from None
+        t, dimension = self.table, self.dimension
         c.execute(f"""CREATE TABLE IF NOT EXISTS {t} (
             id bigserial PRIMARY KEY, store_id text NOT NULL, file_id text NOT NULL, chunk_index int NOT NULL,
             text text NOT NULL, embedding vector({dimension}) NOT NULL,

@@ -2,11 +2,13 @@
 
 Metadata lives in `<data dir>/retrieval.db` (SQLite, WAL), beside the file store's `unmask.db`; with the
 default backend the chunks live in the same file (sqlite_index.py), with `--vector-store postgresql://...` in
-Postgres. A vector store file row is the ingestion queue: a row `in_progress` is work to do, so a restart
-resumes whatever had not completed (the worker picks such rows up when it starts). One worker thread ingests
-(extract, chunk, embed, index), one file at a time, and only a row it has claimed (store/claims.py: one
-conditional UPDATE of the row's owner and lease, renewed by a heartbeat thread; the outcome is written only while
-the claim is held), so several server processes on one data directory ingest each file once.
+Postgres. A store in Postgres (`--database-url`, store/pg.py) holds the metadata too, in its own tables (created
+by pg.py's migrations), and the chunks unless `--vector-store` names another database. A vector store file row is
+the ingestion queue: a row `in_progress` is work to do, so a restart resumes whatever had not completed (the
+worker picks such rows up when it starts). One worker thread ingests (extract, chunk, embed, index), one file at
+a time, and only a row it has claimed (store/claims.py: one conditional UPDATE of the row's owner and lease,
+renewed by a heartbeat thread; the outcome is written only while the claim is held), so several server processes
+on one data directory (or one Postgres database) ingest each file once.
 
 Deletion: the file store calls `file_deleted` synchronously from its delete, which removes the file's rows and
 its chunks in every store before the DELETE /v1/files answers. A worker that finishes a file whose row was
@@ -87,6 +89,7 @@ class VectorStores:
     encoder: SentenceEncoder
     index: ChunkIndex
     files: Any                      # unmask.store.FileStore
+    database: Any = None            # the store's PostgresDatabase (None: retrieval.db under root)
     _conns: Connections = field(init=False)
     _wake: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -95,17 +98,21 @@ class VectorStores:
 
     def __post_init__(self):
         self._conns = Connections(self._connect)
+        self.claims = Claims(lambda: self.db, "vector_store_files", "seq")
+        if self.database is not None:
+            return
         self.db.executescript(SCHEMA)
         columns = {r["name"] for r in self.db.execute("PRAGMA table_info(vector_store_files)")}
         for column in ("owner TEXT", "lease_until REAL"):   # a retrieval.db from before claims
             if column.split()[0] not in columns:
                 self.db.execute(f"ALTER TABLE vector_store_files ADD COLUMN {column}")
-        self.claims = Claims(lambda: self.db, "vector_store_files", "seq")
 
     @classmethod
     def open(cls, root: Path, encoder: SentenceEncoder, files, vector_store_url: str | None = None) -> VectorStores:
-        index = open_index(vector_store_url, Path(root) / DB_NAME, encoder.dimension)
-        service = cls(Path(root), encoder, index, files)
+        database = files.db if files.db.dialect == "postgres" else None
+        url = vector_store_url or (database.url if database is not None else None)
+        index = open_index(url, Path(root) / DB_NAME, encoder.dimension)
+        service = cls(Path(root), encoder, index, files, database)
         files.on_delete.append(service.file_deleted)
         return service
 
@@ -117,7 +124,7 @@ class VectorStores:
 
     @property
     def db(self) -> sqlite3.Connection:
-        return self._conns.get()
+        return self.database.conn if self.database is not None else self._conns.get()
 
     # ------------------------------------------------------------------ stores
     def create_store(self, name: str | None, metadata: dict, expires_after: dict | None,

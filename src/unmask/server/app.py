@@ -67,6 +67,7 @@ class ServerArgs:
     embedding_model: str | None = None   # a directory, "off", or None: the packaged default (unmask.retrieval)
     vector_store: str | None = None      # postgresql://... for the vector stores' chunks; None: SQLite
     data_dir: Path | None = None         # files and batches (unmask.store); None: a temporary directory
+    database_url: str | None = None      # postgresql://... : the store in Postgres, shared across machines
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     batch_max_inflight: int = 0          # batch lines decoded at once (0: default_batch_inflight(max_num_seqs))
     # the block-causal fast path (engine/static_step.py): None = UNMASK_STATIC_STEP / UNMASK_CUDA_GRAPHS
@@ -308,7 +309,7 @@ def create_app(args: ServerArgs, on_fatal: Callable[[], None] = lambda: None) ->
     app.state.load_error = None
     app.state.metrics = Metrics()
     app.state.on_fatal = on_fatal
-    app.state.store = LazyStore(args.data_dir, args.max_file_bytes)
+    app.state.store = LazyStore(args.data_dir, args.max_file_bytes, args.database_url)
     app.include_router(router)
     app.include_router(retrieval.router)  # embeddings (src/unmask/retrieval/)
     app.include_router(file_routes.router)  # /v1/files (src/unmask/store/)

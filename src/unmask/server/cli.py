@@ -121,6 +121,10 @@ def serve(
     batch_max_inflight: int = typer.Option(0, min=0, envvar="UNMASK_BATCH_MAX_INFLIGHT",
                                            help="Batch API lines decoded at once, below interactive requests "
                                                 "(0: three quarters of --max-num-seqs, at least 1)."),
+    database_url: Optional[str] = typer.Option(None, envvar="UNMASK_DATABASE_URL",
+                                               help="postgresql://user@host:port/db: files (their bytes too), "
+                                                    "batches and vector stores in Postgres, shared by every server "
+                                                    "naming it (default: SQLite in the data directory)."),
     vector_store: Optional[str] = typer.Option(None, envvar="UNMASK_VECTOR_STORE",
                                                help="postgresql://user@host:port/db (pgvector 0.8+) for the vector "
                                                     "stores' chunks (default: SQLite in the data directory)."),
@@ -189,6 +193,8 @@ def serve(
 
     if vector_store is not None and not vector_store.startswith(("postgresql://", "postgres://")):
         _fail(f"--vector-store must be a postgresql:// URL, got {vector_store!r}")
+    if database_url is not None and not database_url.startswith(("postgresql://", "postgres://")):
+        _fail(f"--database-url must be a postgresql:// URL, got {database_url!r}")
     if embedding_model not in (None, "off") and not Path(embedding_model).is_dir():
         _fail(f"embedding model directory {embedding_model} does not exist")
     args = ServerArgs(model=model, served_model_name=served_model_name or default_served_name(model),
@@ -198,7 +204,7 @@ def serve(
                       force_include_usage=force_include_usage, chat_template=template, dtype=dtype,
                       device=device, drain_timeout=drain_timeout, max_file_bytes=max_file_bytes,
                       data_dir=_data_dir(data_dir), batch_max_inflight=batch_max_inflight)
-    args.embedding_model, args.vector_store = embedding_model, vector_store
+    args.embedding_model, args.vector_store, args.database_url = embedding_model, vector_store, database_url
     args.kv_cache_dtype = kv_cache_dtype
     args.static_step, args.cuda_graphs = fast["static_step"], fast["cuda_graphs"]
     args.memory_utilization, args.kv_pool_tokens = fast["memory_utilization"], fast["kv_pool_tokens"]

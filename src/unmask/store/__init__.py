@@ -1,7 +1,8 @@
-"""Persistent state of `unmask serve` under one data directory: an embedded SQLite database (db.py,
-schema.py) and the file store (files.py, whose docstring is the interface other packages build on).
+"""Persistent state of `unmask serve`: an embedded SQLite database under one data directory (db.py, schema.py),
+or a Postgres database that servers on several machines share (pg.py, `--database-url`), and the file store
+(files.py, whose docstring is the interface other packages build on).
 
-    store = open_store(data_dir, max_file_bytes)
+    store = open_store(data_dir, max_file_bytes, database_url=None)
     store.files.create(...) / .get(id) / .read_bytes(id) / .delete(id); store.files.on_delete.append(hook)
     store.db.conn / store.db.transaction()   # tables of other packages go in schema.py's migrations
 """
@@ -29,9 +30,16 @@ class Store:
         self.db.close()
 
 
-def open_store(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Store:
+def open_store(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, database_url: str | None = None) -> Store:
+    """The store under `root`, or, with a postgresql:// `database_url`, in that database (`root` then holds no
+    state of the store)."""
     root = Path(root)
-    db = Database(root / DB_NAME)
+    if database_url:
+        from unmask.store.pg import PostgresDatabase
+
+        db = PostgresDatabase(database_url)
+    else:
+        db = Database(root / DB_NAME)
     return Store(root, db, FileStore(db, root, max_file_bytes))
 
 
@@ -39,8 +47,9 @@ class LazyStore:
     """The server's store, opened on first use, so that a server that never touches files or batches creates no
     database. `root` None: a temporary directory, removed with this object (ServerArgs without a data dir)."""
 
-    def __init__(self, root: Path | None, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES):
-        self.root, self.max_file_bytes = root, max_file_bytes
+    def __init__(self, root: Path | None, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                 database_url: str | None = None):
+        self.root, self.max_file_bytes, self.database_url = root, max_file_bytes, database_url
         self._store: Store | None = None
         self._tmp = None
         self._lock = threading.Lock()
@@ -48,7 +57,8 @@ class LazyStore:
     @property
     def exists(self) -> bool:
         """Whether a database is already there (one to resume batches from)."""
-        return self._store is not None or (self.root is not None and (Path(self.root) / DB_NAME).exists())
+        return (self._store is not None or bool(self.database_url)
+                or (self.root is not None and (Path(self.root) / DB_NAME).exists()))
 
     def get(self) -> Store:
         with self._lock:
@@ -57,7 +67,7 @@ class LazyStore:
                 if root is None:
                     self._tmp = tempfile.TemporaryDirectory(prefix="unmask-data-")
                     root = Path(self._tmp.name)
-                self._store = open_store(root, self.max_file_bytes)
+                self._store = open_store(root, self.max_file_bytes, self.database_url)
             return self._store
 
     def close(self) -> None:

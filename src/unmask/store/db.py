@@ -52,6 +52,8 @@ class Connections:
 
 
 class Database:
+    dialect = "sqlite"   # pg.py's PostgresDatabase: "postgres"
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""The file store: bytes on disk under `<data dir>/files/<id>`, metadata in SQLite.
+"""The file store: metadata in the store's database, bytes on disk under `<data dir>/files/<id>` (SQLite) or in the
+database itself (Postgres, shared by every server naming it): contents.py.
 
 Stable interface for other packages (the Files API routes, the batch runner, vector stores):
 
@@ -6,22 +7,21 @@ Stable interface for other packages (the Files API routes, the batch runner, vec
     f = store.create(stream_or_bytes, filename, purpose)   # -> StoredFile; FileTooLargeError over max_bytes
     store.get(file_id)          # -> StoredFile (id, purpose, filename, bytes, created_at, expires_at)
     store.read_bytes(file_id)   # -> bytes
-    store.path(file_id)         # -> Path of the bytes (read-only use)
+    store.stream(file_id)       # -> (StoredFile, Download: an iterator of chunks with close())
     store.list(purpose=None, limit=10000, after=None, order="desc")   # -> (files, has_more)
     store.delete(file_id)       # -> StoredFile; then calls every hook in store.on_delete
     store.on_delete.append(callback)   # callback(StoredFile), after the row and the bytes are gone
 
-Unknown ids raise FileNotFound. Writes are atomic: the bytes go to a temporary file that is renamed into
-place before the row is inserted, so a crash never leaves a row without its bytes (at worst bytes without a
-row, which `sweep()` removes when the store opens). Deleting removes the row first for the same reason. A file
-is stored under its generated id, never under the client's filename, so no name can reach outside the root.
+Unknown ids raise FileNotFound. Writes are atomic: the bytes are durable before (disk: a temporary file renamed
+into place) or with (Postgres: one transaction) the row, so a crash never leaves a row without its bytes (at worst
+bytes on disk without a row, which `sweep()` removes when the store opens). Deleting removes the row first for the
+same reason. A file is stored under its generated id, never under the client's filename, so no name can reach
+outside the root.
 """
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,27 +29,22 @@ from pathlib import Path
 from typing import BinaryIO
 
 from unmask.errors import UnmaskError
+from unmask.store.contents import CHUNK, DatabaseContents, DiskContents, Download, FileTooLargeError
 from unmask.store.db import Database
 
+__all__ = ["FileStore", "StoredFile", "FileNotFound", "FileTooLargeError", "CHUNK", "PURPOSES", "UPLOAD_PURPOSES"]
 logger = logging.getLogger("unmask.store")
 
 UPLOAD_PURPOSES = ("assistants", "batch", "user_data")     # what clients may upload
 PURPOSES = (*UPLOAD_PURPOSES, "batch_output")                # batch_output: written by the batch runner
 DEFAULT_MAX_FILE_BYTES = 512 * 2**20                          # OpenAI's per-file limit
 LIST_LIMIT_MAX = 10_000
-CHUNK = 1 << 20
 
 
 class FileNotFound(UnmaskError):
     def __init__(self, file_id: str):
         super().__init__(f"no file with id {file_id!r}")
         self.file_id = file_id
-
-
-class FileTooLargeError(UnmaskError):
-    def __init__(self, limit: int):
-        super().__init__(f"the file is larger than this server's limit of {limit} bytes (--max-file-bytes)")
-        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -68,14 +63,6 @@ class StoredFile:
                 "status": "processed", "status_details": None}
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _row(row) -> StoredFile:
     return StoredFile(row["id"], row["purpose"], row["filename"], row["bytes"], row["created_at"], row["expires_at"])
 
@@ -83,15 +70,9 @@ def _row(row) -> StoredFile:
 class FileStore:
     def __init__(self, db: Database, root: Path, max_bytes: int = DEFAULT_MAX_FILE_BYTES):
         self.db, self.max_bytes = db, max_bytes
-        self.dir = Path(root) / "files"
-        self.tmp = Path(root) / "tmp"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.contents = DatabaseContents(db) if db.dialect == "postgres" else DiskContents(root)
         self.on_delete: list[Callable[[StoredFile], None]] = []
         self.sweep()
-
-    def path(self, file_id: str) -> Path:
-        return self.dir / self.get(file_id).id   # the id as stored: generated, so a plain name
 
     def create(self, source: BinaryIO | bytes, filename: str, purpose: str,
                max_bytes: int | None = None) -> StoredFile:
@@ -99,37 +80,15 @@ class FileStore:
         if purpose not in PURPOSES:
             raise ValueError(f"unknown purpose {purpose!r}")
         file_id = "file-" + secrets.token_hex(12)
-        fd, tmp = tempfile.mkstemp(dir=self.tmp, prefix=file_id + ".")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                size = self._copy(source, out, self.max_bytes if max_bytes is None else max_bytes)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.dir / file_id)
-            _fsync_dir(self.dir)   # the rename itself survives a power loss before the row is written
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        stored = StoredFile(file_id, purpose, Path(filename or "file").name or "file", size, int(time.time()))
-        self.db.conn.execute(
-            "INSERT INTO files (id, purpose, filename, bytes, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?)",
-            (stored.id, stored.purpose, stored.filename, stored.bytes, stored.created_at, stored.expires_at))
-        return stored
+        name, created = Path(filename or "file").name or "file", int(time.time())
 
-    @staticmethod
-    def _copy(source: BinaryIO | bytes, out: BinaryIO, limit: int) -> int:
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            if len(source) > limit:
-                raise FileTooLargeError(limit)
-            out.write(source)
-            return len(source)
-        size = 0
-        while chunk := source.read(CHUNK):
-            size += len(chunk)
-            if size > limit:
-                raise FileTooLargeError(limit)
-            out.write(chunk)
-        return size
+        def insert_row(size: int) -> None:
+            self.db.conn.execute(
+                "INSERT INTO files (id, purpose, filename, bytes, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (file_id, purpose, name, size, created, None))
+
+        size = self.contents.put(file_id, source, self.max_bytes if max_bytes is None else max_bytes, insert_row)
+        return StoredFile(file_id, purpose, name, size, created)
 
     def get(self, file_id: str) -> StoredFile:
         row = self.db.conn.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
@@ -138,7 +97,18 @@ class FileStore:
         return _row(row)
 
     def read_bytes(self, file_id: str) -> bytes:
-        return self.path(file_id).read_bytes()
+        try:
+            return self.contents.read(self.get(file_id).id)
+        except FileNotFoundError:
+            raise FileNotFound(file_id) from None
+
+    def stream(self, file_id: str) -> tuple[StoredFile, Download]:
+        """The file and its bytes, opened before this returns: a delete from here on does not cut the stream."""
+        stored = self.get(file_id)
+        try:
+            return stored, self.contents.stream(stored.id)
+        except FileNotFoundError:
+            raise FileNotFound(file_id) from None
 
     def list(self, purpose: str | None = None, limit: int = LIST_LIMIT_MAX, after: str | None = None,
              order: str = "desc") -> tuple[list[StoredFile], bool]:
@@ -163,7 +133,7 @@ class FileStore:
         stored = self.get(file_id)
         if self.db.conn.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount == 0:
             raise FileNotFound(file_id)   # deleted by a concurrent request in between
-        (self.dir / stored.id).unlink(missing_ok=True)
+        self.contents.remove(stored.id)
         for hook in list(self.on_delete):
             try:
                 hook(stored)
@@ -172,11 +142,5 @@ class FileStore:
         return stored
 
     def sweep(self) -> int:
-        """Remove bytes without a row and stale temporary files (left by a crash mid-write); returns the count."""
-        known = {r[0] for r in self.db.conn.execute("SELECT id FROM files")}
-        removed = 0
-        for path in [*self.dir.iterdir(), *self.tmp.iterdir()]:
-            if path.parent == self.tmp or path.name not in known:
-                path.unlink(missing_ok=True)
-                removed += 1
-        return removed
+        """Remove bytes without a row (left by a crash mid-write); returns the count."""
+        return self.contents.sweep({r[0] for r in self.db.conn.execute("SELECT id FROM files")})

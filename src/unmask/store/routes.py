@@ -17,7 +17,7 @@ from starlette.datastructures import UploadFile
 
 from unmask.server.protocol import APIError
 from unmask.store import FileNotFound, FileTooLargeError, Store
-from unmask.store.files import CHUNK, LIST_LIMIT_MAX, UPLOAD_PURPOSES
+from unmask.store.files import LIST_LIMIT_MAX, UPLOAD_PURPOSES
 
 router = APIRouter()
 MULTIPART_OVERHEAD = 64 * 1024   # room for the form's other fields and part headers over --max-file-bytes
@@ -100,14 +100,10 @@ def retrieve_file(file_id: str, request: Request) -> JSONResponse:
 
 @router.get("/v1/files/{file_id}/content")
 def file_content(file_id: str, request: Request) -> StreamingResponse:
-    files = store_of(request).files
-    stored = found(lambda: files.get(file_id))
-    try:  # opened before answering: a delete from here on unlinks the name, not the bytes this stream reads
-        handle = open(files.dir / stored.id, "rb")
-    except FileNotFoundError:
-        raise not_found(FileNotFound(file_id)) from None
-    return StreamingResponse(iter(lambda: handle.read(CHUNK), b""), media_type="application/octet-stream",
-                             headers={"Content-Length": str(stored.bytes)}, background=BackgroundTask(handle.close))
+    # opened before answering: a delete from here on does not cut the stream short (contents.py)
+    stored, download = found(lambda: store_of(request).files.stream(file_id))
+    return StreamingResponse(iter(download), media_type="application/octet-stream",
+                             headers={"Content-Length": str(stored.bytes)}, background=BackgroundTask(download.close))
 
 
 @router.delete("/v1/files/{file_id}")

@@ -1,0 +1,104 @@
+"""One store for servers on several machines: two `unmask serve` apps with different data directories and one
+Postgres database (`--database-url`, unmask.store.pg) see the same files (their bytes too), vector stores and
+batches, on the real PostgreSQL + pgvector server of tests/pg_server.py. Neither data directory holds any of it."""
+from __future__ import annotations
+
+import io
+import time
+import uuid
+
+import openai
+import pytest
+
+from pg_server import postgres  # noqa: F401 - the session's Postgres server
+from store_server import start_app
+from test_batches import chat_line, records, upload, wait_for
+from test_shared_store import record_engine_requests
+
+
+def new_database(server) -> str:
+    import psycopg
+
+    name = "store_" + uuid.uuid4().hex[:8]
+    with psycopg.connect(server.url, autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {name}")
+    return server.url.rsplit("/", 1)[0] + "/" + name
+
+
+@pytest.fixture(scope="module")
+def two_machines(postgres, tmp_path_factory):   # noqa: F811 - the fixture imported above
+    """Two apps as on two machines: each its own data directory, both on one database."""
+    url = new_database(postgres)
+    dirs = [tmp_path_factory.mktemp(f"node{i}") for i in range(2)]
+    apps = [start_app(d, max_num_seqs=4, database_url=url) for d in dirs]
+    try:
+        for app in apps:
+            app.wait_model()
+            wait_vector_stores(app)
+        yield apps, dirs
+    finally:
+        for app in apps:
+            app.stop()
+
+
+def wait_vector_stores(app, timeout: float = 120) -> None:
+    """Until the app's embedding model has loaded and its vector stores opened (on the database)."""
+    state, deadline = app.app.state.retrieval, time.monotonic() + timeout
+    while state.vector_stores is None:
+        assert state.load_error is None and time.monotonic() < deadline, state.load_error
+        time.sleep(0.05)
+
+
+def wait_ingested(client: openai.OpenAI, store_id: str, n: int, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while (store := client.vector_stores.retrieve(store_id)).file_counts.completed < n:
+        assert time.monotonic() < deadline and store.file_counts.failed == 0, store
+        time.sleep(0.1)
+    return store
+
+
+def test_files_uploaded_through_one_server_are_read_and_deleted_through_the_other(two_machines):
+    (a, b), _ = two_machines
+    ca, cb = a.client(), b.client()
+    data = bytes(range(256)) * 9000   # 2.3 MB: three 1 MiB chunks in the database
+    up = ca.files.create(file=("blob.bin", io.BytesIO(data)), purpose="user_data")
+    got = cb.files.retrieve(up.id)
+    assert (got.filename, got.bytes, got.purpose) == ("blob.bin", len(data), "user_data")
+    assert cb.files.content(up.id).read() == data
+    assert up.id in [f.id for f in cb.files.list(purpose="user_data")]
+    assert cb.files.delete(up.id).deleted
+    with pytest.raises(openai.NotFoundError, match=f"no file with id '{up.id}'"):
+        ca.files.content(up.id)
+    assert up.id not in [f.id for f in ca.files.list()]
+
+
+def test_a_vector_store_made_through_one_server_is_searched_through_the_other(two_machines):
+    (a, b), _ = two_machines
+    ca, cb = a.client(), b.client()
+    notes = {"drawer.txt": "The spare fuse for the kiln is kept in the third drawer of the blue cabinet.",
+             "garden.txt": "Tomatoes in the north bed need water every second morning in July."}
+    ids = {name: ca.files.create(file=(name, io.BytesIO(text.encode())), purpose="assistants").id
+           for name, text in notes.items()}
+    store = cb.vector_stores.create(name="shared", file_ids=list(ids.values()))
+    assert wait_ingested(ca, store.id, 2).file_counts.total == 2
+    hits = ca.vector_stores.search(vector_store_id=store.id, query="where is the spare fuse kept?").data
+    assert hits[0].file_id == ids["drawer.txt"] and "third drawer" in hits[0].content[0].text
+    assert {f.id for f in cb.vector_stores.files.list(vector_store_id=store.id)} == set(ids.values())
+
+
+def test_a_batch_created_through_one_server_runs_once_and_is_read_through_the_other(two_machines, monkeypatch):
+    (a, b), dirs = two_machines
+    seen = [[], []]
+    for app, log in zip((a, b), seen):
+        record_engine_requests(app, monkeypatch, log)
+    ca, cb = a.client(), b.client()
+    n = 4
+    input_id = upload(ca, [chat_line(f"line-{i}", f"Item {i}.") for i in range(n)])
+    batch = cb.batches.create(input_file_id=input_id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_for(ca, batch.id, ("completed", "failed"), timeout=180)
+    assert done.status == "completed" and done.request_counts.model_dump() == {"total": n, "completed": n,
+                                                                               "failed": 0}, done
+    assert [r["custom_id"] for r in records(cb, done.output_file_id)] == [f"line-{i}" for i in range(n)]
+    assert len(seen[0]) + len(seen[1]) == n   # each line reached one engine once
+    # the state lives in Postgres only: neither machine's data directory holds a database or a file's bytes
+    assert [sorted(p.name for p in d.iterdir()) for d in dirs] == [[], []]
