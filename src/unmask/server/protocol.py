@@ -11,77 +11,22 @@ unmask.structured (an unenforceable schema is a 400 naming the feature).
 from __future__ import annotations
 
 import json
-import time
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import Field, field_validator
+
+# the error envelope, the bases and the response models live beside this module; importing them from here
+# keeps working (this module holds the requests)
+from unmask.server.protocol_base import (ERROR_TYPES, APIError, ErrorInfo, ErrorResponse,  # noqa: F401
+                                         RequestModel, ResponseModel)
+from unmask.server.protocol_replies import (AssistantMessage, ChatChoice, ChatChunkChoice,  # noqa: F401
+                                            ChatCompletionChunk, ChatCompletionResponse, ChoiceLogprobs,
+                                            CompletionChoice, CompletionChunk, CompletionLogprobs,
+                                            CompletionResponse, Delta, DeltaFunction, DeltaToolCall, DiffusingFrame,
+                                            EditCompletionResponse, FunctionCall, TokenLogprob, ToolCall,
+                                            TopLogprob, Usage)
 
 ReasoningEffort = Literal["instant", "low", "medium", "high", "minimal", "none"]
-
-
-# ---------------------------------------------------------------------------------------- errors
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """The one error envelope of every route: `{"error": {"message", "type", "param", "code"}}`."""
-
-    error: ErrorInfo
-
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
-               500: "server_error", 503: "service_unavailable_error"}
-
-
-class APIError(Exception):
-    """An error the API reports to the client: HTTP status plus the OpenAI error envelope."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def response(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, "error"),
-                                             param=self.param, code=self.code))
-
-
-# ---------------------------------------------------------------------------------------- bases
-class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        """An explicit null on an optional field is the field's default, as in OpenAI's API (the official
-        clients send null for every argument a caller passed as None); required fields stay required."""
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
-
-    def ignored_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
-
-
-class ResponseModel(BaseModel):
-    """Response objects; fields named in `_omit_if_none` are left out instead of sent as null."""
-
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _omit(self, handler):
-        data = handler(self)
-        for name in self._omit_if_none:
-            if data.get(name, 0) is None:
-                del data[name]
-        return data
 
 
 class StreamOptions(RequestModel):
@@ -359,176 +304,6 @@ def token_bias(bias: dict[str, float]) -> dict[int, float]:
         except (TypeError, ValueError):
             out[key] = value  # rejected with its key named by GenerationParams
     return out
-
-
-
-# ---------------------------------------------------------------------------------------- responses
-class Usage(ResponseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class TopLogprob(ResponseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(ResponseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(ResponseModel):
-    content: list[TokenLogprob]
-
-
-class FunctionCall(ResponseModel):
-    name: str
-    arguments: str      # JSON text, as the model wrote it
-
-
-class ToolCall(ResponseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class AssistantMessage(ResponseModel):
-    _omit_if_none = frozenset({"tool_calls", "annotations"})
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-    annotations: list[dict[str, Any]] | None = None   # file_citation, with a file_search tool (unmask.retrieval)
-
-
-class ChatChoice(ResponseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None
-
-
-class ChatCompletionResponse(ResponseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaFunction(ResponseModel):
-    _omit_if_none = frozenset({"name", "arguments"})
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(ResponseModel):
-    """A call's first delta carries index, id, type, name and arguments ""; later ones index and arguments."""
-
-    _omit_if_none = frozenset({"id", "type"})
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunction
-
-
-class Delta(ResponseModel):
-    _omit_if_none = frozenset({"role", "content", "tool_calls"})
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(ResponseModel):
-    index: int
-    delta: Delta
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class DiffusingFrame(ResponseModel):
-    """unmask extension: the full current text of choice `index`, masked positions shown as "░".
-
-    Each frame replaces the previous one; frames carry `choices: []` so clients that do not ask
-    for them (or skip chunks without choices, like the usage chunk) never mistake them for content.
-    """
-
-    index: int
-    text: str
-    masked: int
-    forwards: int | None = None  # forwards this choice has taken part in so far, prefill included
-    # with edit_threshold / remask_budget: committed tokens replaced / remasked so far (left out when neither is on)
-    edits: int | None = None
-    remasks: int | None = None
-    # [start, end) offsets in `text` (code points) of the tokens committed since the previous frame, and of those
-    # this step replaced or put back to mask (server/frames.py)
-    committed: list[list[int]] = []
-    edited: list[list[int]] = []
-
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"forwards", "edits", "remasks"})
-
-
-class ChatCompletionChunk(ResponseModel):
-    _omit_if_none = frozenset({"usage", "diffusing"})
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    # ---- unmask extension
-    diffusing: DiffusingFrame | None = None
-
-
-class EditCompletionResponse(ResponseModel):
-    """Next-edit answer: the chat shape with object `edit.completion` (as the closed diffusion API)."""
-
-    id: str
-    object: Literal["edit.completion"] = "edit.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class CompletionLogprobs(ResponseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
-    text_offset: list[int]
-
-
-class CompletionChoice(ResponseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(ResponseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class CompletionChunk(ResponseModel):
-    _omit_if_none = frozenset({"usage", "diffusing"})
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    # ---- unmask extension
-    diffusing: DiffusingFrame | None = None
 
 
 # ---------------------------------------------------------------------------------------- tokenizer
