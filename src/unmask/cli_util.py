@@ -1,4 +1,5 @@
-"""What every command module of the CLI shares: one-line errors, plain warnings, output-file checks."""
+"""What every command module of the CLI shares: one-line errors, plain warnings, output-file checks, and the
+generation flags of generate, chat, eval and bench (DRY breakers, the model's default penalties)."""
 from __future__ import annotations
 
 import contextlib
@@ -76,3 +77,36 @@ def env_switch(name: str, flag: bool | None, default: bool) -> bool:
     if raw.strip().lower() not in SWITCH_VALUES:
         fail(f"{name} must be one of {', '.join(SWITCH_VALUES)}, got {raw!r}")
     return SWITCH_VALUES[raw.strip().lower()]
+
+
+DRY_HELP = ("DRY loop penalty (llama.cpp's): penalise the token that would extend a repeat of an earlier "
+            "run of tokens, multiplier * base^(length - allowed length); 0 = off (default: the model's "
+            "generation_config). docs/decoding.md")
+
+
+def dry_breakers(values: list[str] | None) -> list[str] | None:
+    """--dry-sequence-breaker values: unset -> None (the default set), 'none' -> no breakers; a typed \\n or
+    \\t is a newline or tab, as in llama.cpp's CLI."""
+    if not values:
+        return None
+    if values == ["none"]:
+        return []
+    return [v.replace("\\n", "\n").replace("\\t", "\t") for v in values]
+
+
+def generation_params(**kw):
+    from unmask.engine.params import GenerationParams
+
+    return GenerationParams(**{k: v for k, v in kw.items() if v is not None})
+
+
+def with_model_defaults(llm, knobs: dict, chat: bool = False) -> dict:
+    """The model's recommended penalties (generation_config.json; with `chat`, its chat_defaults) where a
+    flag left them unset."""
+    from unmask.engine.params import PENALTY_KEYS, sampling_defaults
+
+    model = sampling_defaults(llm.spec.generation_config, chat=chat)
+    for key in PENALTY_KEYS:
+        if knobs.get(key) is None and key in model:
+            knobs[key] = model[key]
+    return knobs
