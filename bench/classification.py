@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import classification_data as cd  # noqa: E402
+from benchlib.common import write_json  # noqa: E402
 
 
 def tfidf(train: list[dict], test: list[dict], labels, repeat_to: int = 0) -> dict:
@@ -157,7 +158,7 @@ def main() -> None:
                        "items_per_s": len(prompts) / (time.perf_counter() - t0)}
     print(json.dumps(res, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

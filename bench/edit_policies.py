@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from benchlib import heldout
+from benchlib.common import write_json
 from unmask.evaluation import evaluate
 
 
@@ -41,8 +42,7 @@ def main() -> None:
 
     def write() -> None:
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({**doc, "loadavg_now": os.getloadavg()}, indent=1) + "\n")
+            write_json(args.json, {**doc, "loadavg_now": os.getloadavg()})
 
     variants = [] if args.no_plain else [dict()]
     variants += [dict(edit_threshold=float(e), max_post_edit_steps=int(k))

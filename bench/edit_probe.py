@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from benchlib.common import write_json
 from unmask.train.corruption import draw_corruption
 from unmask.train.objectives import Noise, Objective, masked_rows, source_rows
 
@@ -89,9 +90,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     print(json.dumps({k: v for k, v in res.items() if k.startswith("p_")}))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        out = {"model": args.model, "block_size": args.block_size, "seq_len": args.seq_len, **res}
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        write_json(args.json, {"model": args.model, "block_size": args.block_size, "seq_len": args.seq_len, **res})
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ figures are medians over rounds with min and max. The prefill forward is timed a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from benchlib.common import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,9 +92,8 @@ def main() -> None:
         print(f"| {r['q']} | {r['ms_per_forward']:.2f} | {r['cost']:.2f} [{r['cost_min']:.2f}-{r['cost_max']:.2f}] | "
               f"{r['speedup_bound']:.2f} |")
     if args.json:
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "model": str(args.model),
-                                         "threads": torch.get_num_threads(), "dtype": args.dtype, "rows": rows},
-                                        indent=1) + "\n")
+        write_json(args.json, {"command": " ".join(sys.argv), "model": str(args.model),
+                               "threads": torch.get_num_threads(), "dtype": args.dtype, "rows": rows})
 
 
 if __name__ == "__main__":

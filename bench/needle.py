@@ -23,6 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from benchlib.common import write_json  # noqa: E402
+
 
 def heatmap(entry: dict, path: Path) -> None:
     import matplotlib
@@ -110,7 +112,7 @@ def main() -> None:
         heatmap(entry, out / (f"needle-{name}.png" if args.smoke else "needle.png"))
     meta = {"command": " ".join(sys.argv), "threads": torch.get_num_threads(),
             "measured": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-    (out / "needle.json").write_text(json.dumps({**meta, "models": entries}, indent=2))
+    write_json(out / "needle.json", {**meta, "models": entries}, indent=2)
     print(json.dumps({name: {f"{c['length']}@{c['depth']}": c["accuracy"] for c in e["results"]}
                       for name, e in entries.items()}))
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from benchlib.common import interleave, ratio_summary, summary  # noqa: E402
+from benchlib.common import interleave, ratio_summary, summary, write_json  # noqa: E402
 
 POLICIES = ("unset", "PASSIVE")  # --policies adds e.g. spin:20000 (GOMP_SPINCOUNT: spin that long, then sleep)
 CASES = {  # name -> generate arguments: short decoding, and a long prompt whose prefill dominates
@@ -124,8 +124,7 @@ def main() -> None:
             b.kill()
     doc["load_average_end"] = os.getloadavg()
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(a.json, doc)
 
 
 if __name__ == "__main__":

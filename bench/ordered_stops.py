@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from benchlib import heldout
+from benchlib.common import write_json
 from unmask.engine.infill import build_infill
 from unmask.engine.llm import LLM
 from unmask.engine.params import GenerationParams
@@ -63,8 +64,7 @@ def main() -> None:
             first["seconds"] = statistics.median(r["seconds"] for r in runs)
             summary[name][task] = first
     doc = {"model": args.model, "policy": "threshold_0.9", "rounds": args.rounds, "results": summary}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(args.out, doc)
     for name, by_task in summary.items():
         for task, r in by_task.items():
             print(name, task, json.dumps(r))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchlib.common import write_json
 from unmask.engine.llm import LLM
 from unmask.engine.params import GenerationParams
 from unmask.evaluation import FUNCTION_TOKENS, function_tasks, next_line_tasks
@@ -120,8 +121,7 @@ def main() -> None:
               "hit rate by offset", [round(x, 2) if x is not None else None for x in row["first_step_hit_rate_by_offset"]],
               flush=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -48,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
 
-from benchlib.common import ratio_summary, rotated, summary  # noqa: E402
+from benchlib.common import ratio_summary, rotated, summary, write_json  # noqa: E402
 from benchlib.cost import corpus_ids  # noqa: E402
 from unmask.engine.engine import Engine  # noqa: E402
 from unmask.engine.params import GenerationParams  # noqa: E402
@@ -352,8 +351,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = {"profile": profile, "tune": tune, "ttft": ttft, "prepare": prepare, "layers": layer_cost}[args.mode](args)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": out}, indent=1) + "\n")
+        write_json(args.json, {"args": vars(args), "results": out})
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
 
-from benchlib.common import PeakMemory  # noqa: E402
+from benchlib.common import PeakMemory, write_json  # noqa: E402
 
 MIB = 2**20
 _status_kb = PeakMemory._status  # a /proc/self/status field in kB (VmRSS, VmHWM)
@@ -129,8 +129,7 @@ def main() -> None:
               f"{'within' if row['within_goal'] else 'OVER'}; TTFT {row['ttft_s']:.0f} s; refused up front: "
               f"{row['refusal']['refused']}", flush=True)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1) + "\n")
+        write_json(args.json, {"args": vars(args), "results": rows})
 
 
 if __name__ == "__main__":

@@ -267,8 +267,7 @@ def main() -> None:
             "suite_wall_s": core_wall_s(data["sections"], sections, wall if complete else None),
             "suite_wall_complete": complete,
         }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    common.write_json(out_json, data, default=str)
     report.render(data, doc, img_dir)
     log(f"done in {wall:.0f} s: {rel(out_json)}, {rel(doc)}, {rel(img_dir)}/*.png")
 

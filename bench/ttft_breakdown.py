@@ -41,6 +41,8 @@ from pathlib import Path
 
 import httpx
 
+from benchlib.common import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -220,7 +222,7 @@ def main() -> None:
         results.append({"concurrency": run["concurrency"], "repeat": run["repeat"], "requests": len(run["sent"]),
                         "stages": table, "ratio_of_means": ratio, "wire_ratio_of_means": wire, "loadavg_1min": run["loadavg_1min"]})
     if args.json:
-        args.json.write_text(json.dumps({"runs": results, "args": vars(args) | {"json": None}}, indent=1))
+        write_json(args.json, {"runs": results, "args": vars(args) | {"json": None}})
 
 
 if __name__ == "__main__":

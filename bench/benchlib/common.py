@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import math
 import os
 import platform
@@ -211,3 +212,12 @@ def python_cmd() -> str:
         return str(exe.relative_to(ROOT))
     except ValueError:
         return "python"
+
+
+def write_json(path: Path | str, doc, *, indent: int = 1, default=None) -> Path:
+    """The results file of a bench script (--json and the like): `doc` as indented JSON plus a newline, its
+    folder created first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=indent, default=default) + "\n")
+    return path
