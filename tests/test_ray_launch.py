@@ -11,7 +11,7 @@ from unmask.cluster import ClusterError  # noqa: E402
 from unmask.cluster import launch  # noqa: E402
 
 
-def test_the_builder_passes_the_static_step_settings_to_the_engine_args():
+def test_the_builder_passes_the_static_step_and_store_settings_to_the_engine_args():
     args, scale = launch.builder_args({"static_step": "true", "cuda_graphs": False, "kv_pool_tokens": 4096,
                                        "gpu_memory_utilization": 0.5, "replicas": 3, "embedding_model": "off"})
     assert (args.static_step, args.cuda_graphs, args.kv_pool_tokens, args.memory_utilization) == (True, False, 4096,
@@ -20,6 +20,9 @@ def test_the_builder_passes_the_static_step_settings_to_the_engine_args():
     plain, _ = launch.builder_args({})
     assert (plain.static_step, plain.cuda_graphs, plain.kv_pool_tokens, plain.memory_utilization) == (None, None,
                                                                                                       None, 0.9)
+    assert plain.database_url is None
+    shared, _ = launch.builder_args({"database_url": "postgresql://unmask@db:5432/unmask", "data_dir": "/srv/u"})
+    assert (shared.database_url, str(shared.data_dir)) == ("postgresql://unmask@db:5432/unmask", "/srv/u")
 
 
 @pytest.mark.parametrize("config, message", [
