@@ -3,9 +3,10 @@ and the AR twin, batch 1, interleaved, on the model card's held-out next-line an
 
 Variants per unmask model: `next_token_greedy` (block 1, one token per forward: the output `speculative` must
 reproduce), `threshold_0.9` (the default), `speculative` (one draft block a step), `speculative_all` (a draft
-block per outcome) and `speculative_b4` (draft blocks of 4: a narrower forward, for CPUs); with --distilled the
-same five on a second model of the same tokenizer (e.g. one trained by `unmask distill --teacher-block-size 1
---full-block-fraction F`); the AR twin through transformers `generate`.
+block per outcome), `speculative_b4` (draft blocks of 4: a narrower forward, for CPUs) and
+`speculative_b4_lookup` (the built-in model's default: also prompt-lookup drafts), or the subset --variants names;
+with --distilled the same ones on a second model of the same tokenizer (e.g. one trained by `unmask distill --teacher-block-size 1
+--full-block-fraction F`); the AR twin through transformers `generate`, and each variant's tokens/s over the twin's ("x twin").
 Rounds rotate the order per task (A B A B); speeds are medians over rounds with min-max, and ratios are taken
 within each round (benchlib.policies.run_section, the suite's policy section).
 
@@ -14,7 +15,6 @@ within each round (benchlib.policies.run_section, the suite's policy section).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -49,10 +49,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="both sides' weights (bfloat16: what `unmask serve` picks on CPUs with AVX512-BF16 / AMX)")
+    ap.add_argument("--variants", default=",".join(n for n, _, _ in VARIANTS),
+                    help="comma-separated subset of the unmask variants, run for each model (the first is the "
+                         "baseline of the 'x first' column)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    known = {n: (n, lbl, knobs) for n, lbl, knobs in VARIANTS}
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not chosen or any(v not in known for v in chosen):
+        sys.exit(f"--variants: choose from {', '.join(known)}")
+    selected = [known[v] for v in chosen]
     sys.path.insert(0, str(ROOT / "bench"))
     from benchlib import policies, twin
+    from benchlib.common import ratio_summary, write_json
 
     from unmask.engine.llm import LLM
 
@@ -61,14 +70,14 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, device="cpu")
     if not policies.speculative_model(llm):
         sys.exit(f"{args.model} has no causal context: policy speculative does not run on it")
-    variants = [policies.Variant(n, lbl, knobs) for n, lbl, knobs in VARIANTS]
+    variants = [policies.Variant(n, lbl, knobs) for n, lbl, knobs in selected]
     if args.distilled is not None:
         other = LLM(args.distilled, dtype=args.dtype, device="cpu")
         from unmask.engine.engine import Engine
 
         other.engine = Engine(other.model, other.spec, other.tokenizer, max_num_seqs=1, prefix_cache_bytes=0)
         variants += [policies.Variant(f"distilled:{n}", f"distilled: {lbl}", knobs, group="distilled", llm=other)
-                     for n, lbl, knobs in VARIANTS]
+                     for n, lbl, knobs in selected]
     if not args.no_twin:
         hf = twin.HFTwin(args.twin, dtype=args.dtype)
         variants.append(policies.Variant(hf.name, "AR twin, transformers generate (KV cache)", decoder=hf,
@@ -76,19 +85,22 @@ def main() -> None:
     tasks, info = policies.load_tasks(llm, args.corpus, args.sft_heldout, args.next_line, args.infill)
     t0 = time.perf_counter()
     results = policies.run_section(llm, variants, tasks, args.rounds, lambda m: print(m, flush=True))
-    print(f"{'variant':32} {'acc':>6} {'tok/fwd':>8} {'tok/s':>8} {'x next-token':>13} {'x default':>10}")
+    twin_name = variants[-1].name if not args.no_twin else None
+    if twin_name:  # each variant's tokens/s over the twin's, round by round (interleaved), median and range
+        for r in results["variants"].values():
+            r["speed_vs_twin"] = ratio_summary(r["tokens_per_s_rounds"], results["variants"][twin_name]["tokens_per_s_rounds"])
+    print(f"{'variant':32} {'acc':>6} {'tok/fwd':>8} {'tok/s':>8} {'x first':>8} {'x default':>10} {'x twin':>7}")
     for n, r in results["variants"].items():
         tpf, tps = r["tokens_per_forward"]["median"], r["tokens_per_s"]["median"]
-        vs_ar = r["speed_vs_baseline"]["median"]
+        vs_first = r["speed_vs_baseline"]["median"]
         vs_def = r.get("speed_vs_default", {}).get("median")
-        print(f"{n:32} {r['accuracy']:6.1%} {tpf:8.2f} {tps:8.1f} {vs_ar:13.2f} "
-              f"{'' if vs_def is None else f'{vs_def:10.2f}'}")
+        vs_twin = r.get("speed_vs_twin", {}).get("median")
+        print(f"{n:32} {r['accuracy']:6.1%} {tpf:8.2f} {tps:8.1f} {vs_first:8.2f} "
+              f"{'' if vs_def is None else f'{vs_def:.2f}':>10} {'' if vs_twin is None else f'{vs_twin:.2f}':>7}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"command": " ".join(sys.argv), "model": str(args.model), "distilled": str(args.distilled),
-               "threads": torch.get_num_threads(), "dtype": args.dtype, "rounds": args.rounds, "tasks": info,
-               "seconds": time.perf_counter() - t0, "results": results}
-        args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        write_json(args.json, {"command": " ".join(sys.argv), "model": str(args.model), "distilled": str(args.distilled),
+                               "threads": torch.get_num_threads(), "dtype": args.dtype, "rounds": args.rounds,
+                               "tasks": info, "seconds": time.perf_counter() - t0, "results": results}, default=str)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,7 @@ def run_section(llm, variants: list[Variant], tasks: list, rounds: int, log) -> 
             "latency_ms": summary([s["latency_ms"] for s in rounds_stats]),
         }
     for n in names:
+        results[n]["tokens_per_s_rounds"] = per_round_tps[n]
         results[n]["speed_vs_baseline"] = ratio_summary(per_round_tps[n], per_round_tps[base])
     if "threshold_0.9" in results:
         for n in names:
