@@ -54,16 +54,24 @@ def start(args: list[str]) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def stop(process: subprocess.Popen) -> None:
+def stop(*processes: subprocess.Popen) -> None:
+    """SIGTERM to each one's session at once (they stop in parallel), SIGKILL to those still there after 3 s."""
+    left = list(processes)
     for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(process.pid, sig)
-            process.wait(wait)
+        for process in left:
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + wait
+        for process in list(left):
+            try:
+                process.wait(max(0.0, deadline - time.time()))
+                left.remove(process)
+            except subprocess.TimeoutExpired:
+                pass
+        if not left:
             return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +95,7 @@ def address():
         assert subprocess.run([sys.executable, "-c", wait_nodes, address], timeout=90, env=ENV).returncode == 0
         yield address
     finally:
-        if worker is not None:
-            stop(worker)
-        stop(head)
+        stop(*[p for p in (worker, head) if p is not None])
         current = Path("/tmp/ray/ray_current_cluster")   # what `ray stop` would clear: a later ray.init() must not
         if current.exists() and current.read_text().strip().endswith(f":{port}"):   # try to join this cluster
             current.unlink()

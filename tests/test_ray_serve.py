@@ -1,7 +1,8 @@
 """`unmask serve --ray` on a real local Ray cluster (ray.init with 2 CPUs): two engine replicas of the built-in
 model behind one OpenAI endpoint, answering the openai client; routing (prefix affinity, both replicas used);
 auth, error envelopes, metrics; a replica killed mid-stream ends its stream with a 503, the non-streamed request it
-held runs again on the other replica, and the killed one is replaced.
+held runs again on the other replica, and the killed one is replaced; --autoscale 1,2 grows under load and shrinks
+back with a stream in flight on the replica it stops, which ends whole.
 """
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
+    # The autoscaling test's handle keeps pushing metrics from a thread of this process after ray.shutdown(), and
+    # its next ray.wait would start a new local cluster through Ray's auto-init (seen: one started by this process
+    # after the module, which a later in-process `unmask batch --ray --address` test then ran on). This module
+    # starts its cluster itself: no implicit ones, here or after it.
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=launch.runtime_env(), logging_level="WARNING")
     port = free_port()
     try:   # built as a Serve config file or KubeRay's RayService builds it (`unmask serve --ray` in test_ray_cluster)
@@ -39,9 +47,8 @@ def cluster():
                                       "max_num_seqs": 8, "max_queue": 16, "drain_timeout": 2.0, "replicas": 2,
                                       "num_cpus": 0.5}), name="unmask", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
-    finally:
-        launch.undeploy(stop_serve=True)
-        ray.shutdown()
+    finally:   # the cluster is this process's: shutting it down stops every replica (undeploy's drain is
+        ray.shutdown()   # tested through `unmask serve --ray`'s Ctrl-C in test_ray_cluster)
 
 
 @pytest.fixture
@@ -164,7 +171,7 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_503_retries_the_rest_a
 
     deadline = time.time() + 90
     while running_replicas() < 2 and time.time() < deadline:
-        time.sleep(1)
+        time.sleep(0.2)
     assert running_replicas() == 2
     replicas, k = set(), 0
     while len(replicas) < 2 and time.time() < deadline:   # the ingress's router learns of the new replica
@@ -173,87 +180,139 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_503_retries_the_rest_a
     assert victim not in replicas and len(replicas) == 2
 
 
-# ---------------------------------------------------------------------------------------- scaling down
-STREAM_TOKENS = 128  # long enough that a stream spans the moment a replica starts stopping (48 missed it once)
+# ---------------------------------------------------------------------------------------- autoscaling
+STREAM_TOKENS = 32
 
 
-def stream_through(handle, content: str) -> dict:
-    """One streamed chat request through the engine deployment's handle, as the gateway sends it: its replica,
-    when it started and ended, its generated tokens (the usage chunk), finish reason and last frame."""
+def stream_through(handle, content: str, affinity: str | None = None, started: threading.Event | None = None) -> dict:
+    """One streamed chat request through the engine deployment's streaming handle (`handle.options(stream=True)`,
+    made once: handles made at once from several threads get routers of their own under one handle id, whose
+    load reports to the autoscaler overwrite each other), as the gateway sends it (`affinity`: the router's key): its replica, when it was sent and when it ended, its generated tokens (the usage chunk), finish
+    reason and last frame. `started` is set once the replica has sent its first bytes."""
     import json
 
     body = {"model": "unmask-tiny", "messages": [{"role": "user", "content": content}], "max_tokens": STREAM_TOKENS,
             "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     request = {"method": "POST", "path": "/v1/chat/completions", "root_path": "", "query": b"",
                "headers": [(b"content-type", b"application/json")], "body": json.dumps(body).encode()}
-    started = time.time()
+    sent = time.time()
     head, raw = None, b""
-    for item in handle.options(stream=True).forward.remote(request):
-        if head is None:
-            head, raw = item, item["body"]
-        else:
-            raw += item
+    try:
+        for item in handle.forward.remote(request, affinity=affinity):
+            if head is None:
+                head, raw = item, item["body"]
+                if started is not None:
+                    started.set()
+            else:
+                raw += item
+    finally:
+        if started is not None:
+            started.set()
     frames = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
     chunks = [json.loads(f) for f in frames if f != "[DONE]"]
     usage = next((c["usage"] for c in chunks if c.get("usage")), {})
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
-    return {"replica": head["replica"], "status": head["status"], "start": started, "end": time.time(),
+    return {"replica": head["replica"], "status": head["status"], "start": sent, "end": time.time(),
             "tokens": usage.get("completion_tokens"), "finish": finish, "last": frames[-1] if frames else None}
 
 
-def test_autoscaled_replicas_scale_down_to_min_without_cutting_a_stream(cluster):
-    """--autoscale 1,2 started at two replicas (initial_replicas), under less load than one replica's batch holds:
-    Ray Serve stops one after downscale_delay_s while streams run on both, the streams on the stopping replica
-    finish whole (it drains before it goes), and the deployment settles at MIN, one replica."""
+def key_for(replica: str, other: str) -> str:
+    """An affinity key whose preferred replica, of these two, is `replica` (routing.py's rendezvous hashing)."""
+    from unmask.cluster.routing import rendezvous
+
+    return next(k for k in (f"hold-{i}" for i in range(1000)) if rendezvous(k, replica) > rendezvous(k, other))
+
+
+def test_autoscale_grows_under_load_and_shrinks_without_cutting_a_stream(cluster):
+    """--autoscale 1,2 at one replica: eight streams against a batch of four (target_ongoing_requests 4) bring a
+    second replica, every stream answered whole. Then a stream is kept open on each replica at every moment (each
+    next one sent before the previous ends, pinned by its affinity key), two in all, which asks for one replica:
+    Ray Serve stops one while a stream runs on it, that stream ends whole (the replica drains before it goes), and
+    the deployment settles at MIN, one replica."""
     args, scale = launch.builder_args({
         "model": str(default_model_path()), "embedding_model": "off", "max_num_seqs": 4, "max_queue": 8,
         "drain_timeout": 20.0, "autoscale": "1,2", "num_cpus": 0.5,
-        # Ray's delays shortened for the test: down after 8 s (from when the replicas started), never up
-        "autoscaling_config": {"initial_replicas": 2, "downscale_delay_s": 8, "upscale_delay_s": 600}})
+        # Ray's delays and metric intervals shortened for the test (defaults: 30 s up, 600 s down, 10 s pushes)
+        "autoscaling_config": {"upscale_delay_s": 1, "downscale_delay_s": 5, "look_back_period_s": 2,
+                               "metrics_interval_s": 0.5}})
     handle = serve.run(launch.build(args, scale, ingress=False), name="scaling", route_prefix=None)
-    stop, states, results, failures = threading.Event(), [], [], []
+    handle = handle.options(stream=True)   # one router for every thread below
+    stop_load, stop_all, states, results, failures = threading.Event(), threading.Event(), [], [], []
 
     def watch():   # (time, RUNNING, STOPPING) of the engine deployment, every 0.2 s
-        while not stop.is_set():
+        while not stop_all.is_set():
             status = serve.status().applications["scaling"].deployments["Engine"].replica_states
             states.append((time.time(), status.get("RUNNING", 0), status.get("STOPPING", 0)))
             time.sleep(0.2)
 
-    def streams(worker: int):   # back to back, so that some stream is in flight whenever a replica stops
+    def one(content: str, key: str | None = None, started: threading.Event | None = None) -> None:
+        try:
+            results.append(stream_through(handle, content, key, started))
+        except Exception as e:  # noqa: BLE001 - a cut stream is what the test looks for
+            failures.append(repr(e))
+
+    def load(worker: int):   # back to back, no key: the shortest queue
         n = 0
-        while not stop.is_set():
-            try:
-                results.append(stream_through(handle, f"Worker {worker}, story {n}."))
-            except Exception as e:  # noqa: BLE001 - a cut stream is what the test looks for
-                failures.append(repr(e))
+        while not stop_load.is_set():
+            one(f"Worker {worker}, story {n}.")
             n += 1
 
-    threads = [threading.Thread(target=watch)] + [threading.Thread(target=streams, args=(w,)) for w in range(4)]
-    for t in threads:
+    def hold(key: str):   # streams on `key`'s replica, each sent once the one before has begun and before it ends
+        current, n = None, 0
+        while not stop_all.is_set():
+            started = threading.Event()
+            nxt = threading.Thread(target=one, args=(f"Held {key}, story {n}.", key, started))
+            nxt.start()
+            started.wait(120)
+            if current is not None:
+                current.join()
+            current, n = nxt, n + 1
+        current.join()
+
+    watcher = threading.Thread(target=watch)
+    loaders = [threading.Thread(target=load, args=(w,)) for w in range(8)]
+    holders: list[threading.Thread] = []
+    for t in [watcher, *loaders]:
         t.start()
     try:
-        deadline, settled = time.time() + 90, None
+        deadline = time.time() + 150
+        while len({r["replica"] for r in results}) < 2:   # until the second replica has answered
+            assert time.time() < deadline and not failures, (states[-3:], failures)
+            time.sleep(0.2)
+        first, second = sorted({r["replica"] for r in results}, key=lambda x: min(r["start"] for r in results
+                                                                                  if r["replica"] == x))
+        holders = [threading.Thread(target=hold, args=(key_for(a, b),)) for a, b in ((first, second), (second, first))]
+        for t in holders:
+            t.start()
+        grown_at = time.time()
+        stop_load.set()
+        for t in loaders:
+            t.join(120)
+        settled, stopping = None, []
         while time.time() < deadline:   # until one replica is left and a stream has run on it since
-            stopping = [t for t, running, leaving in states if leaving or running < 2]
+            stopping = [t for t, running, leaving in states if t > grown_at and (leaving or running < 2)]
             settled = next((t for t, running, leaving in states if stopping and t > stopping[0]
                             and (running, leaving) == (1, 0)), None)
             if settled and any(r["start"] > settled for r in results):
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
     finally:
-        stop.set()
-        for t in threads:
-            t.join(120)
+        stop_load.set()
+        stop_all.set()
+        for t in [watcher, *loaders, *holders]:
+            if t.is_alive():
+                t.join(120)
         launch.undeploy("scaling")
-    assert states[0][1] == 2, states[:5]   # it started at two replicas
-    assert stopping and settled, states[-5:]
     assert not failures, failures
     # every stream whole: all its tokens, finish_reason length, [DONE]
     assert results and all((r["status"], r["tokens"], r["finish"], r["last"]) == (200, STREAM_TOKENS, ["length"],
                                                                                   "[DONE]") for r in results), results
-    t_stop = stopping[0]
-    survivor = results[-1]["replica"]
-    stopped = {r["replica"] for r in results} - {survivor}
-    assert len(stopped) == 1, results
-    in_flight = [r for r in results if r["replica"] in stopped and r["start"] < t_stop < r["end"]]
-    assert in_flight, "no stream ran on the replica when it began stopping: the test did not exercise a cut"
+    # up: it started at one replica, and the load brought a second, which answered
+    assert states[0][1] == 1 and max(running for _, running, _ in states) == 2, states[:5]
+    # down: one replica began stopping while a stream was in flight on it, and one is left
+    assert stopping and settled, states[-5:]
+    survivor = max(results, key=lambda r: r["start"])["replica"]
+    stopped = ({first, second} - {survivor}).pop()
+    before = max(t for t, running, leaving in states if t < stopping[0] and (running, leaving) == (2, 0))
+    in_flight = [r for r in results if r["replica"] == stopped and r["start"] < stopping[0] and r["end"] > before]
+    assert in_flight, "no stream ran on the replica when it began stopping"
