@@ -102,3 +102,28 @@ def test_a_batch_created_through_one_server_runs_once_and_is_read_through_the_ot
     assert len(seen[0]) + len(seen[1]) == n   # each line reached one engine once
     # the state lives in Postgres only: neither machine's data directory holds a database or a file's bytes
     assert [sorted(p.name for p in d.iterdir()) for d in dirs] == [[], []]
+
+
+def test_a_server_holds_a_few_connections_not_one_per_thread(two_machines):
+    """40 requests at once through each server (FastAPI runs them on up to 40 threads): each statement goes
+    through the server's one shared connection, each download through one of its own that is closed after it."""
+    import psycopg
+    from concurrent.futures import ThreadPoolExecutor
+
+    (a, b), _ = two_machines
+    data = b"0123456789" * 1000
+    file_id = a.client().files.create(file=("c.txt", io.BytesIO(data)), purpose="user_data").id
+    clients = [a.client(), b.client()]
+
+    def read(i: int) -> bytes:
+        client = clients[i % 2]
+        assert client.files.retrieve(file_id).bytes == len(data)
+        return client.files.content(file_id).read()
+
+    with ThreadPoolExecutor(80) as pool:
+        assert list(pool.map(read, range(80))) == [data] * 80
+    url = a.app.state.store.get().db.url
+    with psycopg.connect(url) as c:
+        held = c.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND "
+                         "pid != pg_backend_pid()").fetchone()[0]
+    assert held <= 12, held   # 4 when this test runs alone (two shared, two of the chunk index)

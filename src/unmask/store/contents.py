@@ -116,18 +116,21 @@ class DatabaseContents:
         self.db = db
 
     def put(self, file_id: str, source: BinaryIO | bytes, limit: int, insert_row: Callable[[int], None]) -> int:
-        conn = self.db.conn
         size = 0
-        with conn.raw.transaction():   # the chunk rows' foreign key is checked at the commit, after the row
+        with self.db.atomic() as conn:   # the chunk rows' foreign key is checked at the commit, after the row
             for n, part in enumerate(chunks(source, limit)):
                 conn.execute("INSERT INTO file_chunks (file_id, n, data) VALUES (?, ?, ?)", (file_id, n, part))
                 size += len(part)
-            insert_row(size)   # on this thread's connection: inside the transaction
+            insert_row(size)   # db.conn on this thread: the transaction's connection
         return size
 
     def read(self, file_id: str) -> bytes:
-        return b"".join(r[0] for r in self.db.conn.execute(
-            "SELECT data FROM file_chunks WHERE file_id = ? ORDER BY n", (file_id,)))
+        conn = self.db.connect()   # not the shared connection: a large file would hold it for the whole read
+        try:
+            return b"".join(r[0] for r in conn.execute(
+                "SELECT data FROM file_chunks WHERE file_id = ? ORDER BY n", (file_id,)))
+        finally:
+            conn.close()
 
     def stream(self, file_id: str) -> Download:
         """Chunks read one at a time on a connection of their own, in a REPEATABLE READ transaction opened here:

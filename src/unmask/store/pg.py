@@ -7,19 +7,23 @@ statements on Postgres: `?` placeholders become `%s`, `INSERT OR IGNORE` becomes
 are read by index or by column name as sqlite3.Row's are. The tables live in their own schema (`unmask`), so they
 never meet a table of the same name in a database shared with other applications.
 
-`transaction()` matches SQLite's `BEGIN IMMEDIATE`: a transaction-level advisory lock taken up front makes the
-store's read-modify-write transactions (a batch's status) run one at a time across all servers. File contents are
+Connections: one shared by every thread for single statements (psycopg's connections are thread-safe; each
+statement's result is read into its own cursor), and one of its own for each transaction, download or whole-file
+read, closed after it. So a server holds a handful of connections, not one per thread of its pool (two replicas
+with 40 threads each ran a test Postgres out of its 100). `transaction()` matches SQLite's `BEGIN IMMEDIATE`: a
+transaction-level advisory lock taken up front makes the store's read-modify-write transactions (a batch's status)
+run one at a time across all servers; inside it, `db.conn` on that thread is the transaction's connection. File contents are
 rows of `file_chunks` (1 MiB each, written in the transaction that inserts the file's row), so an upload streams
 into the database and a download streams out of it without holding the file in memory.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
 from unmask.errors import UnmaskError
-from unmask.store.db import Connections
 
 SCHEMA = "unmask"
 WRITE_LOCK = 0x756E6D61736B01    # pg_advisory_xact_lock keys: the store's write transactions,
@@ -130,11 +134,13 @@ class PostgresDatabase:
             raise UnmaskError("--database-url postgresql:// needs the psycopg package "
                               "(pip install 'unmask[postgres]')") from None
         self._psycopg, self.url = psycopg, url
-        self._conns = Connections(self._connect)
+        self._shared: PgConnection | None = None
+        self._lock = threading.Lock()
+        self._local = threading.local()   # .tx: the connection of the transaction this thread is in
         self._migrate()
 
     def connect(self, **kw) -> PgConnection:
-        """A new connection of its own (not this thread's), e.g. for a download's snapshot."""
+        """A new connection of its own (autocommit), e.g. for a download's snapshot; the caller closes it."""
         try:
             raw = self._psycopg.connect(self.url, autocommit=True, row_factory=_rows, **kw)
         except self._psycopg.OperationalError as e:
@@ -142,23 +148,37 @@ class PostgresDatabase:
         raw.execute(f"SET search_path TO {SCHEMA}, public")   # public: where extensions such as pgvector live
         return PgConnection(raw)
 
-    def _connect(self) -> PgConnection:
-        return self.connect()
-
     @property
     def conn(self) -> PgConnection:
-        return self._conns.get()
+        """The connection for a statement: this thread's transaction's, else the shared one (autocommit)."""
+        tx = getattr(self._local, "tx", None)
+        if tx is not None:
+            return tx
+        with self._lock:
+            if self._shared is None or self._shared.closed:   # closed: the server went away; connect again
+                self._shared = self.connect()
+            return self._shared
+
+    @contextmanager
+    def atomic(self) -> Iterator[PgConnection]:
+        """A transaction on a connection of its own, committed at the end (rolled back on an exception)."""
+        conn = self.connect()
+        self._local.tx = conn
+        try:
+            with conn.raw.transaction():
+                yield conn
+        finally:
+            self._local.tx = None
+            conn.close()
 
     @contextmanager
     def transaction(self) -> Iterator[PgConnection]:
-        conn = self.conn
-        with conn.raw.transaction():
+        with self.atomic() as conn:
             conn.execute("SELECT pg_advisory_xact_lock(?)", (WRITE_LOCK,))
             yield conn
 
     def _migrate(self) -> int:
-        conn = self.conn
-        with conn.raw.transaction():
+        with self.atomic() as conn:
             conn.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATE_LOCK,))
             conn.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
             conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
@@ -175,4 +195,7 @@ class PostgresDatabase:
         return len(MIGRATIONS)
 
     def close(self) -> None:
-        self._conns.close()
+        with self._lock:
+            if self._shared is not None:
+                self._shared.close()
+                self._shared = None
