@@ -1,7 +1,8 @@
 """A two-node Ray cluster on this machine (a head and a worker started with `ray start`, loopback only, one CPU
 each): `unmask batch --ray` spreads its lines over engines on both nodes, writes what `unmask batch` writes, and
 resumes a partial output (from the same requests as Parquet); `unmask serve --ray --address` joins the cluster and
-answers the openai client (on a port of its choosing, under a root path). Without Ray, `--ray` says in one line how to install it.
+answers the openai client (on a port of its choosing, under a root path), its replicas on both nodes sharing one
+store in Postgres (--database-url). Without Ray, `--ray` says in one line how to install it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -22,6 +24,7 @@ import pytest
 pytest.importorskip("ray", reason="Ray is optional: pip install 'unmask[ray]'")
 openai = pytest.importorskip("openai")
 
+from pg_server import postgres  # noqa: E402,F401 - the session's Postgres server
 from unmask.batch.offline import run as run_offline  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -146,11 +149,15 @@ def test_batch_runs_on_both_nodes_as_unmask_batch_writes_and_resumes_from_parque
     assert [without_ids(r) for r in resumed] == [without_ids(r) for r in local]
 
 
-def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path):
-    # --port 0: the front listens on a free port and prints it; --root-path as behind a proxy that strips /u
+def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path, postgres):   # noqa: F811
+    from test_store_postgres import new_database
+
+    # --port 0: the front listens on a free port and prints it; --root-path as behind a proxy that strips /u;
+    # a replica of 1 CPU on each node (each has one), sharing one store in Postgres (--database-url)
     server = subprocess.Popen([str(BIN / "unmask"), "serve", "--ray", "--address", address, "--port", "0",
-                               "--root-path", "/u", "--replicas", "2", "--num-cpus", "0.5", "--embedding-model", "off",
+                               "--root-path", "/u", "--replicas", "2", "--num-cpus", "1", "--embedding-model", "off",
                                "--max-num-seqs", "4", "--data-dir", str(tmp_path / "data"),
+                               "--database-url", new_database(postgres),
                                "--static-step", "--kv-pool-tokens", "256"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
@@ -182,9 +189,22 @@ def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path
             assert r.status_code == 400 and r.headers["x-unmask-replica"] == replica, r.text
             assert "needs" in r.json()["error"]["message"] and "preallocated KV pool, which holds 256" in \
                 r.json()["error"]["message"], r.text
-        # both replicas open the one --data-dir (batches are claimed row by row): batches run to their whole output
+        # the replicas, one on each node, share the store in Postgres (batches are claimed row by row): a file
+        # uploaded through the gateway is read through either replica (the state routes take the shortest queue)
         batch_in = "".join(json.dumps(chat(f"b{i}", f"Item {i}.", model="unmask-tiny")) + "\n" for i in range(3)).encode()
         file_id = client.files.create(file=("in.jsonl", batch_in), purpose="batch").id
+        def read(_):
+            r = httpx.get(f"{base}/v1/files/{file_id}/content", timeout=30)
+            assert r.status_code == 200 and r.content == batch_in, r.text
+            return r.headers["x-unmask-replica"]
+
+        readers = set()
+        with ThreadPoolExecutor(8) as pool:   # 8 at once: the shortest queue sends some to each replica
+            for _ in range(10):
+                readers.update(pool.map(read, range(8)))
+                if len(readers) == 2:
+                    break
+        assert readers == set(keys), readers
         batches = [client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
                                          completion_window="24h").id for _ in range(2)]
         for batch_id in batches:
@@ -194,8 +214,7 @@ def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path
             assert batch.status == "completed" and batch.request_counts.completed == 3, batch
             output = client.files.content(batch.output_file_id).read().decode().splitlines()
             assert [json.loads(x)["custom_id"] for x in output] == ["b0", "b1", "b2"]
-        assert (tmp_path / "data" / "unmask.db").is_file()
-        assert not [p.name for p in (tmp_path / "data").iterdir() if p.name.startswith("replica-")]
+        assert not (tmp_path / "data").exists() or not list((tmp_path / "data").iterdir())   # nothing on disk
         # the replicas' app sees the root path, as `unmask serve --root-path` does: the OpenAPI document names it
         assert httpx.get(base + "/openapi.json", timeout=30).json()["servers"] == [{"url": "/u"}]
         assert httpx.get(base + "/health", timeout=30).json() == {"status": "ok"}
