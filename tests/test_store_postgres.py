@@ -127,3 +127,29 @@ def test_a_server_holds_a_few_connections_not_one_per_thread(two_machines):
         held = c.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND "
                          "pid != pg_backend_pid()").fetchone()[0]
     assert held <= 12, held   # 4 when this test runs alone (two shared, two of the chunk index)
+
+
+
+def test_a_database_that_does_not_answer_is_a_503_and_the_batch_runner_keeps_waiting():
+    from fastapi.testclient import TestClient
+
+    from store_server import free_port
+    from unmask.defaults import default_model_path
+    from unmask.server.app import ServerArgs, create_app
+
+    down = f"postgresql://unmask@127.0.0.1:{free_port()}/store"   # nothing listens there
+    app = create_app(ServerArgs(model=default_model_path(), served_model_name="m", embedding_model="off",
+                                database_url=down))
+    with TestClient(app) as client:
+        r = client.get("/v1/files")
+        assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+        assert r.json()["error"] == {"message": "the server's database is unavailable; retry shortly",
+                                     "type": "service_unavailable_error", "param": None, "code": "store_unavailable"}
+        r = client.post("/v1/files", files={"file": ("a.txt", b"x")}, data={"purpose": "assistants"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable", r.text
+        deadline = time.monotonic() + 120
+        while app.state.serving is None:   # the runner starts polling the store once the model is loaded
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(2.5)   # two of its polls, each refused by the database
+        assert not app.state.batches._task.done()

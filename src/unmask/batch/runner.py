@@ -26,6 +26,7 @@ from unmask.batch.jobs import ACTIVE, BatchJobs, batch_usage, result_record, unr
 from unmask.batch.lines import BatchLine, ValidationIssue, parse_lines, validate
 from unmask.store import FileNotFound, LazyStore
 from unmask.store.claims import ClaimLost, Claims, Heartbeat, process_owner
+from unmask.store.pg import StoreUnavailable
 
 logger = logging.getLogger("unmask.batch")
 
@@ -106,33 +107,42 @@ class BatchRunner:
             await asyncio.sleep(0.1)
         self.app.state.serving.llm.engine.scheduler.background_slots = self.max_running
         while True:
-            if self.lazy_store.exists:
-                claims = self.claims
-                claims.sweep()   # batches of a crashed process of this machine: free at once
-                for batch_id in self.jobs.active():
-                    if not claims.claim(batch_id):   # another process runs it
-                        continue
-                    try:
-                        await self._process(batch_id)
-                    except asyncio.CancelledError:
-                        raise
-                    except ClaimLost:
-                        logger.warning("batch %s: another process took it over (this one's lease ran out)", batch_id)
-                    except Exception:  # noqa: BLE001 - one batch's failure must not stop the others
-                        logger.exception("batch %s failed", batch_id)
-                        try:
-                            self.jobs.update(batch_id, "failed", owner=self.owner, errors={"object": "list", "data": [
-                                {"code": "server_error", "message": "internal server error", "param": None,
-                                 "line": None}]})
-                        except ClaimLost:
-                            pass
-                    finally:
-                        claims.release(batch_id)
+            try:
+                if self.lazy_store.exists:
+                    await self._run_active()
+            except StoreUnavailable as e:   # --database-url's server down: keep the runner, try again later
+                logger.warning("batches: %s; retrying", e)
             try:
                 await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
             except TimeoutError:
                 pass
             self._wake.clear()
+
+    async def _run_active(self) -> None:
+        """Run every active batch this runner can claim, one after the other."""
+        claims = self.claims
+        claims.sweep()   # batches of a crashed process of this machine: free at once
+        for batch_id in self.jobs.active():
+            if not claims.claim(batch_id):   # another process runs it
+                continue
+            try:
+                await self._process(batch_id)
+            except asyncio.CancelledError:
+                raise
+            except ClaimLost:
+                logger.warning("batch %s: another process took it over (this one's lease ran out)", batch_id)
+            except StoreUnavailable:   # not the batch's fault: it stays in progress, and is resumed later
+                raise
+            except Exception:  # noqa: BLE001 - one batch's failure must not stop the others
+                logger.exception("batch %s failed", batch_id)
+                try:
+                    self.jobs.update(batch_id, "failed", owner=self.owner, errors={"object": "list", "data": [
+                        {"code": "server_error", "message": "internal server error", "param": None,
+                         "line": None}]})
+                except ClaimLost:
+                    pass
+            finally:
+                claims.release(batch_id)
 
     async def _process(self, batch_id: str) -> None:
         self._current, self._halt = batch_id, False

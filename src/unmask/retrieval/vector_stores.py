@@ -35,6 +35,7 @@ from unmask.retrieval.index import ChunkIndex, Hit, NewChunk, open_index
 from unmask.store import FileNotFound
 from unmask.store.claims import Claims, Heartbeat
 from unmask.store.db import Connections
+from unmask.store.pg import StoreUnavailable
 
 logger = logging.getLogger("unmask.retrieval")
 DB_NAME = "retrieval.db"
@@ -328,15 +329,21 @@ class VectorStores:
         while not self._stop.is_set():
             self._wake.wait(1.0)
             self._wake.clear()
-            self.claims.sweep()   # rows of a crashed process of this machine: free at once
-            while not self._stop.is_set():
-                row = self._claim_next()
-                if row is None:
-                    break
-                try:
-                    self._ingest(row)
-                finally:
-                    self.claims.release(row["seq"])
+            try:
+                self._ingest_claimable()
+            except StoreUnavailable as e:   # --database-url's server down: keep the worker, try again later
+                logger.warning("ingestion: %s; retrying", e)
+
+    def _ingest_claimable(self) -> None:
+        self.claims.sweep()   # rows of a crashed process of this machine: free at once
+        while not self._stop.is_set():
+            row = self._claim_next()
+            if row is None:
+                break
+            try:
+                self._ingest(row)
+            finally:
+                self.claims.release(row["seq"])
 
     def _claim_next(self) -> sqlite3.Row | None:
         """The oldest row to ingest that this worker could claim (None: none left, or all held by others)."""
@@ -387,6 +394,8 @@ class VectorStores:
             self._finish(row, "failed", error={"code": e.code, "message": str(e)})
         except FileNotFound:   # deleted meanwhile: the store's delete hook removed the row and the chunks
             return
+        except StoreUnavailable:   # not the file's fault: it stays in progress and is ingested later
+            raise
         except Exception as e:  # noqa: BLE001 - one bad file must not stop the worker; it is reported on the file
             logger.exception("ingesting %s into %s failed", file_id, store_id)
             self._finish(row, "failed", error={"code": "server_error", "message": f"{type(e).__name__}: {e}"})

@@ -36,6 +36,7 @@ from unmask.server.protocol import (APIError, ChatCompletionRequest, CompletionR
                                     FIMCompletionRequest, TokenizeRequest)
 from unmask.server.protocol_responses import ResponsesRequest
 from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
+from unmask.store.pg import StoreUnavailable
 from unmask.retrieval import file_search_chat
 from unmask.retrieval import routes as retrieval
 from unmask.store import DEFAULT_MAX_FILE_BYTES, LazyStore
@@ -277,6 +278,11 @@ def install_error_handlers(app: FastAPI) -> None:
                 code="method_not_allowed", headers=headers))
         return await api_error(request, APIError(exc.status_code, str(exc.detail), headers=headers))
 
+    async def store_down(request: Request, exc: StoreUnavailable) -> Response:   # --database-url's server
+        logger.error("%s %s: %s", request.method, logsafe.clean(request.url.path, 200), exc)
+        return await api_error(request, APIError(503, "the server's database is unavailable; retry shortly",
+                                                 code="store_unavailable", headers={"Retry-After": "5"}))
+
     async def unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s %s", request.method, logsafe.clean(request.url.path, 200))
         return await api_error(request, APIError(500, "internal server error"))
@@ -284,6 +290,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(StoreUnavailable, store_down)
     app.add_exception_handler(Exception, unexpected)
 
 

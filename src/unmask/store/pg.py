@@ -66,6 +66,11 @@ MIGRATIONS: list[str] = [
 ]
 
 
+class StoreUnavailable(UnmaskError):
+    """The store's database does not answer (down, unreachable, out of connections): the API answers 503, the
+    background workers retry."""
+
+
 def is_postgres_url(url: str | None) -> bool:
     return bool(url) and url.startswith(("postgresql://", "postgres://"))
 
@@ -108,11 +113,14 @@ class PgConnection:
     """One psycopg connection (autocommit: a statement outside a transaction commits at once) that runs the
     store's SQLite-dialect statements."""
 
-    def __init__(self, raw):
-        self.raw = raw
+    def __init__(self, raw, lost: type[Exception]):
+        self.raw, self._lost = raw, lost   # lost: psycopg's OperationalError (the server went away, ...)
 
     def execute(self, sql: str, args=()):
-        return self.raw.execute(to_postgres(sql), tuple(args))   # a tuple, even empty: `%%` is unescaped
+        try:
+            return self.raw.execute(to_postgres(sql), tuple(args))   # a tuple, even empty: `%%` is unescaped
+        except self._lost as e:
+            raise StoreUnavailable(f"the store's database did not answer: {e}") from None
 
     @property
     def closed(self) -> bool:
@@ -144,9 +152,10 @@ class PostgresDatabase:
         try:
             raw = self._psycopg.connect(self.url, autocommit=True, row_factory=_rows, **kw)
         except self._psycopg.OperationalError as e:
-            raise UnmaskError(f"cannot connect to the database {where(self.url)}: {e}") from None
-        raw.execute(f"SET search_path TO {SCHEMA}, public")   # public: where extensions such as pgvector live
-        return PgConnection(raw)
+            raise StoreUnavailable(f"cannot connect to the database {where(self.url)}: {e}") from None
+        conn = PgConnection(raw, self._psycopg.OperationalError)
+        conn.execute(f"SET search_path TO {SCHEMA}, public")   # public: where extensions such as pgvector live
+        return conn
 
     @property
     def conn(self) -> PgConnection:
