@@ -24,9 +24,8 @@ import time
 from unmask.batch.execute import RouteCaller, served, served_model
 from unmask.batch.jobs import ACTIVE, BatchJobs, batch_usage, result_record, unrun_record
 from unmask.batch.lines import BatchLine, ValidationIssue, parse_lines, validate
-from unmask.store import FileNotFound, LazyStore
+from unmask.store import FileNotFound, LazyStore, StoreUnavailable
 from unmask.store.claims import ClaimLost, Claims, Heartbeat, process_owner
-from unmask.store.pg import StoreUnavailable
 
 logger = logging.getLogger("unmask.batch")
 

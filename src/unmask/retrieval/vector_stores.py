@@ -32,10 +32,9 @@ from unmask.retrieval.encoder import SentenceEncoder
 from unmask.retrieval.extract import ExtractError, extract_text
 from unmask.retrieval.filters import matches
 from unmask.retrieval.index import ChunkIndex, Hit, NewChunk, open_index
-from unmask.store import FileNotFound
+from unmask.store import FileNotFound, StoreUnavailable
 from unmask.store.claims import Claims, Heartbeat
 from unmask.store.db import Connections
-from unmask.store.pg import StoreUnavailable
 
 logger = logging.getLogger("unmask.retrieval")
 DB_NAME = "retrieval.db"
@@ -124,7 +123,7 @@ class VectorStores:
         return conn
 
     @property
-    def db(self) -> sqlite3.Connection:
+    def db(self):   # this thread's sqlite3 connection to retrieval.db, or the store's Postgres connection
         return self.database.conn if self.database is not None else self._conns.get()
 
     # ------------------------------------------------------------------ stores

@@ -36,10 +36,9 @@ from unmask.server.protocol import (APIError, ChatCompletionRequest, CompletionR
                                     FIMCompletionRequest, TokenizeRequest)
 from unmask.server.protocol_responses import ResponsesRequest
 from unmask.server.security import APIKeyMiddleware, BodyLimitMiddleware
-from unmask.store.pg import StoreUnavailable
 from unmask.retrieval import file_search_chat
 from unmask.retrieval import routes as retrieval
-from unmask.store import DEFAULT_MAX_FILE_BYTES, LazyStore
+from unmask.store import DEFAULT_MAX_FILE_BYTES, LazyStore, StoreUnavailable
 from unmask.store import routes as file_routes
 from unmask.batch import routes as batch_routes
 from unmask.batch.runner import BatchRunner, default_batch_inflight

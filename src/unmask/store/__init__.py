@@ -13,11 +13,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from unmask.store.db import DB_NAME, Database, default_data_dir
+from unmask.store.db import DB_NAME, Database, StoreUnavailable, default_data_dir
 from unmask.store.files import DEFAULT_MAX_FILE_BYTES, FileNotFound, FileStore, FileTooLargeError, StoredFile
 
 __all__ = ["Store", "LazyStore", "open_store", "default_data_dir", "Database", "FileStore", "StoredFile", "FileNotFound",
-           "FileTooLargeError", "DEFAULT_MAX_FILE_BYTES"]
+           "FileTooLargeError", "DEFAULT_MAX_FILE_BYTES", "StoreUnavailable"]
 
 
 @dataclass

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from unmask.errors import UnmaskError
 from unmask.store.schema import migrate
 
 DB_NAME = "unmask.db"
@@ -28,6 +29,11 @@ def default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(base) / "unmask"
 
+
+
+class StoreUnavailable(UnmaskError):
+    """The store's database does not answer (down, unreachable, out of connections): the API answers 503, the
+    background workers retry."""
 
 class Connections:
     """One database connection per thread (neither sqlite3's nor psycopg's are shared between threads)."""

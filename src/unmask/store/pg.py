@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 from unmask.errors import UnmaskError
+from unmask.store.db import StoreUnavailable
 
 SCHEMA = "unmask"
 WRITE_LOCK = 0x756E6D61736B01    # pg_advisory_xact_lock keys: the store's write transactions,
@@ -64,11 +65,6 @@ MIGRATIONS: list[str] = [
         cancelled INTEGER NOT NULL DEFAULT 0)
     """,
 ]
-
-
-class StoreUnavailable(UnmaskError):
-    """The store's database does not answer (down, unreachable, out of connections): the API answers 503, the
-    background workers retry."""
 
 
 def is_postgres_url(url: str | None) -> bool:
