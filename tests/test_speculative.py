@@ -78,6 +78,26 @@ def test_prefix_cache_and_chunked_prefill_keep_the_output(llm, prompts):
     assert eng.prefix_cache.hits >= (len(long_prompt) - 1) // llm.spec.block_size
 
 
+
+@pytest.mark.parametrize("policy", [dict(policy="speculative"), dict(policy="threshold", threshold=0.9)])
+def test_prefill_chunks_are_counted_apart_from_decoding_forwards(llm, prompts, policy):
+    """A prompt longer than a step's token budget is written in chunks first: those forwards are the request's
+    (`forwards`) but not decoding (`prefill_forwards`), so tokens per decoding forward do not depend on the budget."""
+    long_prompt = sum(prompts, [])[:300]
+    whole = llm.generate([long_prompt], GenerationParams(max_tokens=24, **policy))[0]
+    assert whole.prefill_forwards == 0
+    eng = Engine(llm.model, llm.spec, llm.tokenizer, max_num_seqs=4, max_batch_tokens=64, prefix_cache_bytes=0)
+    kept, llm.engine = llm.engine, eng
+    try:
+        chunked = llm.generate([long_prompt], GenerationParams(max_tokens=24, **policy))[0]
+    finally:
+        llm.engine = kept
+    assert chunked.token_ids == whole.token_ids
+    # 64-token chunks, whole blocks, up to the prompt's last block (which rides with the first decoding forward)
+    assert chunked.prefill_forwards == (len(long_prompt) - 1) // 64
+    assert chunked.forwards == whole.forwards + chunked.prefill_forwards
+    assert chunked.decoding_forwards == whole.decoding_forwards == whole.forwards
+
 def test_stops_min_tokens_and_max_tokens_as_next_token_decoding(llm, prompts):
     knobs = dict(stop=["\n"], min_tokens=1, max_tokens=30)
     for p in prompts:

@@ -72,10 +72,14 @@ class PolicyResult:
     valid: float | None = None          # function: share of answers that are valid Python so far
     repeat: float | None = None         # function: mean 4-gram repeat rate of the answers
     target_repeat: float | None = None  # function: the same of the held-out bodies
+    prefill_forwards: int = 0           # of `forwards`, prompt-only chunks (not in tokens_per_forward)
 
     @property
     def tokens_per_forward(self) -> float:
-        return self.tokens / max(self.forwards, 1)
+        """Tokens per decoding forward. The tasks run as one batch, whose token budget splits some prompts
+        into write-only chunks; those chunks depend on the batch, not on the policy, so they are not counted
+        (alone, a prompt within the budget rides in its first decoding forward). `forwards` keeps them."""
+        return self.tokens / max(self.forwards - self.prefill_forwards, 1)
 
     @property
     def tokens_per_s(self) -> float:
@@ -294,6 +298,7 @@ def evaluate(llm: LLM, tasks: list[Task], policy: str, max_tokens: int | None = 
     return PolicyResult(task=tasks[0].kind if tasks else "", policy=policy, accuracy=correct / n,
                         n=len(tasks), tokens=sum(len(o.token_ids) for o in outs),
                         forwards=sum(o.forwards for o in outs), seconds=seconds,
+                        prefill_forwards=sum(o.prefill_forwards for o in outs),
                         edit_similarity=similarity / n, **extra)
 
 

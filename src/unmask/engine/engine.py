@@ -309,6 +309,8 @@ class Engine:
         for plan, logits in zip(plans, result.logits):
             seq = plan.seq
             seq.after_forward(plan)
+            if plan.targets.numel() == 0 and plan.segment.write and plan.segment.start + plan.segment.write <= seq.P:
+                seq.stats.prefill_forwards += 1
             keys = self._pending_store.get(seq.request_id)
             if keys is not None and seq.cached >= len(keys) * seq.B:
                 self.prefix_cache.store(keys, seq.cache, seq.B)

@@ -100,6 +100,7 @@ class LLM:
         return [RequestOutput(
             request_id=s.request_id, prompt_ids=s.prompt_ids, token_ids=s.output_ids,
             text=texts[s.request_id], finish_reason=s.finish_reason, forwards=s.stats.forwards,
+            prefill_forwards=s.stats.prefill_forwards,
             logprobs=logprobs[s.request_id] if s.params.logprobs else None,
             top_logprobs=tops[s.request_id] if s.params.top_logprobs else None,
         ) for s in seqs]

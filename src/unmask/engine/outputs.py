@@ -33,7 +33,13 @@ class RequestOutput:
     forwards: int
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prefill_forwards: int = 0          # of `forwards`, the chunks of a prompt too long for one step's token budget
 
     @property
     def tokens_per_forward(self) -> float:
         return len(self.token_ids) / max(self.forwards, 1)
+
+    @property
+    def decoding_forwards(self) -> int:
+        """Forwards that decoded (the first one also carries the prompt, or what of it the chunks left)."""
+        return self.forwards - self.prefill_forwards

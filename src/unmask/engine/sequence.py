@@ -118,6 +118,7 @@ class StepPlan:
 @dataclass
 class Stats:
     forwards: int = 0         # forwards this request took part in
+    prefill_forwards: int = 0  # of them, those that only wrote prompt tokens (a chunked prefill's chunks)
     denoise_steps: int = 0    # forwards that committed tokens
     prefill_tokens: int = 0
     edits: int = 0            # committed tokens replaced by another (edit_threshold)
