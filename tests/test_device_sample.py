@@ -1,11 +1,14 @@
-"""decoding/device_sample.py, the static step's sampling on the device: its counter-based uniforms, its draws
+"""decoding/device_sample.py, the static step's sampling on the device: its counter-based uniforms, its sort-free
+top-k / top-p against the sort-based rule (the same surviving tokens, ties and extreme values included), its draws
 against the host's `propose` (the same token where the rule leaves one choice, the same distribution by counts
 where it samples), and sampled requests in the engine's static step (tokens, reads, reproducibility)."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from sorted_sampling_reference import sorted_kept
 from test_static_step import PROMPTS, checked_device_decisions, counted_steps, models  # noqa: F401 (fixture)
-from unmask.decoding.device_sample import sample_rows, splitmix64, uniforms
+from unmask.decoding.device_sample import filtered, sample_rows, splitmix64, uniforms
 from unmask.decoding.sampling import SamplingParams, propose
 from unmask.engine.engine import Engine
 from unmask.engine.params import GenerationParams
@@ -94,6 +97,98 @@ def test_a_single_choice_is_the_hosts_token():
                        torch.Generator().manual_seed(0))
         assert torch.equal(s.tokens, host.tokens) and torch.equal(s.tokens, logits.argmax(dim=1))
         assert torch.allclose(s.probs, torch.ones(50)) and torch.allclose(s.logprobs, host.logprobs)
+
+
+def hard_rows(g: torch.Generator, n: int, v: int):
+    """Row batches that stress the thresholds: continuous values, small integers and quarter steps (ties at every
+    boundary), signed zeros (equal, so tied), and magnitudes near 1e30 with -inf entries."""
+    yield torch.randn(n, v, generator=g) * 3
+    yield torch.randint(-3, 4, (n, v), generator=g).float()
+    yield (torch.randn(n, v, generator=g) * 2).round() / 4
+    yield torch.randint(-1, 2, (n, v), generator=g).float() * torch.randint(0, 2, (n, v), generator=g).float()
+    huge = torch.randn(n, v, generator=g) * 1e30
+    yield huge.masked_fill(torch.rand(n, v, generator=g) < 0.3, float("-inf"))
+
+
+def sorted_mass_before(row: torch.Tensor, temperature: float, top_k: int, token: int) -> float:
+    """The mass before `token` in the stable descending order of the top_k survivors, in float64."""
+    w, ids = (row / temperature).sort(descending=True, stable=True)
+    k = top_k or len(row)
+    p = torch.softmax(w[:k].double(), dim=0)
+    pos = int((ids == token).nonzero())
+    return float(p.cumsum(0)[pos] - p[pos]) if pos < k else float("inf")
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5, 1e-6])
+def test_sort_free_selection_keeps_the_sorted_rules_tokens(top_p):
+    """320 rows each of five kinds, top_k 0 / 1 / 5 / V, temperatures 0.1-2.1: the same survivors as the stable
+    sort's rule, token for token. top-k compares integers, so it matches exactly; top-p sums float32 masses in
+    another order than the sort's cumulative sum, so a row may differ only where the float64 mass before the
+    token lies within 1e-5 of top_p (a rounding either way; 3 in 40,960 rows when this was written), and rarely."""
+    g = torch.Generator().manual_seed(5)
+    n, v, rounding_rows = 64, 700, 0
+    for logits in hard_rows(g, n, v):
+        for top_k in (0, 1, 5, v):
+            temp = torch.rand(n, generator=g) * 2 + 0.1
+            args = (logits, temp, torch.full((n,), top_k), torch.full((n,), top_p))
+            want, got = sorted_kept(*args), filtered(*args) > float("-inf")
+            if top_k and top_p == 1:
+                assert torch.equal(got.sum(dim=1), torch.minimum((logits > float("-inf")).sum(dim=1),
+                                                                 torch.tensor(top_k)))
+            for r in torch.nonzero((want != got).any(dim=1)).flatten().tolist():
+                assert top_p < 1, (top_k, r)
+                for token in torch.nonzero(want[r] != got[r]).flatten().tolist():
+                    assert abs(sorted_mass_before(logits[r], float(temp[r]), top_k, token) - top_p) < 1e-5
+                rounding_rows += 1
+    assert rounding_rows <= 2
+
+
+def test_ties_at_the_boundaries_go_by_index():
+    """Equal values in the order of their index, as the stable sort has them: top_k 2 of [1, 2, 2, 2, 0] keeps
+    columns 1 and 2; of four equal tokens top_p 0.5 keeps two (the third's mass before, 0.5, reaches it), 0.51
+    three, 0 the first only; -0.0 and +0.0 are equal."""
+    cases = [([1.0, 2.0, 2.0, 2.0, 0.0], 2, 1.0, [1, 2]), ([0.5] * 4, 0, 0.5, [0, 1]), ([0.5] * 4, 0, 0.51, [0, 1, 2]),
+             ([0.5] * 4, 0, 0.0, [0]), ([-0.0, 0.0, -0.0, -1.0], 2, 1.0, [0, 1]), ([3.0, 1.0, 1.0, 1.0], 3, 1e-6, [0])]
+    for row, top_k, top_p, kept in cases:
+        args = (torch.tensor([row]), torch.ones(1), torch.tensor([top_k]), torch.tensor([top_p]))
+        got = torch.nonzero(filtered(*args)[0] > float("-inf")).flatten().tolist()
+        assert got == kept == torch.nonzero(sorted_kept(*args)[0]).flatten().tolist(), (row, top_k, top_p)
+
+
+def test_the_draw_inverts_the_cdf_in_vocabulary_order():
+    """probabilities 0.1, 0.4, 0.2, 0.3: the uniform picks the first token whose cumulative mass in vocabulary
+    order reaches it (0.05 -> 0, 0.3 -> 1, 0.6 -> 2, 0.9 -> 3; sorted order would give 1 for 0.05)."""
+    logits = torch.tensor([0.1, 0.4, 0.2, 0.3]).log().expand(4, 4).contiguous()
+    s = sample_rows(logits, torch.ones(4), torch.zeros(4, dtype=torch.long), torch.ones(4),
+                    torch.tensor([0.05, 0.3, 0.6, 0.9], dtype=torch.float64))
+    assert s.tokens.tolist() == [0, 1, 2, 3]
+    assert torch.allclose(s.probs, torch.tensor([0.1, 0.4, 0.2, 0.3]))
+    assert torch.allclose(s.margin, torch.full((4,), 0.1))
+
+
+class RecordedOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_sampling_runs_the_same_ops_whatever_the_values_and_reads_nothing_back():
+    """What CUDA graph capture needs: the op sequence does not depend on the values (two different batches, top-k
+    and top-p on and off, run the same ops), no value comes back to the host (no .item(): _local_scalar_dense),
+    and nothing is sorted."""
+    g = torch.Generator().manual_seed(3)
+    runs = []
+    for top_k, top_p, scale in ((0, 1.0, 1.0), (7, 0.8, 30.0)):
+        with RecordedOps() as ops:
+            sample_rows(torch.randn(6, 500, generator=g) * scale, torch.rand(6, generator=g) + 0.5,
+                        torch.full((6,), top_k), torch.full((6,), top_p), torch.rand(6, generator=g).double())
+        runs.append(ops.names)
+    assert runs[0] == runs[1]
+    assert not [op for op in runs[0] if "_local_scalar_dense" in op or "sort" in op]
 
 
 def run(model, spec, prompts, params, static=True, max_num_seqs=8):

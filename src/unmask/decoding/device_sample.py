@@ -11,9 +11,13 @@ draws the same tokens on every run. They are not the host path's draws (another 
 request's sampled tokens differ between the static step with device sampling and the eager path; the
 distribution each token is drawn from is the same (tests/test_device_sample.py compares counts).
 
-The processed distribution is `propose`'s: logits / temperature, then the top_k largest, then the smallest
-prefix of the sorted survivors with mass >= top_p (top_k = 0 and top_p = 1: off); the token is drawn by
-inverting the cumulative sum with the row's uniform.
+The processed distribution is `propose`'s: logits / temperature, then the top_k largest (ties by lowest index,
+as a stable sort orders them), then the smallest prefix of the survivors sorted descending with mass >= top_p
+(top_k = 0 and top_p = 1: off). Nothing is sorted, though: a [N, 152K] sort per step needs its values, int64
+indices and the sort's scratch on the device. The two thresholds are found by a fixed 32-round bisection over
+the values' integer keys (one count or masked sum over V a round), and the token is drawn by inverting the
+cumulative sum in vocabulary order with the row's uniform. The same uniform therefore picks another token
+than the earlier sorted-order inversion did; the distribution is the same.
 """
 from __future__ import annotations
 
@@ -55,30 +59,106 @@ def uniforms(seed: Tensor, counter: Tensor, k: int) -> Tensor:
     return (_shr(h, 11).double() + 0.5) * 2.0 ** -53
 
 
+# Sort-free selection. FlashInfer's sampling kernels avoid the sort by rejection sampling around pivots and vLLM's
+# Triton top-k/top-p (after Qrita, Park et al. 2026) searches a pivot until it holds; both loop a data-dependent
+# number of times inside one kernel. With stock tensor ops inside a CUDA graph the loop count must be fixed, so the
+# thresholds here are found by binary lifting over the 2^32 order-preserving integer keys of float32: 32 rounds,
+# each one count (or masked sum) over V, whatever the values.
+INT32_MIN = -(1 << 31)
+
+
+def ordered_keys(x: Tensor) -> Tensor:
+    """int32 keys of float32 x (consumed: its memory becomes the keys), ordered as the values: the bit pattern
+    with the magnitude bits of negative values flipped. -0.0 becomes +0.0 first: they compare equal, so a sort
+    keeps them in index order, and so must the keys."""
+    bits = x.add_(0.0).view(torch.int32)
+    return bits.bitwise_xor_((bits >> 31).bitwise_and_(0x7FFFFFFF))
+
+
+def lift_largest(n: int, device: torch.device, holds) -> Tensor:
+    """int32 [N]: the largest key t of each row for which holds(t) (monotone: true below some key, false above) is
+    true, setting the bits of t - INT32_MIN from the top; INT32_MIN where it holds nowhere above it."""
+    ans = torch.full((n,), INT32_MIN, dtype=torch.int32, device=device)
+    for bit in range(31, -1, -1):
+        cand = torch.zeros_like(ans) if bit == 31 else ans | (1 << bit)  # ans + 2^bit (the bits below are 0)
+        ans = torch.where(holds(cand[:, None]), cand, ans)
+    return ans
+
+
+def count(mask: Tensor) -> Tensor:
+    """int32 [N]: the true entries of each row of mask. Summing bool makes torch copy the mask to the sum's dtype
+    first (int64 by default: 8 bytes a token); int32 halves that temporary."""
+    return mask.sum(dim=-1, dtype=torch.int32)
+
+
+def top_k_keep(keys: Tensor, top_k: Tensor) -> Tensor:
+    """bool [N, V]: the top_k[r] largest of each row of keys (0: all), ties at the k-th value kept by lowest index,
+    as a stable descending sort's first k columns are: exactly k survive."""
+    v = keys.shape[1]
+    k = torch.where(top_k > 0, top_k, v).clamp(max=v).to(torch.int32)
+    t = lift_largest(keys.shape[0], keys.device, lambda c: count(keys >= c) >= k)[:, None]  # the k-th largest
+    above, tie = keys > t, keys == t
+    room = (k - count(above))[:, None]  # how many of the tied values still fit
+    return above | (tie & (tie.to(torch.int32).cumsum_(dim=-1) <= room))
+
+
+def top_p_keep(keys: Tensor, probs: Tensor, top_p: Tensor) -> Tensor:
+    """bool [N, V]: `sampling._top_p_filter`'s survivors without the sort (probs is consumed: overwritten). In the stable descending order a token
+    goes when the mass before it reaches top_p, the top-1 never. That mass is the mass strictly above its value
+    plus its tied predecessors' (lower indices). With t the smallest key whose mass above is < top_p (one past
+    the largest whose mass above is >= top_p): keys above t stay, keys below go (the mass above them is >= top_p),
+    and the tokens at t stay while the mass before them is < top_p. top_p <= 0 acts as the smallest positive
+    float (the same survivors: only the top-1). Rows with top_p >= 1 keep everything (a rounded cumulative sum
+    can reach 1.0 before the tail)."""
+    p = top_p.clamp(min=torch.finfo(torch.float32).tiny)
+
+    def mass_above_reaches_p(c: Tensor) -> Tensor:
+        return torch.where(keys > c, probs, 0.0).sum(dim=-1) >= p
+
+    # one past the last key whose mass above reaches p: at most key(+inf), as the mass above +inf is 0 < p
+    t = (lift_largest(keys.shape[0], keys.device, mass_above_reaches_p) + 1)[:, None]
+    above, tie = keys > t, keys == t
+    mass_above = torch.where(above, probs, 0.0).sum(dim=-1, keepdim=True)
+    # tied tokens have the same probability, so the mass before the i-th is mass_above + (i + 1) p_t - p_t
+    p_t = probs.gather(1, tie.byte().argmax(dim=-1, keepdim=True))
+    before = probs.masked_fill_(~tie, 0.0).cumsum_(dim=-1).sub_(p_t).add_(mass_above)  # in probs' memory
+    keep = tie.logical_and_(before < p[:, None]).logical_or_(above)
+    del before, above  # the [N, V] temporaries go before the next ones come
+    cols = torch.arange(keys.shape[1], device=keys.device)
+    keep |= cols[None, :] == keys.argmax(dim=-1, keepdim=True)  # the first maximum: the stable sort's top-1
+    return keep.logical_or_((top_p >= 1)[:, None])
+
+
+def filtered(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """[N, V]: logits / temperature with -inf on every token top-k and then top-p drop (the processed logits).
+    What it holds at once stays near three [N, V] float32 arrays (the keys, the probabilities, one temporary) and
+    a few bool masks: the keys take the memory of logits / temperature, which is recomputed when needed, and the
+    probabilities become top-p's cumulative sums."""
+    keys = ordered_keys(logits / temperature[:, None])
+    keep = top_k_keep(keys, top_k)
+    probs = torch.softmax((logits / temperature[:, None]).masked_fill_(~keep, float("-inf")), dim=-1)
+    keep &= top_p_keep(keys, probs, top_p)
+    del keys, probs
+    return (logits / temperature[:, None]).masked_fill_(~keep, float("-inf"))
+
+
 def sample_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> Proposal:
-    """One draw per row of logits [N, V] (float32) under each row's temperature (> 0) [N], top_k [N] long (0: off),
-    top_p [N] float (1: off), with its uniform u [N] float64. Entropy is not computed (NaN): the rules the
-    static step runs on the device need none."""
+    """One draw per row of logits [N, V] (float32, no NaN) under each row's temperature (> 0) [N], top_k [N] long
+    (0: off), top_p [N] float (1: off), with its uniform u [N] float64. A fixed sequence of tensor ops (no sort,
+    no host read, no value-dependent Python): it runs inside CUDA graph capture. Entropy is not computed (NaN):
+    the rules the static step runs on the device need none."""
     n, v = logits.shape
-    work, ids = (logits / temperature[:, None]).sort(dim=-1, descending=True, stable=True)
-    cols = torch.arange(v, device=logits.device)
-    keep = torch.where(top_k > 0, top_k, v)
-    work = work.masked_fill(cols[None, :] >= keep[:, None], float("-inf"))
-    probs = torch.softmax(work, dim=-1)
-    # the token whose preceding mass already reaches top_p goes, the top-1 never (sampling._top_p_filter); rows
-    # without top-p skip it (a rounded cumulative sum can reach 1.0 before the tail)
-    drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p < 1)[:, None]
-    drop[:, 0] = False
-    work = work.masked_fill(drop, float("-inf"))
-    lse = torch.logsumexp(work, dim=-1)
-    probs = (work - lse[:, None]).exp()
-    cdf = probs.cumsum(dim=-1)
-    # the first column whose cumulative mass reaches u x total: a token of probability 0 adds nothing to the
-    # sum, so it is never that column; u < 1 keeps the target at or below the total
+    work = filtered(logits, temperature, top_k, top_p)
+    lse = torch.logsumexp(work, dim=-1, keepdim=True)
+    # invert the cumulative sum in index order: the first column whose cumulative mass reaches u x total. A token
+    # of probability 0 adds nothing to the sum, so it is never that column; u < 1 keeps the target <= the total
+    cdf = (work - lse).exp_().cumsum_(dim=-1)
     target = (u * cdf[:, -1].double()).float()
-    choice = (cdf < target[:, None]).sum(dim=-1).clamp(max=v - 1)
-    col = choice[:, None]
-    margin = probs[:, 0] - probs[:, 1] if v > 1 else probs[:, 0]  # sorted: the two most likely
-    return Proposal(tokens=ids.gather(1, col).squeeze(1), probs=probs.gather(1, col).squeeze(1),
+    choice = count(cdf < target[:, None]).long().clamp(max=v - 1)
+    del cdf
+    logprobs = work.gather(1, choice[:, None]) - lse
+    top2 = (work.topk(min(2, v), dim=-1).values - lse).exp()
+    margin = top2[:, 0] - top2[:, 1] if v > 1 else top2[:, 0]
+    return Proposal(tokens=choice, probs=logprobs.exp().squeeze(1),
                     entropy=torch.full((n,), float("nan"), device=logits.device), margin=margin,
-                    logprobs=work.gather(1, col).squeeze(1) - lse)
+                    logprobs=logprobs.squeeze(1))
