@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sorted_sampling_reference import sorted_kept
 from test_static_step import PROMPTS, checked_device_decisions, counted_steps, models  # noqa: F401 (fixture)
+from unmask.decoding import device_sample
 from unmask.decoding.device_sample import filtered, sample_rows, splitmix64, uniforms
 from unmask.decoding.sampling import SamplingParams, propose
 from unmask.engine.engine import Engine
@@ -121,10 +122,11 @@ def sorted_mass_before(row: torch.Tensor, temperature: float, top_k: int, token:
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5, 1e-6])
 def test_sort_free_selection_keeps_the_sorted_rules_tokens(top_p):
-    """320 rows each of five kinds, top_k 0 / 1 / 5 / V, temperatures 0.1-2.1: the same survivors as the stable
-    sort's rule, token for token. top-k compares integers, so it matches exactly; top-p sums float32 masses in
-    another order than the sort's cumulative sum, so a row may differ only where the float64 mass before the
-    token lies within 1e-5 of top_p (a rounding either way; 3 in 40,960 rows when this was written), and rarely."""
+    """64 rows of each of five kinds for each of top_k 0 / 1 / 5 / V, temperatures 0.1-2.1: the same survivors as
+    the stable sort's rule, token for token. top-k compares integers, so it matches exactly; top-p sums float32
+    masses in another order than the sort's cumulative sum, so a row may differ only where the float64 mass
+    before the token lies within 1e-5 of top_p (a rounding either way: 3 of 40,960 rows in a wider trial), and
+    rarely."""
     g = torch.Generator().manual_seed(5)
     n, v, rounding_rows = 64, 700, 0
     for logits in hard_rows(g, n, v):
@@ -164,6 +166,22 @@ def test_the_draw_inverts_the_cdf_in_vocabulary_order():
     assert s.tokens.tolist() == [0, 1, 2, 3]
     assert torch.allclose(s.probs, torch.tensor([0.1, 0.4, 0.2, 0.3]))
     assert torch.allclose(s.margin, torch.full((4,), 0.1))
+
+
+def test_a_rows_draw_does_not_depend_on_its_slice_or_neighbours():
+    """40 rows (three slices of SLICE_ROWS_CPU on the CPU) with their own temperature, top-k and top-p: each row
+    draws what it draws alone."""
+    g = torch.Generator().manual_seed(8)
+    n = 40
+    assert n > 2 * device_sample.SLICE_ROWS_CPU
+    args = (torch.randn(n, 300, generator=g) * 3, torch.rand(n, generator=g) + 0.3,
+            torch.randint(0, 20, (n,), generator=g), torch.rand(n, generator=g) * 0.5 + 0.5,
+            torch.rand(n, generator=g).double())
+    batched = sample_rows(*args)
+    alone = [sample_rows(*(a[r:r + 1] for a in args)) for r in range(n)]
+    assert batched.tokens.tolist() == [int(s.tokens) for s in alone]
+    for field in ("probs", "margin", "logprobs"):
+        assert torch.allclose(getattr(batched, field), torch.cat([getattr(s, field) for s in alone]))
 
 
 class RecordedOps(TorchDispatchMode):

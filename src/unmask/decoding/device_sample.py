@@ -21,6 +21,8 @@ than the earlier sorted-order inversion did; the distribution is the same.
 """
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 from torch import Tensor
 
@@ -103,13 +105,13 @@ def top_k_keep(keys: Tensor, top_k: Tensor) -> Tensor:
 
 
 def top_p_keep(keys: Tensor, probs: Tensor, top_p: Tensor) -> Tensor:
-    """bool [N, V]: `sampling._top_p_filter`'s survivors without the sort (probs is consumed: overwritten). In the stable descending order a token
-    goes when the mass before it reaches top_p, the top-1 never. That mass is the mass strictly above its value
-    plus its tied predecessors' (lower indices). With t the smallest key whose mass above is < top_p (one past
-    the largest whose mass above is >= top_p): keys above t stay, keys below go (the mass above them is >= top_p),
-    and the tokens at t stay while the mass before them is < top_p. top_p <= 0 acts as the smallest positive
-    float (the same survivors: only the top-1). Rows with top_p >= 1 keep everything (a rounded cumulative sum
-    can reach 1.0 before the tail)."""
+    """bool [N, V]: `sampling._top_p_filter`'s survivors without the sort (probs is consumed: overwritten). In
+    the stable descending order a token goes when the mass before it reaches top_p, the top-1 never. That mass is
+    the mass strictly above its value plus its tied predecessors' (lower indices). With t the smallest key whose
+    mass above is < top_p (one past the largest whose mass above is >= top_p): keys above t stay, keys below go
+    (the mass above them is >= top_p), and the tokens at t stay while the mass before them is < top_p. top_p <= 0
+    acts as the smallest positive float (the same survivors: only the top-1). Rows with top_p >= 1 keep
+    everything (a rounded cumulative sum can reach 1.0 before the tail)."""
     p = top_p.clamp(min=torch.finfo(torch.float32).tiny)
 
     def mass_above_reaches_p(c: Tensor) -> Tensor:
@@ -142,11 +144,29 @@ def filtered(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) 
     return (logits / temperature[:, None]).masked_fill_(~keep, float("-inf"))
 
 
+# Rows per slice: sample_rows works through the rows this many at a time, so its temporaries (about 3.75x a
+# slice's float32 logits at the peak) are bounded by the slice, not by rows x K. A static loop: its count depends on
+# the shape only. On this CPU 16-row slices of a 152K vocabulary ran 64 rows in less than half the time of one
+# 64-row slice (bench/device_sample.py, `sort_free_one_slice`); on a GPU a larger slice means fewer launches per
+# row, and 64 rows there is a guess (unmeasured).
+SLICE_ROWS_CPU, SLICE_ROWS_GPU = 16, 64
+
+
 def sample_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> Proposal:
     """One draw per row of logits [N, V] (float32, no NaN) under each row's temperature (> 0) [N], top_k [N] long
     (0: off), top_p [N] float (1: off), with its uniform u [N] float64. A fixed sequence of tensor ops (no sort,
     no host read, no value-dependent Python): it runs inside CUDA graph capture. Entropy is not computed (NaN):
     the rules the static step runs on the device need none."""
+    step = SLICE_ROWS_CPU if logits.device.type == "cpu" else SLICE_ROWS_GPU
+    parts = [sample_slice(logits[i:i + step], temperature[i:i + step], top_k[i:i + step], top_p[i:i + step],
+                          u[i:i + step]) for i in range(0, logits.shape[0], step)]
+    if len(parts) == 1:
+        return parts[0]
+    return Proposal(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Proposal)))
+
+
+def sample_slice(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor) -> Proposal:
+    """`sample_rows` over one slice of rows."""
     n, v = logits.shape
     work = filtered(logits, temperature, top_k, top_p)
     lse = torch.logsumexp(work, dim=-1, keepdim=True)
