@@ -179,6 +179,7 @@ def test_a_rows_draw_does_not_depend_on_its_slice_or_neighbours():
             torch.rand(n, generator=g).double())
     batched = sample_rows(*args)
     alone = [sample_rows(*(a[r:r + 1] for a in args)) for r in range(n)]
+    assert sample_rows(*(a[:0] for a in args)).tokens.shape == (0,)  # no rows: one empty slice
     assert batched.tokens.tolist() == [int(s.tokens) for s in alone]
     for field in ("probs", "margin", "logprobs"):
         assert torch.allclose(getattr(batched, field), torch.cat([getattr(s, field) for s in alone]))

@@ -159,7 +159,7 @@ def sample_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tenso
     the rules the static step runs on the device need none."""
     step = SLICE_ROWS_CPU if logits.device.type == "cpu" else SLICE_ROWS_GPU
     parts = [sample_slice(logits[i:i + step], temperature[i:i + step], top_k[i:i + step], top_p[i:i + step],
-                          u[i:i + step]) for i in range(0, logits.shape[0], step)]
+                          u[i:i + step]) for i in range(0, max(logits.shape[0], 1), step)]  # 0 rows: one
     if len(parts) == 1:
         return parts[0]
     return Proposal(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Proposal)))
