@@ -5,6 +5,11 @@ The output is the same either way (tests/test_draft_lookup.py); only the number 
 change, so this measures speed alone. Ratios are taken within each round; medians with min-max over rounds.
 
     .venv/bin/python bench/speculative_lookup.py --tasks 20 --rounds 3 --json docs/bench/speculative/lookup.json
+
+`--baseline-single-chain` compares, at the same `--lookup` on both sides, the copy verified beside diffusion
+drafts it disagrees with (engine/speculative.py, "a second chain") against the single chain the engine ran
+before it (the copy only continuing the diffusion drafts): the baseline runs with that second chain switched
+off in the process, the candidate as the engine runs.
 """
 from __future__ import annotations
 
@@ -21,8 +26,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_SECOND_CHAIN = []  # the engine's own method, kept on first use
+
+
+def _no_second_chain(self, f, drafts):
+    return drafts[:0]
+
+
 def run(llm, prompts, tasks, max_tokens: int, knobs: dict) -> tuple[int, int, float]:
     from unmask.engine.params import GenerationParams
+    from unmask.engine.speculative import SpeculativeSequence
+
+    if not _SECOND_CHAIN:
+        _SECOND_CHAIN.append(SpeculativeSequence._second_chain)
+    knobs = dict(knobs)
+    # the baseline: the engine's own code with its second chain off (no copy verified beside the drafts)
+    SpeculativeSequence._second_chain = (_no_second_chain if knobs.pop("single_chain", False)
+                                         else _SECOND_CHAIN[0])
 
     cache = getattr(llm.engine, "prefix_cache", None)
     if cache is not None:  # every run pays its own prefills (a cache warmed by the run before would flatter it)
@@ -46,6 +66,8 @@ def main() -> None:
     ap.add_argument("--lookup", type=int, default=8)
     ap.add_argument("--baseline-lookup", type=int, default=0,
                     help="the lookup count the run compares against (0: no lookup; e.g. 8 to try --lookup 16)")
+    ap.add_argument("--baseline-single-chain", action="store_true",
+                    help="baseline: the same --lookup without the copy verified as a second chain")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -63,6 +85,8 @@ def main() -> None:
     # "without" is the baseline (--baseline-lookup, no lookup by default), "with" the candidate (--lookup)
     variants = {"without": {**base, "draft_lookup": args.baseline_lookup},
                 "with": {**base, "draft_lookup": args.lookup}}
+    if args.baseline_single_chain:
+        variants["without"] = {**base, "draft_lookup": args.lookup, "single_chain": True}
     doc = {"command": " ".join(sys.argv), "model": str(args.model), "threads": args.threads,
            "lookup": {"without": args.baseline_lookup, "with": args.lookup},
            "load_average_start": os.getloadavg(), "kinds": {}}

@@ -93,6 +93,44 @@ def test_greedy_output_is_next_token_decoding_in_fewer_forwards_than_without(llm
         assert sum(o.forwards for o in got) < sum(o.forwards for o in plain)
 
 
+def test_a_copy_that_disagrees_with_the_diffusion_drafts_is_verified_beside_them(llm, prompts):
+    """Greedy, with diffusion drafts: a copy of the committed text that differs from them is a second chain in
+    the same forward; the branch that keeps more wins, and the output is still next-token decoding."""
+    from unmask.engine.engine import Engine
+
+    eng = Engine(llm.model, llm.spec, llm.tokenizer, max_num_seqs=8, prefix_cache_bytes=0)
+    for knobs, expect_wins in [(dict(block_size=4), True), (dict(block_size=4, frequency_penalty=0.5), False),
+                               (dict(block_size=4, temperature=0.7, seed=3), False)]:
+        seqs = [eng.add_request(p, GenerationParams(max_tokens=40, policy="speculative", draft_lookup=8, **knobs))
+                for p in prompts]
+        eng.run_to_completion()
+        wins = sum(s.copy_wins for s in seqs)
+        assert (wins > 0) == expect_wins, (knobs, wins)  # adjusted or sampled rows keep the single chain
+        if "temperature" not in knobs:
+            ar = dict(AR, **{k: v for k, v in knobs.items() if k == "frequency_penalty"})
+            ref = one_by_one(llm, prompts, **ar)
+            assert [s.output_ids for s in seqs] == [o.token_ids for o in ref]
+
+
+def test_second_chain_layout():
+    from unmask.engine.speculative import draft_layout, with_branch
+
+    # T = 2 committed, D = 1 draft, one block of 2 (outcome 1); then a copy of 2 and its block of 2
+    a = with_branch(draft_layout(2, 1, [2], [1]), n_committed=2, n_alt=2, block=2)
+    T, F = True, False
+    assert a.tolist() == [
+        [T, F, F, F, F, F, F, F, F],   # T0
+        [T, T, F, F, F, F, F, F, F],   # T1
+        [T, T, T, F, F, F, F, F, F],   # d0
+        [T, T, T, T, T, F, F, F, F],   # block after d0
+        [T, T, T, T, T, F, F, F, F],
+        [T, T, F, F, F, T, F, F, F],   # c0: T and itself
+        [T, T, F, F, F, T, T, F, F],   # c1
+        [T, T, F, F, F, T, T, T, T],   # block after the copy: T, the copy, itself
+        [T, T, F, F, F, T, T, T, T],
+    ]
+
+
 def test_sampling_with_lookup_is_seeded(llm, prompts):
     knobs = dict(max_tokens=40, policy="speculative", draft_lookup=8, temperature=0.7, top_k=20, seed=5)
     a = llm.generate(prompts, [GenerationParams(**knobs) for _ in prompts])

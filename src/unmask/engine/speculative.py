@@ -14,6 +14,12 @@ decoding writes. Block j's rows 0..K-2 are the next step's drafts (row i predict
 the shifted families' rule), used when j drafts were kept; without a block for that outcome the next step has
 no drafts and writes one token. The K/V of T and of the kept drafts are exact and stay; the rest are scratch
 that the next step overwrites (`cached` moves back to the first position whose K/V are not exact).
+
+With `draft_lookup`, greedy and no logit adjustments, a step whose diffusion drafts disagree with a copy of the
+committed text (decoding.speculative.lookup_drafts on the text alone) verifies both: after M come the copy C and
+its own draft block, C token-causal over T, and the branch that keeps more drafts wins (the diffusion one on a
+tie). The output is still exactly next-token decoding; a won copy's K/V were not written, so its tokens are fed
+again next step as committed ones.
 """
 from __future__ import annotations
 
@@ -74,6 +80,19 @@ def draft_layout(n_committed: int, n_drafts: int, block_lengths: list[int], outc
     return attend
 
 
+def with_branch(attend: Tensor, n_committed: int, n_alt: int, block: int) -> Tensor:
+    """`attend` grown by a second draft chain of n_alt tokens (token-causal, over T only) and its draft block of
+    `block` masks (over T, the chain and itself), after everything `attend` already lays out."""
+    L0 = attend.shape[0]
+    L = L0 + n_alt + block
+    out = torch.zeros(L, L, dtype=torch.bool)
+    out[:L0, :L0] = attend
+    out[L0:, :n_committed] = True
+    out[L0:L0 + n_alt, L0:L0 + n_alt] = torch.ones(n_alt, n_alt, dtype=torch.bool).tril()
+    out[L0 + n_alt:, L0:L] = True
+    return out
+
+
 class SpeculativeSequence(Sequence):
     """A request decoded by the `speculative` policy (module docstring). The canvas holds the committed text and
     masks after it; the drafts live beside it until the verifier keeps them."""
@@ -91,6 +110,10 @@ class SpeculativeSequence(Sequence):
         self.kept = 0
         self.lookup = int(self.params.draft_lookup or 0)
         self._step_drafts = self.drafts  # this step's: `drafts` (the diffusion rows'), then any copied ones
+        self._alt = self.drafts          # this step's second chain: a copy of the committed text (module docstring)
+        self._alt_rows = (0, 0)          # its verifier rows (first logit row, count) after T's last row
+        self._alt_block = (0, 0)         # its draft block's rows
+        self.copy_wins = 0               # steps where the copy kept more drafts than the diffusion chain
 
     @property
     def prefill_limit(self) -> int:
@@ -125,10 +148,36 @@ class SpeculativeSequence(Sequence):
             targets.append(torch.arange(f + j + 1, f + j + 1 + m))
             self._blocks[j] = (r, m)
             s, r = s + n, r + m
-        seg = Segment(start=c, length=s, write=n_clean, cache=self.cache,
-                      attend=draft_layout(pending, k, lengths, outcomes))
+        attend = draft_layout(pending, k, lengths, outcomes)
+        self._alt = alt = self._second_chain(f, drafts)
+        if alt.numel():  # C at f.., then its block: rows for C's tokens and the block's first n - 1
+            kb = int(alt.numel())
+            n = min(self.K, self.end - (f + kb))
+            m = max(0, min(n - 1, self.end - (f + kb) - 1))
+            ids += [alt, torch.full((n,), self.traits.mask_id, dtype=torch.long)]
+            pos += [torch.arange(f, f + kb), torch.arange(f + kb, f + kb + n)]
+            rows += [torch.arange(s, s + kb), torch.arange(s + kb, s + kb + m)]
+            targets += [torch.arange(f + 1, f + kb + 1), torch.arange(f + kb + 1, f + kb + 1 + m)]
+            self._alt_rows, self._alt_block = (r, kb), (r + kb, m)
+            attend = with_branch(attend, pending, kb, n)
+            s += kb + n
+        seg = Segment(start=c, length=s, write=n_clean, cache=self.cache, attend=attend)
         self._k = k
         return StepPlan(self, torch.cat(ids), torch.cat(pos), seg, torch.cat(rows), torch.cat(targets))
+
+    def _second_chain(self, f: int, drafts: Tensor) -> Tensor:
+        """A copy of the committed text to verify beside diffusion drafts it disagrees with (module docstring);
+        empty where there is none or it cannot be weighed exactly (sampling, logit adjustments, all outcomes)."""
+        empty = drafts[:0]
+        diffusion = min(int(self.drafts.numel()), int(drafts.numel()))
+        if (not self.lookup or not diffusion or self.all_outcomes or not self.sampling.greedy
+                or self.adjuster is not None):
+            return empty
+        copy = lookup_drafts(self.seq[:f], self.lookup, min_ngram=LOOKUP_MIN_NGRAM)[:max(0, self.end - f - 1)]
+        n = min(int(copy.numel()), int(drafts.numel()))
+        if not n or torch.equal(copy[:n], drafts[:n]):  # the diffusion chain already drafts what the copy would
+            return empty
+        return copy
 
     def _drafts_for_step(self, f: int) -> Tensor:
         """The diffusion rows' drafts (from the last step), then, with `draft_lookup`, up to that many tokens copied
@@ -162,20 +211,32 @@ class SpeculativeSequence(Sequence):
         target = verifier if greedy else processed_probs(verifier, self.sampling)
         verdict = verify(drafts, None if greedy or k == 0 else self._step_draft_probs(k, logits), target, greedy,
                          self.generator)
+        offered, block = k, self._blocks.get(verdict.accepted)
+        won_copy = False
+        if self._alt.numel():  # greedy only: the copy's verifier rows are T's last one and its own
+            r, kb = self._alt_rows
+            rows = torch.cat([verifier[:1], logits[r:r + kb]])
+            other = verify(self._alt, None, rows, True, None)
+            offered += kb
+            if other.accepted > verdict.accepted:  # its block sits after the whole copy
+                won_copy, verdict, verifier = True, other, rows
+                self.copy_wins += 1
+                block = self._alt_block if other.accepted == kb else None
         a = verdict.accepted
         n = min(a + 1, self.end - f)
         tokens = verdict.tokens[:n].cpu()
         self.seq[f:f + n] = tokens
         if self.adjuster is not None:
             self.adjuster.commit(tokens)
-        self.drafted, self.kept = self.drafted + k, self.kept + a
+        self.drafted, self.kept = self.drafted + offered, self.kept + a
         self._record_outputs(torch.arange(f, f + n), tokens, verifier[:n])
         self.stats.denoise_steps += 1
-        # exact K/V: the committed tokens fed and the drafts kept; the verifier's own token is fed next step
-        self.cached = f + a
+        # exact K/V: the committed tokens fed and the drafts kept; the verifier's own token is fed next step (a won
+        # copy's K/V were not written: its tokens are fed again)
+        self.cached = f if won_copy else f + a
         if self.cache is not None:
             self.cache.length = min(self.cache.length, self.cached)
-        self._next_drafts(logits, a)
+        self._next_drafts(logits, block)
         return self._advance()
 
     def _step_draft_probs(self, k: int, logits: Tensor) -> Tensor:
@@ -202,8 +263,9 @@ class SpeculativeSequence(Sequence):
         if self.top is not None:
             self.top.record(pos - self.P, rows, self.sampling.temperature)
 
-    def _next_drafts(self, logits: Tensor, accepted: int) -> None:
-        block = self._blocks.get(accepted)
+    def _next_drafts(self, logits: Tensor, block: tuple[int, int] | None) -> None:
+        """The next step's diffusion drafts: the rows of `block`, the draft block placed after exactly the
+        tokens this step kept (None: no block sits there)."""
         if block is None or block[1] == 0:
             self.drafts, self.draft_probs = torch.empty(0, dtype=torch.long), None
             return
