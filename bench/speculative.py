@@ -78,14 +78,15 @@ def main() -> None:
         other.engine = Engine(other.model, other.spec, other.tokenizer, max_num_seqs=1, prefix_cache_bytes=0)
         variants += [policies.Variant(f"distilled:{n}", f"distilled: {lbl}", knobs, group="distilled", llm=other)
                      for n, lbl, knobs in selected]
+    twin_name = None
     if not args.no_twin:
         hf = twin.HFTwin(args.twin, dtype=args.dtype)
+        twin_name = hf.name
         variants.append(policies.Variant(hf.name, "AR twin, transformers generate (KV cache)", decoder=hf,
                                          cache="KV (DynamicCache)", group="twin"))
     tasks, info = policies.load_tasks(llm, args.corpus, args.sft_heldout, args.next_line, args.infill)
     t0 = time.perf_counter()
     results = policies.run_section(llm, variants, tasks, args.rounds, lambda m: print(m, flush=True))
-    twin_name = variants[-1].name if not args.no_twin else None
     if twin_name:  # each variant's tokens/s over the twin's, round by round (interleaved), median and range
         for r in results["variants"].values():
             r["speed_vs_twin"] = ratio_summary(r["tokens_per_s_rounds"], results["variants"][twin_name]["tokens_per_s_rounds"])
