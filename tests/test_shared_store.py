@@ -225,7 +225,8 @@ def test_two_ingestion_workers_on_one_store_ingest_each_file_once(backend, tmp_p
         assert vs_a.index.count(created["id"]) == n
         if backend == "postgres":   # every chunk row ever written is still there: none was replaced by a rerun
             table = vs_a.index.table
-            inserted = vs_a.index.conn.execute(f"SELECT last_value FROM {table}_id_seq").fetchone()[0]
+            with vs_a.index.pool.connection() as conn:
+                inserted = conn.execute(f"SELECT last_value FROM {table}_id_seq").fetchone()[0]
             assert inserted == n
         hit = vs_b.search([created["id"]], "drawer 17", 1, mode="keyword")[0]
         assert hit[0].text.startswith("Note 17:")
