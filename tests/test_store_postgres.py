@@ -4,25 +4,16 @@ batches, on the real PostgreSQL + pgvector server of tests/pg_server.py. Neither
 from __future__ import annotations
 
 import io
+import shutil
 import time
-import uuid
 
 import openai
 import pytest
 
-from pg_server import postgres  # noqa: F401 - the session's Postgres server
+from pg_server import new_database, new_postgres, postgres  # noqa: F401 - postgres: the session's server
 from store_server import start_app
 from test_batches import chat_line, records, upload, wait_for
 from test_shared_store import record_engine_requests
-
-
-def new_database(server) -> str:
-    import psycopg
-
-    name = "store_" + uuid.uuid4().hex[:8]
-    with psycopg.connect(server.url, autocommit=True) as c:
-        c.execute(f"CREATE DATABASE {name}")
-    return server.url.rsplit("/", 1)[0] + "/" + name
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +144,52 @@ def test_a_database_that_does_not_answer_is_a_503_and_the_batch_runner_keeps_wai
             time.sleep(0.05)
         time.sleep(2.5)   # two of its polls, each refused by the database
         assert not app.state.batches._task.done()
+
+
+def test_vector_stores_wait_for_a_database_that_is_down_at_startup_and_open_once_it_answers(tmp_path):
+    """The server comes up on a Postgres that is not running yet: the vector store routes answer 503
+    store_unavailable (as when the database goes away later) while the loader retries; once Postgres starts on
+    that port, they work without a restart."""
+    from fastapi.testclient import TestClient
+
+    from unmask.defaults import default_model_path
+    from unmask.server.app import ServerArgs, create_app
+
+    server = new_postgres()   # its port chosen; nothing listens there yet
+    app = create_app(ServerArgs(model=default_model_path(), served_model_name="m", data_dir=tmp_path,
+                                database_url=server.url))
+    try:
+        with TestClient(app) as client:
+            state, deadline = app.state.retrieval, time.monotonic() + 120
+            while state.store_error is None:   # the embedding model loaded, the database refused
+                assert state.load_error is None and time.monotonic() < deadline, state.load_error
+                time.sleep(0.05)
+            for r in (client.get("/v1/vector_stores"),
+                      client.post("/v1/vector_stores", json={"name": "early"}),
+                      client.post("/v1/vector_stores/vs_x/search", json={"query": "fuse"})):
+                assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+                assert r.json()["error"] == {"message": "the server's database is unavailable; retry shortly",
+                                             "type": "service_unavailable_error", "param": None,
+                                             "code": "store_unavailable"}
+            r = client.post("/v1/embeddings", json={"model": state.encoder.name, "input": "no database needed"})
+            assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == state.encoder.dimension
+
+            server.start()
+            started = time.monotonic()
+            while (r := client.get("/v1/vector_stores")).status_code != 200:
+                assert r.json()["error"]["code"] == "store_unavailable", r.text
+                assert time.monotonic() - started < 30, "the loader did not retry within 30 s"   # backoff cap: 5 s
+                time.sleep(0.1)
+            assert r.json()["data"] == [] and state.store_error is None
+            text = b"The spare fuse for the kiln is kept in the third drawer of the blue cabinet."
+            file_id = client.post("/v1/files", files={"file": ("drawer.txt", text)},
+                                  data={"purpose": "assistants"}).json()["id"]
+            store_id = client.post("/v1/vector_stores", json={"name": "late", "file_ids": [file_id]}).json()["id"]
+            while client.get(f"/v1/vector_stores/{store_id}").json()["file_counts"]["completed"] < 1:
+                assert time.monotonic() - started < 120
+                time.sleep(0.1)
+            hits = client.post(f"/v1/vector_stores/{store_id}/search", json={"query": "where is the fuse?"}).json()
+            assert hits["data"][0]["file_id"] == file_id and "third drawer" in hits["data"][0]["content"][0]["text"]
+    finally:
+        server.stop()
+        shutil.rmtree(server.root, ignore_errors=True)

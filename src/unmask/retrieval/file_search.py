@@ -146,6 +146,8 @@ async def run(search: FileSearch, retrieval_state, messages: list[dict]) -> None
 
     vs = getattr(retrieval_state, "vector_stores", None)
     if vs is None:
+        if retrieval_state is not None:
+            retrieval_state.check_store()   # their database does not answer yet: 503 store_unavailable
         raise APIError(503 if getattr(retrieval_state, "encoder_path", None) else 400,
                        "file_search needs vector stores, which are not available on this server yet"
                        if getattr(retrieval_state, "encoder_path", None) else

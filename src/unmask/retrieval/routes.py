@@ -2,7 +2,11 @@
 
 The embedding model loads in its own thread at startup (as the generation model does): until it is ready the
 routes answer 503 and so does /health, and a server started with `--embedding-model off` answers 404 on
-/v1/embeddings and the vector store routes (vector_store_routes.py, included in `router`).
+/v1/embeddings and the vector store routes (vector_store_routes.py, included in `router`). The same thread then
+opens the vector stores; while their database does not answer (a Postgres `--database-url` or `--vector-store`
+that is down when the server starts) it retries with backoff (store/db.py's retry_while_unavailable), the vector
+store routes answer 503 `store_unavailable` meanwhile, as they do when the database goes away later, and
+/v1/embeddings and /health answer as soon as the model is loaded.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
@@ -22,6 +26,8 @@ from unmask.retrieval.embeddings import EmbeddingRequest, embed
 from unmask.retrieval.encoder import DEFAULT_ENCODER_NAME, SentenceEncoder, default_encoder_path
 from unmask.retrieval.vector_stores import VectorStores
 from unmask.server.protocol import APIError
+from unmask.store import StoreUnavailable
+from unmask.store.db import retry_while_unavailable
 
 logger = logging.getLogger("unmask.retrieval")
 OFF = "off"
@@ -35,6 +41,15 @@ class RetrievalState:
     encoder: SentenceEncoder | None = None
     vector_stores: VectorStores | None = None
     load_error: str | None = None
+    store_error: str | None = None        # the vector stores' database did not answer at the last try to open them
+    stopping: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)   # publishing the vector stores against stop()
+
+    def check_store(self) -> None:
+        """While the vector stores wait for their database: StoreUnavailable (the app answers 503 with
+        Retry-After, code store_unavailable)."""
+        if self.vector_stores is None and self.store_error:
+            raise StoreUnavailable(self.store_error)
 
 
 def resolve_encoder(option: str | None) -> tuple[Path | None, str]:
@@ -49,7 +64,8 @@ def resolve_encoder(option: str | None) -> tuple[Path | None, str]:
 
 
 def load(state: RetrievalState, file_store) -> None:
-    """Loader thread: the embedding model, then the vector stores (their ingestion resumes)."""
+    """Loader thread: the embedding model, then the vector stores (their ingestion resumes), retried until their
+    database answers."""
     try:
         from unmask.tokenizer import from_transformers
 
@@ -61,10 +77,26 @@ def load(state: RetrievalState, file_store) -> None:
         encoder = SentenceEncoder.load(state.encoder_path, state.encoder_name)
         logger.info("embedding model %s loaded in %.1f s (%d dimensions)", state.encoder_name,
                     time.perf_counter() - t0, encoder.dimension)
-        store = file_store.get()
-        vector_stores = VectorStores.open(store.root, encoder, store.files, state.vector_store_url)
-        vector_stores.start()
-        state.encoder, state.vector_stores = encoder, vector_stores
+
+        def open_vector_stores() -> VectorStores:
+            store = file_store.get()
+            return VectorStores.open(store.root, encoder, store.files, state.vector_store_url)
+
+        def unavailable(e: StoreUnavailable, retry_s: float) -> None:
+            if state.encoder is None:
+                state.encoder = encoder   # /v1/embeddings needs no database
+            state.store_error = str(e)
+            logger.warning("vector stores: %s; retrying in %.1f s", e, retry_s)
+
+        vector_stores = retry_while_unavailable(open_vector_stores, state.stopping, unavailable)
+        with state.lock:
+            if vector_stores is None or state.stopping.is_set():   # the server stopped first
+                if vector_stores is not None:
+                    vector_stores.stop()   # not started: closes its connections
+                return
+            vector_stores.start()
+            state.encoder, state.vector_stores = encoder, vector_stores
+            state.store_error = None   # cleared after vector_stores is set: a request sees one or the other
     except Exception as e:  # noqa: BLE001 - the generation routes keep serving; /v1/embeddings reports it
         state.load_error = str(e) if isinstance(e, UnmaskError) else f"{type(e).__name__}: {e}"
         logger.error("cannot load the embedding model: %s", state.load_error)
@@ -81,14 +113,20 @@ def start(app: FastAPI, embedding_model: str | None, vector_store_url: str | Non
 
 def stop(app: FastAPI) -> None:
     state: RetrievalState | None = getattr(app.state, "retrieval", None)
-    if state is not None and state.vector_stores is not None:
+    if state is None:
+        return
+    with state.lock:
+        state.stopping.set()   # a loader still waiting for the database gives up
+    if state.vector_stores is not None:
         state.vector_stores.stop()
 
 
 def loading(app_state) -> bool:
-    """Whether the embedding model is still loading (/health answers 503 until it is not)."""
+    """Whether the embedding model is still loading, or the vector stores opening for the first time (/health
+    answers 503 until they are open or their database is known not to answer)."""
     state: RetrievalState | None = getattr(app_state, "retrieval", None)
-    return state is not None and state.encoder_path is not None and state.vector_stores is None and not state.load_error
+    return (state is not None and state.encoder_path is not None and state.vector_stores is None
+            and not state.load_error and not state.store_error)
 
 
 def encoder(request: Request) -> SentenceEncoder:
@@ -98,7 +136,7 @@ def encoder(request: Request) -> SentenceEncoder:
                        code="model_not_found")
     if state.load_error:
         raise APIError(503, f"the embedding model failed to load: {state.load_error}", code="model_load_failed")
-    if state.vector_stores is None:   # published with the encoder, once both are ready
+    if state.encoder is None:   # published with the vector stores, or alone while their database does not answer
         raise APIError(503, "the embedding model is still loading; retry shortly", code="model_loading")
     return state.encoder
 

@@ -39,6 +39,7 @@ def service(request: Request) -> VectorStores:
     if state.vector_stores is None:
         if state.load_error:
             raise APIError(503, f"vector stores are unavailable: {state.load_error}", code="model_load_failed")
+        state.check_store()   # their database does not answer yet: 503 store_unavailable
         raise APIError(503, "the embedding model is still loading; retry shortly", code="model_loading")
     return state.vector_stores
 

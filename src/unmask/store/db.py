@@ -14,12 +14,14 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from unmask.errors import UnmaskError
 from unmask.store.schema import migrate
 
 DB_NAME = "unmask.db"
 BUSY_TIMEOUT_MS = 30_000
+T = TypeVar("T")
 
 
 def default_data_dir() -> Path:
@@ -34,6 +36,26 @@ def default_data_dir() -> Path:
 class StoreUnavailable(UnmaskError):
     """The store's database does not answer (down, unreachable, out of connections): the API answers 503, the
     background workers retry."""
+
+
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 5.0   # the cap: the 503's Retry-After
+
+
+def retry_while_unavailable(attempt: Callable[[], T], stop: threading.Event,
+                            on_unavailable: Callable[[StoreUnavailable, float], None]) -> T | None:
+    """attempt() until it does not raise StoreUnavailable (its value), waiting RETRY_FIRST_S after the first
+    refusal, twice as long after each next one, up to RETRY_MAX_S; None once `stop` is set. on_unavailable(error,
+    seconds to the next try) is told of each refusal (to log it, to answer 503 meanwhile)."""
+    delay = RETRY_FIRST_S
+    while not stop.is_set():
+        try:
+            return attempt()
+        except StoreUnavailable as e:
+            on_unavailable(e, delay)
+        if stop.wait(delay):
+            break
+        delay = min(2 * delay, RETRY_MAX_S)
+    return None
 
 class Connections:
     """One database connection per thread (neither sqlite3's nor psycopg's are shared between threads)."""
