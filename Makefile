@@ -65,11 +65,13 @@ serve: $(STAMP)
 
 # Benchmark suite (bench/suite.py): regenerates docs/benchmarks.md, docs/benchmarks.json, docs/bench/*.png.
 # MODEL=DIR (default: bench/models/unmask-tiny-5m, which the AR twin is compute-matched to), THREADS=N (default: all cores; 1 on a busy machine), TWIN=DIR,
-# DISTILLED=DIR (a model from `unmask distill`: every policy of it beside MODEL's, interleaved),
+# DISTILLED=DIR (a model from `unmask distill`: every policy of it beside MODEL's, interleaved; default, with the
+# default MODEL, the committed drafter bench/models/unmask-tiny-5m-drafter, issue 29's Pareto plot; DISTILLED= for none),
 # BENCH_ARGS=... (e.g. --sections cost). Without BENCH_ARGS it then runs the section longprefill (real 32K-128K
 # prefills, one round: 6.3 min here, after the 14.8-min suite). The full run decodes the AR twin from bench/models/ar-twin (committed;
 # `make twin` retrains it from the causal base bench/models/unmask-tiny-base, about as long as the diffusion
 # phases of `make model-5m`), else from runs/ar-twin/model.
+DISTILLED ?= $(if $(MODEL),,$(wildcard bench/models/unmask-tiny-5m-drafter))
 BENCH_OPTS = $(if $(MODEL),--model $(MODEL)) $(if $(THREADS),--threads $(THREADS)) $(if $(TWIN),--twin $(TWIN)) \
 	$(if $(DISTILLED),--distilled $(DISTILLED)) $(BENCH_ARGS)
 
