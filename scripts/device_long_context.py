@@ -12,8 +12,9 @@ scripts/device_train.py runs them:
 1. stages of growing length (default 2K x 16 rows, 8K x 4, 32K x 1 a step): `unmask train --init-from PREVIOUS
    --long-documents --passkey-fraction F --rope-scaling yarn:FACTOR`. The first stage starts with a short run that
    measures tokens/s and is then resumed from its checkpoint (no step is thrown away); each stage gets its share
-   of the time left at a rate predicted from the last measured one by the FLOPs model `cost_per_token`. A stage
-   that fails (out of memory, say) or overruns its time is dropped, and the previous stage's model goes on.
+   of the time left at a rate predicted from the last measured one (`predict_rate`: FLOPs and the mask's copy).
+   A stage that overruns its time is stopped and exported from its last checkpoint (one every ~1/8 of its
+   steps); one that fails (out of memory, say) is dropped, and the previous stage's model goes on.
 2. export: the final model's weights as bfloat16 shards + meta.tar.gz (device_train.py's), before the evaluation,
    so a call cut short still brings the model back.
 3. needle: `unmask.evaluation_needle.report` (what `unmask eval --needle` and bench/needle.py run) one length at a
@@ -36,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -49,6 +51,9 @@ ROOT = dt.ROOT
 BUILT_IN = ROOT / "src" / "unmask" / "assets" / "unmask-tiny"
 LOSS_RESERVE_S = 40.0   # the two held-out loss evaluations at the end (CPU, 512-token rows)
 MIN_STEPS = 5
+# the boolean [2L, 2L] mask crosses to the GPU every step from pageable memory (objectives.masked_rows caches it on
+# the CPU): 4.3 GB at 32K. Assumed, not measured: a pageable host-to-device copy on a PCIe 5 host
+MASK_COPY_BYTES_PER_S = 10e9
 
 
 def parse_stages(spec: str) -> list[tuple[int, int]]:
@@ -106,6 +111,17 @@ def cost_per_token(config: dict, length: int) -> float:
     return float(linear + attention)
 
 
+def predict_rate(config: dict, length0: int, rows0: int, rate0: float, length: int, rows: int, cuda: bool) -> float:
+    """Corpus tokens/s at (length, rows) from a rate measured at (length0, rows0): the measured step's time less
+    its mask copy gives the FLOP/s, which the new step's FLOPs (`cost_per_token`) and mask copy are timed at."""
+    def copy_s(n: int) -> float:
+        return (2 * n) ** 2 / MASK_COPY_BYTES_PER_S if cuda else 0.0
+
+    step0 = rows0 * length0 / rate0
+    flops_per_s = rows0 * length0 * cost_per_token(config, length0) / max(step0 - copy_s(length0), 0.2 * step0)
+    return rows * length / (rows * length * cost_per_token(config, length) / flops_per_s + copy_s(length))
+
+
 def steady_rate(log_text: str, tokens_per_step: int) -> float | None:
     """Tokens/s between a log's last two progress lines. The trainer prints the average since its own start (the
     step it resumed at, for a resumed run), which counts the first steps' warm-up (device_train.steady_rate)."""
@@ -148,23 +164,40 @@ def run_cli(name: str, args: list[str], logs: Path, timeout: float | None = None
             error = f"timed out after {timeout:.0f} s"
     text = (logs / f"{name}.log").read_text()
     wall = time.monotonic() - t0
-    lines = [ln.strip(" │╭╮╰╯─") for ln in text.splitlines() if re.search(r"[A-Za-z0-9]", ln)]  # past typer's box
+    # the last two lines with text, past the box typer draws around an error
+    lines = [ln.strip(" │╭╮╰╯─") for ln in text.splitlines() if re.search(r"[A-Za-z0-9]", ln)]
     tail = " ".join(lines[-2:])[-240:]
     dt.log(f"{name}: {'ok' if error is None else error} in {wall:.0f} s; {tail}")
     return {"ok": error is None, "wall_s": round(wall, 1), "error": error and f"{error}: {tail}"}
 
 
 def train_args(a, init: Path, out: Path, length: int, rows: int, factor: float | None, steps: int, warmup: int,
-               resume: bool) -> list[str]:
+               resume: bool, save_every: int = 0) -> list[str]:
     args = ["train", "--init-from", str(init), "--out", str(out), "--data", a.data, "--seq-len", str(length),
             "--batch-size", str(rows), "--steps", str(steps), "--warmup", str(warmup), "--lr", str(a.lr),
             "--long-documents", "--passkey-fraction", str(a.passkey_fraction), "--eval-every",
-            str(max(1, steps // 2)), "--save-every", "0", "--resume" if resume else "--overwrite"]
+            str(max(1, steps // 2)), "--save-every", str(save_every), "--resume" if resume else "--overwrite"]
     if factor is not None:
         args += ["--rope-scaling", f"yarn:{factor:g}"]
     if a.cuda:
         args.append("--bf16")
     return args
+
+
+def checkpoint_step(out: Path) -> int | None:
+    """The step of the run's last checkpoint (written atomically, so a kill leaves the one before)."""
+    import torch
+
+    path = out / "checkpoint.pt"
+    return int(torch.load(path, map_location="cpu", weights_only=False)["step"]) if path.is_file() else None
+
+
+def fresh_run_dir(out: Path, runs: Path) -> None:
+    """An empty stage directory (no checkpoint of an earlier invocation to resume or export by mistake) sharing the
+    corpus's token cache."""
+    if out.exists():
+        shutil.rmtree(out)
+    dt.share_token_cache(out, runs / "token-cache")
 
 
 def run_stages(a, runs: Path, logs: Path, summary: dict, save) -> Path:
@@ -184,7 +217,7 @@ def run_stages(a, runs: Path, logs: Path, summary: dict, save) -> Path:
     summary["stages"] = []
     for i, ((length, rows), factor) in enumerate(zip(stages, factors)):
         name, out = f"stage{i + 1}-{length}", runs / f"stage{i + 1}"
-        dt.share_token_cache(out, runs / "token-cache")
+        fresh_run_dir(out, runs)
         per_step = rows * length
         record = {"length": length, "rows": rows, "yarn_factor": factor}
         if measured is None:  # the first stage: a short run measures the rate, then resumes from its checkpoint
@@ -202,8 +235,7 @@ def run_stages(a, runs: Path, logs: Path, summary: dict, save) -> Path:
             overhead = max(a.startup, res["wall_s"] - cal * per_step / (_last_rate(text) or rate))
             predicted, resume, floor = rate, True, cal
         else:
-            m_len, m_rate = measured
-            predicted = m_rate * cost_per_token(config, m_len) / cost_per_token(config, length) * a.margin
+            predicted = predict_rate(config, *measured, length, rows, a.cuda) * a.margin
             resume, floor = False, 0
         seconds, steps = plan_stage(train_until - (time.monotonic() - dt.START), shares[i], sum(shares[i:]),
                                     overhead, len(stages) - i, predicted, rows, length)
@@ -211,20 +243,31 @@ def run_stages(a, runs: Path, logs: Path, summary: dict, save) -> Path:
         warmup = floor if resume else max(1, min(20, steps // 10))
         scaling = f"yarn:{factor:g}" if factor else "no scaling: the context covers it"
         dt.log(f"{name}: {seconds:.0f} s at ~{predicted:,.0f} tokens/s -> {steps} steps ({scaling})")
+        # past its time (a rate predicted too high) the stage is stopped and exported from its last checkpoint
+        # (one every ~1/8 of its steps), so an overrun costs the steps since then, not the stage
         left = train_until - (time.monotonic() - dt.START)
-        timeout = max(60.0, min(left + a.eval_reserve / 2, 1.5 * seconds + 2 * overhead))
-        res = run_cli(name, train_args(a, init, out, length, rows, factor, steps, warmup, resume), logs, timeout)
+        limit = a.stage_seconds or max(60.0, min(left + a.eval_reserve / 4, 1.2 * seconds + overhead))
+        args = train_args(a, init, out, length, rows, factor, steps, warmup, resume, max(1, (steps - floor) // 8))
+        res = run_cli(name, args, logs, limit)
         text = (logs / f"{name}.log").read_text()
         rate = steady_rate(text, per_step) or _last_rate(text)
-        record.update({**res, "steps": steps, "planned_s": round(seconds, 1), "predicted_tokens_per_s": predicted,
-                       "tokens_per_s": rate, "tokens": steps * per_step, "eval_losses": _eval_losses(text)})
+        done = steps
+        if res["error"] and res["error"].startswith("timed out") and (done := checkpoint_step(out) or 0) > floor:
+            cut = run_cli(f"{name}-export", train_args(a, init, out, length, rows, factor, done, warmup, True), logs,
+                          timeout=180.0)
+            record["cut"] = {"at_step": done, "export": cut}
+            res = {**res, "ok": cut["ok"]}
+        record.update({**res, "steps": done, "planned_steps": steps, "planned_s": round(seconds, 1),
+                       "predicted_tokens_per_s": predicted, "tokens_per_s": rate, "tokens": done * per_step,
+                       "eval_losses": _eval_losses(text)})
         summary["stages"].append(record)
         save()
         if not res["ok"] or not (out / "model" / "config.json").is_file():
             dt.log(f"{name}: dropped; the model so far is {init}")
             break
-        init, measured = out / "model", (length, rate or predicted)
-        overhead = max(overhead, res["wall_s"] - (steps - floor) * per_step / (_last_rate(text) or predicted))
+        init, measured = out / "model", (length, rows, rate or predicted)
+        if "cut" not in record:
+            overhead = max(overhead, res["wall_s"] - (steps - floor) * per_step / (_last_rate(text) or predicted))
     return init
 
 
@@ -328,7 +371,7 @@ def main() -> None:
     ap.add_argument("--runs", type=Path, default=None, help="scratch run directories (default: build/long-runs)")
     ap.add_argument("--deadline", type=float, default=540.0,
                     help="seconds from start by which everything, the evaluations included, must be done")
-    ap.add_argument("--eval-reserve", type=float, default=150.0,
+    ap.add_argument("--eval-reserve", type=float, default=120.0,
                     help="seconds kept from the training for the needle and the held-out losses")
     ap.add_argument("--stages", default="2048:16,8192:4,32768:1", help="LENGTH:ROWS a step, per stage")
     ap.add_argument("--split", default="0.2,0.35,0.45",
@@ -351,6 +394,7 @@ def main() -> None:
     ap.add_argument("--needle-policy", default="threshold_0.9")
     ap.add_argument("--needle-dtype", default=None, help="the needle's model dtype (default: the engine's choice)")
     ap.add_argument("--needle-seconds", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--stage-seconds", type=float, default=None, help=argparse.SUPPRESS)  # a fixed limit (tests)
     ap.add_argument("--needle-only", type=Path, default=None, help="only the needle on this model directory")
     ap.add_argument("--quick", action="store_true", help="tiny stages, corpus and needle (CPU smoke run)")
     dt.add_join_args(ap)

@@ -59,6 +59,21 @@ def test_cost_model_grows_linearly_with_the_row_length():
     assert 2.0 < c8 / c2 < 4.0 and 3.0 < c32 / c8 < 4.0  # the linear part still counts at 2K, little at 32K
 
 
+def test_predicted_rate_scales_by_flops_and_charges_the_mask_copy_on_cuda():
+    m = _script()
+    cfg = json.loads((ROOT / "src" / "unmask" / "assets" / "unmask-tiny" / "config.json").read_text())
+    for cuda in (False, True):  # the shape it was measured at gives the measured rate back
+        assert m.predict_rate(cfg, 8192, 4, 70_000, 8192, 4, cuda) == pytest.approx(70_000)
+    cpu = m.predict_rate(cfg, 8192, 4, 70_000, 32768, 1, False)
+    assert cpu == pytest.approx(70_000 * m.cost_per_token(cfg, 8192) / m.cost_per_token(cfg, 32768))
+    # on CUDA the [64K, 64K] mask's copy each step (4.3 GB at the assumed 10 GB/s) adds to the 32K step
+    step = 32768 / m.predict_rate(cfg, 8192, 4, 70_000, 32768, 1, True)
+    copy_8k = 16384 ** 2 / m.MASK_COPY_BYTES_PER_S
+    flops_step = 32768 * m.cost_per_token(cfg, 32768) * (4 * 8192 / 70_000 - copy_8k) / (
+        4 * 8192 * m.cost_per_token(cfg, 8192))
+    assert step == pytest.approx(flops_step + 65536 ** 2 / m.MASK_COPY_BYTES_PER_S)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--stages", "8192:4,2048:16"], "--stages: lengths of at least 16 tokens, growing"),
     (["--stages", "2048"], "--stages takes LENGTH:ROWS"),
