@@ -14,7 +14,8 @@ scripts/device_train.py runs them:
    measures tokens/s and is then resumed from its checkpoint (no step is thrown away); each stage gets its share
    of the time left at a rate predicted from the last measured one (`predict_rate`: FLOPs and the mask's copy).
    A stage that overruns its time is stopped and exported from its last checkpoint (one every ~1/8 of its
-   steps); one that fails (out of memory, say) is dropped, and the previous stage's model goes on.
+   steps); one that fails (out of memory, say) is tried once at half the length and twice the rows, then
+   dropped, and the previous stage's model goes on.
 2. export: the final model's weights as bfloat16 shards + meta.tar.gz (device_train.py's), before the evaluation,
    so a call cut short still brings the model back.
 3. needle: `unmask.evaluation_needle.report` (what `unmask eval --needle` and bench/needle.py run) one length at a
@@ -215,7 +216,9 @@ def run_stages(a, runs: Path, logs: Path, summary: dict, save) -> Path:
     train_until = a.deadline - a.eval_reserve - dt.PACKAGE_S  # seconds from the start
     init, measured, overhead = a.model, None, a.startup
     summary["stages"] = []
-    for i, ((length, rows), factor) in enumerate(zip(stages, factors)):
+    i, retried = 0, set()
+    while i < len(stages):
+        (length, rows), factor = stages[i], factors[i]
         name, out = f"stage{i + 1}-{length}", runs / f"stage{i + 1}"
         fresh_run_dir(out, runs)
         per_step = rows * length
@@ -263,11 +266,21 @@ def run_stages(a, runs: Path, logs: Path, summary: dict, save) -> Path:
         summary["stages"].append(record)
         save()
         if not res["ok"] or not (out / "model" / "config.json").is_file():
+            # a failed stage (out of memory at 32K, say) is tried once at half the length, twice the rows, if
+            # that is still longer than the stage before it and time is left
+            half, before = length // 2, stages[i - 1][0] if i else 0
+            if i not in retried and half > before and train_until - (time.monotonic() - dt.START) > 3 * overhead:
+                retried.add(i)
+                stages[i] = (half, 2 * rows)
+                factors = stage_factors([n for n, _ in stages], original, a.context_ratio, max(a.lengths))
+                dt.log(f"{name}: failed; trying {half} tokens x {2 * rows} rows instead")
+                continue
             dt.log(f"{name}: dropped; the model so far is {init}")
             break
         init, measured = out / "model", (length, rows, rate or predicted)
         if "cut" not in record:
             overhead = max(overhead, res["wall_s"] - (steps - floor) * per_step / (_last_rate(text) or predicted))
+        i += 1
     return init
 
 
@@ -373,10 +386,12 @@ def main() -> None:
                     help="seconds from start by which everything, the evaluations included, must be done")
     ap.add_argument("--eval-reserve", type=float, default=120.0,
                     help="seconds kept from the training for the needle and the held-out losses")
-    ap.add_argument("--stages", default="2048:16,8192:4,32768:1", help="LENGTH:ROWS a step, per stage")
-    ap.add_argument("--split", default="0.2,0.35,0.45",
-                    help="shares of the training time, per stage (the first teaches the task: the 5.25M model's 1K "
-                         "needle went from 0%% to 100%% in 3,200 rows; the longer ones carry it to distance)")
+    ap.add_argument("--stages", default=None, help="LENGTH:ROWS a step, per stage (default 2048:16,8192:4,32768:1; "
+                    "--quick: 128:2,256:2,512:1)")
+    ap.add_argument("--split", default=None,
+                    help="shares of the training time, per stage (default 0.2,0.35,0.45: the first teaches the task, "
+                         "as the 5.25M model's 1K needle went from 0%% to 100%% in 3,200 rows; the longer ones carry "
+                         "it to distance; --quick: equal)")
     ap.add_argument("--context-ratio", type=float, default=4.0,
                     help="each stage's YaRN context as a multiple of its row length")
     ap.add_argument("--margin", type=float, default=0.85,
@@ -403,8 +418,11 @@ def main() -> None:
         dt.join_fetched(a, ap)
         return
     if a.quick:
-        a.stages, a.split, a.context_ratio, a.calibrate_steps = "128:2,256:2,512:1", "1,1,1", 8.0, 2
+        a.context_ratio, a.calibrate_steps = 8.0, 2
         a.needle_lengths, a.needle_trials, a.depths, a.deadline, a.eval_reserve = "256,1024", "1", "0,1", 600.0, 120.0
+    a.stages = a.stages or ("128:2,256:2,512:1" if a.quick else "2048:16,8192:4,32768:1")
+    if a.split is None:
+        a.split = ",".join(["1"] * len(a.stages.split(","))) if a.quick else "0.2,0.35,0.45"
     try:
         parse_stages(a.stages)
         a.lengths = [int(x) for x in a.needle_lengths.split(",")]
