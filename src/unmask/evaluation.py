@@ -321,12 +321,13 @@ def masked_token_loss(llm: LLM, docs, block_size: int, seq_len: int = 512, max_r
     obj = Objective(mask_id=llm.spec.mask_id, block_sizes=(block_size,), shift=llm.spec.shift,
                     causal_context=llm.spec.causal_context)  # the mask the model was trained and decodes with
     gen = torch.Generator().manual_seed(seed)
+    device = next(llm.model.parameters()).device  # the noise is drawn on the CPU (the trainer's rule), the rows go there
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, rows.shape[0], 8):
             x0 = rows[i:i + 8]
             noise = draw_noise(obj, torch.ones_like(x0, dtype=torch.bool), gen)
-            total += float(diffusion_loss_sum(llm.model, x0, noise, obj))
+            total += float(diffusion_loss_sum(llm.model, x0.to(device), noise, obj))
             count += x0.numel()
     return total / max(count, 1)
 
@@ -346,11 +347,12 @@ def next_token_loss(llm: LLM, docs, seq_len: int = 512, max_rows: int = 64) -> f
     sep = llm.tokenizer.token_id("<|endoftext|>")
     sep = sep if sep is not None else llm.spec.eos_id
     rows = pack_documents((llm.tokenizer.encode(d.text) for d in docs), seq_len, sep).ids[:max_rows].long()
+    device = next(llm.model.parameters()).device
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, rows.shape[0], 8):
-            x = rows[i:i + 8]
-            hidden = llm.model.forward_dense(x, torch.arange(x.shape[1]).expand_as(x), CAUSAL)
+            x = rows[i:i + 8].to(device)
+            hidden = llm.model.forward_dense(x, torch.arange(x.shape[1], device=device).expand_as(x), CAUSAL)
             logits = llm.model.logits(hidden[:, :-1])
             total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
                                            reduction="sum"))
