@@ -148,7 +148,20 @@ def block_diffusion_mask(length: int, block_size: int, causal_context: bool = Fa
 
 @lru_cache(maxsize=32)
 def _bd_mask(length: int, block_size: int, causal_context: bool = False) -> Tensor:
-    pos = torch.arange(length)
+    return _build_bd_mask(length, block_size, causal_context, torch.device("cpu"))
+
+
+def _mask_on(dev: torch.device, length: int, block_size: int, causal_context: bool) -> Tensor:
+    """The [2L, 2L] mask on `dev`: cached on the CPU; elsewhere built there each step (a few elementwise kernels)
+    rather than copied from the host (4.3 GB a step at L = 32K) or cached on the device (one per length and
+    block size)."""
+    if dev.type == "cpu":
+        return _bd_mask(length, block_size, causal_context)
+    return _build_bd_mask(length, block_size, causal_context, dev)
+
+
+def _build_bd_mask(length: int, block_size: int, causal_context: bool, dev: torch.device) -> Tensor:
+    pos = torch.arange(length, device=dev)
     blk = pos // block_size
     bq, bk = blk[:, None], blk[None, :]
     noisy_noisy = bq == bk
@@ -238,7 +251,7 @@ def masked_rows(model: DiffusionTransformer, x0: Tensor, masked: Tensor, obj: Ob
     elif block_size is None:
         hidden = model.forward_dense(xt, pos, None)  # [B, L, D], bidirectional
     else:
-        attn = _bd_mask(L, block_size, obj.causal_context).to(dev)[None, None]
+        attn = _mask_on(dev, L, block_size, obj.causal_context)[None, None]
         hidden = model.forward_dense(torch.cat([xt, x0], 1), torch.cat([pos, pos], 1), attn)  # [B, 2L, D]
     b, j = masked.nonzero(as_tuple=True)
     return hidden, b, j, source_rows(j, obj, block_size, L)
