@@ -12,7 +12,7 @@ scripts/device_train.py runs them:
 1. stages of growing length (default 2K x 16 rows, 8K x 4, 32K x 1 a step): `unmask train --init-from PREVIOUS
    --long-documents --passkey-fraction F --rope-scaling yarn:FACTOR`. The first stage starts with a short run that
    measures tokens/s and is then resumed from its checkpoint (no step is thrown away); each stage gets its share
-   of the time left at a rate predicted from the last measured one (`predict_rate`: FLOPs and the mask's copy).
+   of the time left at a rate predicted from the last measured one (`predict_rate`: FLOPs).
    A stage that overruns its time is stopped and exported from its last checkpoint (one every ~1/8 of its
    steps); one that fails (out of memory, say) is tried once at half the length and twice the rows, then
    dropped, and the previous stage's model goes on.
@@ -52,9 +52,9 @@ ROOT = dt.ROOT
 BUILT_IN = ROOT / "src" / "unmask" / "assets" / "unmask-tiny"
 LOSS_RESERVE_S = 40.0   # the two held-out loss evaluations at the end (CPU, 512-token rows)
 MIN_STEPS = 5
-# the boolean [2L, 2L] mask crosses to the GPU every step from pageable memory (objectives.masked_rows caches it on
-# the CPU): 4.3 GB at 32K. Assumed, not measured: a pageable host-to-device copy on a PCIe 5 host
-MASK_COPY_BYTES_PER_S = 10e9
+# the boolean [2L, 2L] mask (4.3 GB at 32K) is built on the GPU each step since 15c37b6 (it used to cross from the
+# CPU's cache); its few elementwise kernels are left out of the prediction, as a copy no longer happens
+MASK_COPY_BYTES_PER_S = float("inf")
 
 
 def parse_stages(spec: str) -> list[tuple[int, int]]:
@@ -343,7 +343,8 @@ def needle_only(model: Path, out: Path, a) -> dict:
 
 def heldout_losses(name: str, model: Path, a, logs: Path, runs: Path) -> dict:
     """`unmask eval --limit 0 --chat-limit 0` on the CPU: the masked-token and next-token losses on 512-token
-    held-out rows (evaluation.masked_token_loss builds its rows on the CPU, so it runs there)."""
+    held-out rows; on the CPU, as it was written and checked (the rows now follow the model's device, 555b7f0, but
+    that path has not run on a GPU)."""
     out = runs / f"losses-{name}.json"
     res = run_cli(f"losses-{name}", ["eval", "-m", str(model), "--corpus", a.data, "--limit", "0", "--chat-limit", "0",
                                      "--sft-heldout", "none", "--policies", "threshold_0.9", "--dtype", "float32",
