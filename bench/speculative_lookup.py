@@ -9,7 +9,8 @@ change, so this measures speed alone. Ratios are taken within each round; median
 `--baseline-single-chain` compares, at the same `--lookup` on both sides, the copy verified beside diffusion
 drafts it disagrees with (engine/speculative.py, "a second chain") against the single chain the engine ran
 before it (the copy only continuing the diffusion drafts): the baseline runs with that second chain switched
-off in the process, the candidate as the engine runs.
+off in the process, the candidate as the engine runs. `--all-outcomes` compares, at the same `--lookup`,
+draft blocks after every count of kept diffusion drafts (`draft_all_outcomes`) against one after all drafts.
 """
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ def main() -> None:
                     help="the lookup count the run compares against (0: no lookup; e.g. 8 to try --lookup 16)")
     ap.add_argument("--baseline-single-chain", action="store_true",
                     help="baseline: the same --lookup without the copy verified as a second chain")
+    ap.add_argument("--all-outcomes", action="store_true",
+                    help="candidate: the same --lookup with a draft block after every count of kept diffusion "
+                         "drafts (draft_all_outcomes); baseline: the same --lookup without it")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -87,6 +91,9 @@ def main() -> None:
                 "with": {**base, "draft_lookup": args.lookup}}
     if args.baseline_single_chain:
         variants["without"] = {**base, "draft_lookup": args.lookup, "single_chain": True}
+    if args.all_outcomes:
+        variants = {"without": {**base, "draft_lookup": args.lookup},
+                    "with": {**base, "draft_lookup": args.lookup, "draft_all_outcomes": True}}
     doc = {"command": " ".join(sys.argv), "model": str(args.model), "threads": args.threads,
            "lookup": {"without": args.baseline_lookup, "with": args.lookup},
            "load_average_start": os.getloadavg(), "kinds": {}}

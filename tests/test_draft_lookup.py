@@ -99,7 +99,8 @@ def test_a_copy_that_disagrees_with_the_diffusion_drafts_is_verified_beside_them
     from unmask.engine.engine import Engine
 
     eng = Engine(llm.model, llm.spec, llm.tokenizer, max_num_seqs=8, prefix_cache_bytes=0)
-    for knobs, expect_wins in [(dict(block_size=4), True), (dict(block_size=4, frequency_penalty=0.5), False),
+    for knobs, expect_wins in [(dict(block_size=4), True), (dict(block_size=4, draft_all_outcomes=True), True),
+                               (dict(block_size=4, frequency_penalty=0.5), False),
                                (dict(block_size=4, temperature=0.7, seed=3), False)]:
         seqs = [eng.add_request(p, GenerationParams(max_tokens=40, policy="speculative", draft_lookup=8, **knobs))
                 for p in prompts]
@@ -110,6 +111,32 @@ def test_a_copy_that_disagrees_with_the_diffusion_drafts_is_verified_beside_them
             ar = dict(AR, **{k: v for k, v in knobs.items() if k == "frequency_penalty"})
             ref = one_by_one(llm, prompts, **ar)
             assert [s.output_ids for s in seqs] == [o.token_ids for o in ref]
+
+
+def test_all_outcomes_places_blocks_after_each_count_of_diffusion_drafts_and_after_all():
+    from types import SimpleNamespace
+
+    from unmask.engine.speculative import SpeculativeSequence
+
+    def outcomes(all_outcomes, n_diffusion, k):
+        seq = SimpleNamespace(all_outcomes=all_outcomes, drafts=torch.arange(n_diffusion))
+        return SpeculativeSequence._outcomes(seq, k)
+
+    assert outcomes(True, 3, 11) == [0, 1, 2, 3, 11]   # 8 copied drafts after 3 diffusion ones: no block each
+    assert outcomes(True, 3, 3) == [0, 1, 2, 3]
+    assert outcomes(True, 3, 2) == [0, 1, 2]            # the end of the canvas cut the drafts
+    assert outcomes(True, 0, 8) == [0, 8]               # a copy alone: a refused first draft still has a block
+    assert outcomes(True, 0, 0) == [0]
+    assert outcomes(False, 3, 11) == [11]
+
+
+def test_all_outcomes_with_lookup_needs_fewer_forwards(llm, prompts):
+    """A refused diffusion draft leaves the next step drafts from its outcome's block, and the copy is still a
+    second chain: fewer forwards than one block after all drafts, and the same output."""
+    one = one_by_one(llm, prompts, policy="speculative", draft_lookup=8, block_size=4)
+    every = one_by_one(llm, prompts, policy="speculative", draft_lookup=8, block_size=4, draft_all_outcomes=True)
+    assert [o.token_ids for o in every] == [o.token_ids for o in one]
+    assert sum(o.forwards for o in every) < sum(o.forwards for o in one)
 
 
 def test_second_chain_layout():

@@ -50,7 +50,8 @@ def generate(
         None, help="Start the next block once this share of the active one is committed (causal-context models)."),
     draft_all_outcomes: Optional[bool] = typer.Option(
         None, "--draft-all-outcomes/--no-draft-all-outcomes",
-        help="Policy speculative: a draft block for every number of drafts the verifier may keep (default: off)."),
+        help="Policy speculative: a draft block for every number of diffusion drafts the verifier may keep "
+             "(default: off)."),
     draft_lookup: Optional[int] = typer.Option(
         None, help="Policy speculative: also draft up to this many tokens copied from an earlier occurrence of the "
                    "text's last few tokens (prompt lookup; 0: off; default: the model's)."),

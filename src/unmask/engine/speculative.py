@@ -6,7 +6,8 @@ next-token predictor: the built-in family). Each forward feeds, after the exact 
     T  committed tokens not yet cached (the last one at least: its row predicts the next token)   token-causal
     D  the drafts of the last step, d_0..d_{k-1}, at the next k positions                           token-causal
     M  draft blocks of K masks: block j starts where the token after j kept drafts will go, sees
-       T and d_0..d_{j-1}, and itself bidirectionally (j = k only, or every j with `all outcomes`)
+       T and d_0..d_{j-1}, and itself bidirectionally (j = k only; with `all outcomes` also every j up to
+       the number of diffusion drafts)
 
 The rows of T's last token and of D are the verifier (decoding.speculative.verify): they keep a prefix of D and
 add one token of their own, so a step writes 1 to k + 1 tokens, exactly those one-token-per-forward next-token
@@ -134,7 +135,7 @@ class SpeculativeSequence(Sequence):
         self._step_drafts = self._drafts_for_step(f)
         k = min(int(self._step_drafts.numel()), self.end - f - 1)  # the verifier's own token fits before the end
         drafts = self._step_drafts[:k]
-        outcomes = list(range(k + 1)) if self.all_outcomes else [k]
+        outcomes = self._outcomes(k)
         lengths = [min(self.K, self.end - (f + j)) for j in outcomes]
         n_clean = pending + k
         ids = [self.seq[c:f], drafts] + [torch.full((n,), self.traits.mask_id, dtype=torch.long) for n in lengths]
@@ -165,13 +166,21 @@ class SpeculativeSequence(Sequence):
         self._k = k
         return StepPlan(self, torch.cat(ids), torch.cat(pos), seg, torch.cat(rows), torch.cat(targets))
 
+    def _outcomes(self, k: int) -> list[int]:
+        """How many of the k drafts a draft block is placed after: all k, and with `all outcomes` also every count
+        of the diffusion drafts (0 .. their number): a refusal among them still leaves the next step drafts. Copied
+        drafts after them get no blocks of their own (a block costs K rows; a wrong copy then writes one token)."""
+        if not self.all_outcomes:
+            return [k]
+        diffusion = min(int(self.drafts.numel()), k)
+        return sorted(set(range(diffusion + 1)) | {k})
+
     def _second_chain(self, f: int, drafts: Tensor) -> Tensor:
         """A copy of the committed text to verify beside diffusion drafts it disagrees with (module docstring);
-        empty where there is none or it cannot be weighed exactly (sampling, logit adjustments, all outcomes)."""
+        empty where there is none or it cannot be weighed exactly (sampling, logit adjustments)."""
         empty = drafts[:0]
         diffusion = min(int(self.drafts.numel()), int(drafts.numel()))
-        if (not self.lookup or not diffusion or self.all_outcomes or not self.sampling.greedy
-                or self.adjuster is not None):
+        if not self.lookup or not diffusion or not self.sampling.greedy or self.adjuster is not None:
             return empty
         copy = lookup_drafts(self.seq[:f], self.lookup, min_ngram=LOOKUP_MIN_NGRAM)[:max(0, self.end - f - 1)]
         n = min(int(copy.numel()), int(drafts.numel()))
