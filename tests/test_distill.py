@@ -1,6 +1,7 @@
 """Distillation for parallel decoding: certainty forcing, trajectory rows, the cache, resume, CLI errors."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -47,6 +48,9 @@ TRAJ = TrajectoryConfig(prompts=12, chat_fraction=0.25, context_chars=40, min_co
 
 def _cfg(out: Path, **kw):
     return tiny_cfg(out, **{"total_steps": 3, "seq_len": 64, "block_sizes": None, "confidence_weight": 2.0, **kw})
+
+
+_base_cfg = _cfg
 
 
 # ------------------------------------------------------------------ the objective
@@ -139,9 +143,11 @@ def test_distill_caches_trajectories_counts_compute_and_exports_a_loadable_model
     assert torch.allclose(logits_all(res.model, ids), logits_all(loaded, ids), atol=1e-5)
 
 
-def test_resume_reuses_the_cache_and_continues_exactly(tmp_path, base, corpus, monkeypatch):
+@pytest.mark.parametrize("draft_adapter_rank", [0, 4])  # 4: only a draft adapter trains (models/draft_adapter.py)
+def test_resume_reuses_the_cache_and_continues_exactly(tmp_path, base, corpus, monkeypatch, draft_adapter_rank):
     import unmask.train.distill as distill_mod
 
+    _cfg = functools.partial(_base_cfg, draft_adapter_rank=draft_adapter_rank)
     full = distill(_cfg(tmp_path / "full", total_steps=4), base, TRAJ, text=corpus)
 
     class Killed(Exception):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from unmask.errors import UnsupportedModelError
+from unmask.models.draft_adapter import DraftAdapterConfig
 from unmask.models.transformer import ArchConfig
 
 
@@ -25,4 +26,5 @@ def parse_qwen(cfg: dict, *, qkv_bias: bool, qk_norm: bool) -> ArchConfig:
         qk_norm=qk_norm,
         tie_embeddings=cfg.get("tie_word_embeddings", False),
         act=cfg.get("hidden_act", "silu"),
+        draft_adapter=DraftAdapterConfig.from_config(cfg.get("draft_adapter")),
     )

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unmask.models.attention import AttentionBatch, KVCache, ragged_attention
+from unmask.models.draft_adapter import DraftAdapterConfig, DraftGate, add_draft_adapter
 from unmask.models.kv_int8 import Int8KVCache
 from unmask.models.layers import GatedMLP, GroupLimitedMoE, RMSNorm, Rotary
 
@@ -53,6 +54,7 @@ class ArchConfig:
     tie_embeddings: bool = False
     act: str = "silu"
     moe: MoEConfig | None = None
+    draft_adapter: DraftAdapterConfig | None = None  # low-rank weights for masked rows only (draft_adapter.py)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -144,8 +146,20 @@ class DiffusionTransformer(nn.Module):
         self.rope = Rotary(cfg.head_dim, cfg.rope_theta, rotary_dim, cfg.rope_scaling)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.draft_gate: DraftGate | None = None
+        if cfg.draft_adapter is not None:
+            self.enable_draft_adapter(cfg.draft_adapter)
+
+    def enable_draft_adapter(self, adapter: DraftAdapterConfig) -> None:
+        """Give the attention and MLP linears a draft adapter (a no-op until it trains; draft_adapter.py)."""
+        if self.draft_gate is not None:
+            raise ValueError("this model already has a draft adapter")
+        self.draft_gate = DraftGate(adapter.mask_id)
+        add_draft_adapter(self.model, adapter, self.draft_gate)
 
     def _run(self, ids: Tensor, positions: Tensor, ctx) -> Tensor:
+        if self.draft_gate is not None:
+            self.draft_gate.set(ids)
         x = self.model.embed_tokens(ids)
         cos, sin = self.rope.cos_sin(positions)
         for layer in self.model.layers:

@@ -15,7 +15,7 @@ from unmask.defaults import DEVICE_HELP, DTYPE_HELP
 
 def _train_config(out: Path, steps: int, batch_size: int, seq_len: int, lr: float, warmup: int, resume: bool,
                   eval_every: int, save_every: int, seed: int, lora_rank: int = 0, block_sizes: str | None = None,
-                  on_error: str = "raise", overwrite: bool = False, **model):
+                  on_error: str = "raise", overwrite: bool = False, draft_adapter_rank: int = 0, **model):
     from unmask.train.model_init import ModelShape
     from unmask.train.trainer import TrainConfig
 
@@ -30,7 +30,7 @@ def _train_config(out: Path, steps: int, batch_size: int, seq_len: int, lr: floa
     return TrainConfig(out_dir=str(out), total_steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
                        warmup_steps=warmup, resume=resume, overwrite=overwrite, eval_every=eval_every,
                        save_every=save_every, seed=seed, lora_rank=lora_rank, block_sizes=sizes, on_error=on_error,
-                       model=ModelShape(**model) if model else ModelShape())
+                       draft_adapter_rank=draft_adapter_rank, model=ModelShape(**model) if model else ModelShape())
 
 
 def _mix_fraction(mix_text: Path | None, fraction: float) -> float:
@@ -127,6 +127,9 @@ def finetune(
     steps: int = typer.Option(500), batch_size: int = typer.Option(16), seq_len: int = typer.Option(512),
     lr: float = typer.Option(3e-4), warmup: int = typer.Option(50), seed: int = typer.Option(0),
     lora_rank: int = typer.Option(0, help=">0 trains LoRA adapters of this rank (peft) instead of all weights."),
+    draft_adapter: int = typer.Option(0, help=">0 trains only a draft adapter of this rank: low-rank weights used "
+                                      "by masked rows alone, so speculative decoding keeps the base's output "
+                                      "(docs/training.md, \"A draft adapter\")."),
     block_sizes: Optional[str] = typer.Option(None), eval_every: int = typer.Option(100),
     save_every: int = typer.Option(100), on_error: str = typer.Option("raise", help="Malformed JSONL lines: raise | skip."),
     pack: bool = typer.Option(False, help="Pack several short records per row instead of padding each."),
@@ -188,6 +191,9 @@ def distill(
     steps: int = typer.Option(1000), batch_size: int = typer.Option(16), seq_len: int = typer.Option(256),
     lr: float = typer.Option(2e-4), warmup: int = typer.Option(50), seed: int = typer.Option(0),
     lora_rank: int = typer.Option(0, help=">0 trains LoRA adapters of this rank (peft) instead of all weights."),
+    draft_adapter: int = typer.Option(0, help=">0 trains only a draft adapter of this rank: low-rank weights used "
+                                      "by masked rows alone, so speculative decoding keeps the base's output "
+                                      "(docs/training.md, \"A draft adapter\")."),
     block_sizes: Optional[str] = typer.Option(None), eval_every: int = typer.Option(100),
     save_every: int = typer.Option(100),
     mix_text: Optional[Path] = typer.Option(None, help="Corpus of plain text to replay among the trajectory rows."),
@@ -218,7 +224,8 @@ def distill(
         fail(str(e))
     try:
         cfg = _train_config(out, steps, batch_size, seq_len, lr, warmup, resume, eval_every, save_every, seed,
-                            lora_rank=lora_rank, block_sizes=block_sizes, overwrite=overwrite)
+                            lora_rank=lora_rank, block_sizes=block_sizes, overwrite=overwrite,
+                            draft_adapter_rank=draft_adapter)
         cfg.compile, cfg.bf16 = compile, bf16
         cfg.confidence_weight, cfg.next_token_weight = confidence_weight, next_token_weight
         cfg.suffix_fraction, cfg.full_block_fraction = suffix_fraction, full_block_fraction

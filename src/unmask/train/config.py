@@ -44,6 +44,9 @@ class TrainConfig:
     lora_rank: int = 0                 # >0: train LoRA adapters only (fine-tuning)
     lora_alpha: float | None = None    # default 2 * rank
     lora_merge: bool = True            # export merged full weights (the adapter is saved either way)
+    # >0: train only a draft adapter of this rank (models/draft_adapter.py: low-rank weights on masked rows, the
+    # base frozen, so speculative decoding's output stays the base's); alpha: lora_alpha, default 2 * rank
+    draft_adapter_rank: int = 0
     resume: bool = False               # continue from out_dir/checkpoint.pt if it exists
     overwrite: bool = False            # start over in an out_dir that holds an earlier run (else refused)
     export_dtype: str = "auto"         # "auto": float32 for a fresh model, else the source checkpoint's dtype
@@ -88,7 +91,9 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
         # negative values pass `step % n == 0` on every step: an eval or checkpoint each step
-        for name in ("warmup_steps", "eval_every", "save_every", "lora_rank"):
+        if self.draft_adapter_rank and self.lora_rank:
+            raise TrainConfigError("draft_adapter_rank and lora_rank both choose which weights train: set one")
+        for name in ("warmup_steps", "eval_every", "save_every", "lora_rank", "draft_adapter_rank"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.on_error not in ON_ERROR:

@@ -163,7 +163,8 @@ def write_report(out: Path, cfg: TrainConfig, teacher: Path, cost: TeacherCost, 
                     "flops": 2 * teacher_params * cost.tokens_fed},
         "student": {"steps": res.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
                     "trained_positions": positions, "flops": 6 * n_params * positions,
-                    "confidence_weight": cfg.confidence_weight, "lr": cfg.lr, "lora_rank": cfg.lora_rank},
+                    "confidence_weight": cfg.confidence_weight, "lr": cfg.lr, "lora_rank": cfg.lora_rank,
+                    "draft_adapter_rank": cfg.draft_adapter_rank},
         "parameters": n_params,
     }
     report["total_flops"] = report["teacher"]["flops"] + report["student"]["flops"]

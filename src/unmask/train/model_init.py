@@ -168,6 +168,32 @@ def apply_lora(tm: TrainableModel, rank: int, alpha: float | None = None, dropou
     tm.lora = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": list(LORA_TARGETS)}
 
 
+def apply_draft_adapter(tm: TrainableModel, rank: int, alpha: float | None = None, seed: int = 0) -> None:
+    """Give the model a draft adapter (models/draft_adapter.py) unless it has one, and freeze everything else:
+    only masked rows change, so the next-token rows, and speculative decoding's output, stay the base's. A model
+    that already has one keeps its own rank and goes on training it."""
+    from dataclasses import replace
+
+    from unmask.models.draft_adapter import DraftAdapterConfig
+
+    if tm.family.attention != "block_causal":
+        raise TrainConfigError(f"a draft adapter drafts for speculative decoding of block-causal models; "
+                               f"{tm.family.name} is {tm.family.attention}")
+    if tm.model.draft_gate is None:
+        adapter = DraftAdapterConfig(rank, float(alpha if alpha is not None else 2 * rank), tm.mask_id)
+        tm.model.enable_draft_adapter(adapter)
+        g = torch.Generator().manual_seed(seed)  # A from the run's seed, not the process's RNG: runs repeat
+        with torch.no_grad():
+            for name, p in tm.model.named_parameters():
+                if name.endswith(".draft_a"):
+                    bound = 1 / math.sqrt(p.shape[1])  # nn.Linear's (and LoRA's) kaiming-uniform bound
+                    p.copy_(torch.rand(p.shape, generator=g) * 2 * bound - bound)
+        tm.arch = tm.model.cfg = replace(tm.arch, draft_adapter=adapter)
+        tm.config["draft_adapter"] = adapter.to_config()
+    for name, p in tm.model.named_parameters():
+        p.requires_grad_(name.endswith((".draft_a", ".draft_b")))
+
+
 def frozen_fingerprint(model: nn.Module) -> str:
     """A short hash of the frozen weights (a LoRA run's base): names, shapes and a sample of each tensor's values,
     so a resume can tell it was given another base of the same shape without hashing gigabytes."""

@@ -12,7 +12,7 @@ from unmask.train.model_init import TrainableModel, trainable_state
 
 # settings a resumed run must share with the checkpoint for its batches and noise to line up; the model itself
 # is compared by its architecture (check_resume), since `cfg.model` only describes a fresh model
-RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "sft_pack", "mix_fraction", "objective",
+RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "draft_adapter_rank", "sft_pack", "mix_fraction", "objective",
                "causal_context", "next_token_weight", "suffix_fraction", "confidence_weight", "full_block_fraction",
                "corrupt_fraction", "long_documents", "passkey_fraction", "rope_scaling")
 

@@ -28,8 +28,8 @@ from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, clear_leftover
 from unmask.train.config import DEFAULT_BLOCK_SIZES, TrainConfig, TrainDivergedError, TrainResult
 from unmask.train.data import (BatchIterator, DataError, TokenRows, check_same_tokenizer, check_vocab, eval_batches,
                                load_pretraining, mix_rows)
-from unmask.train.model_init import (TrainableModel, TrainConfigError, apply_lora, count_params, fresh_model,
-                                     frozen_fingerprint, load_trainable, shape_config, trainable_state)
+from unmask.train.model_init import (TrainableModel, TrainConfigError, apply_draft_adapter, apply_lora, count_params,
+                                     fresh_model, frozen_fingerprint, load_trainable, shape_config, trainable_state)
 from unmask.train.objectives import Noise, Objective, diffusion_loss_sum, draw_noise, loss_eligible
 from unmask.train.precision import use_bf16
 from unmask.train.processes import _Dist, _Reporter
@@ -140,7 +140,8 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
         left = clear_leftovers(out)
         if left:
             print(f"{out}: removed {', '.join(left)}, left by a run killed while writing")
-    frozen = frozen_fingerprint(model) if tm.lora else None  # the base a LoRA run's adapters belong to
+    # the base a LoRA or draft-adapter run's adapters belong to
+    frozen = frozen_fingerprint(model) if tm.lora or cfg.draft_adapter_rank else None
     saved = load_checkpoint(out) if cfg.resume else None
     if ctx.main and cfg.resume and saved is None:
         print(f"{out}: no checkpoint to resume, starting fresh")
@@ -400,4 +401,6 @@ def _objective(tm: TrainableModel, sizes: tuple[int, ...], cfg: TrainConfig) -> 
 def _maybe_lora(tm: TrainableModel, cfg: TrainConfig) -> TrainableModel:
     if cfg.lora_rank > 0:
         apply_lora(tm, cfg.lora_rank, cfg.lora_alpha)
+    if cfg.draft_adapter_rank > 0:
+        apply_draft_adapter(tm, cfg.draft_adapter_rank, cfg.lora_alpha, cfg.seed)
     return tm
