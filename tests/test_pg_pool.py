@@ -96,3 +96,26 @@ def test_connections_the_server_dropped_cost_one_error_then_searches_reconnect(i
         search(idx, vectors, 0)
     assert idx.pool.idle == 0   # the other dropped connections were let go with it
     assert search(idx, vectors, 1)[0][0] == "file-1"
+
+
+@pytest.mark.parametrize("which", ["database", "index"])
+def test_a_server_that_never_answers_is_given_up_on_after_the_connect_timeout(monkeypatch, which):
+    """A host that accepts and then says nothing (a hung server, a half-open proxy) used to hold connect() as long
+    as the OS would: now the store's connect timeout ends it with a clear StoreUnavailable."""
+    import socket
+
+    import unmask.store.pg as pg
+    from unmask.store.pg import PostgresDatabase
+
+    monkeypatch.setattr(pg, "CONNECT_TIMEOUT_S", 2)  # libpq's smallest
+    silent = socket.create_server(("127.0.0.1", 0))
+    port = silent.getsockname()[1]
+    url = f"postgresql://u:p@127.0.0.1:{port}/x"
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StoreUnavailable, match=f"cannot connect to the (database|vector store) 127.0.0.1:{port}"):
+            PostgresDatabase(url) if which == "database" else PostgresIndex(url, DIM, pool_size=1)
+    finally:
+        silent.close()
+    assert time.monotonic() - t0 < 15
+    assert pg.connect_options(url + "?connect_timeout=30") == {}  # the URL's own wins

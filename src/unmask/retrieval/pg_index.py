@@ -23,6 +23,7 @@ import numpy as np
 from unmask.errors import UnmaskError
 from unmask.retrieval.index import ChunkIndex, NewChunk
 from unmask.store.db import StoreUnavailable
+from unmask.store.pg import connect_options
 from unmask.store.pg_pool import ConnectionPool
 
 
@@ -79,7 +80,7 @@ class PostgresIndex(ChunkIndex):
 
     def _connect(self):
         try:
-            conn = self._psycopg.connect(self.url, autocommit=True)
+            conn = self._psycopg.connect(self.url, autocommit=True, **connect_options(self.url))
         except self._psycopg.OperationalError as e:
             raise StoreUnavailable(f"cannot connect to the vector store {self.url.split('@')[-1]}: {e}") from None
         try:

@@ -71,6 +71,16 @@ def is_postgres_url(url: str | None) -> bool:
     return bool(url) and url.startswith(("postgresql://", "postgres://"))
 
 
+# libpq waits for a host that drops packets as long as the OS does (minutes) unless told; a request thread
+# stuck in connect() holds its caller that long. The URL's own connect_timeout, when it has one, wins.
+CONNECT_TIMEOUT_S = 10
+
+
+def connect_options(url: str) -> dict:
+    """Keyword options for psycopg.connect: a connect timeout unless the URL sets its own."""
+    return {} if "connect_timeout" in url else {"connect_timeout": CONNECT_TIMEOUT_S}
+
+
 def where(url: str) -> str:
     """The URL without its user and password, for messages."""
     return url.split("@")[-1]
@@ -146,7 +156,7 @@ class PostgresDatabase:
     def connect(self, **kw) -> PgConnection:
         """A new connection of its own (autocommit), e.g. for a download's snapshot; the caller closes it."""
         try:
-            raw = self._psycopg.connect(self.url, autocommit=True, row_factory=_rows, **kw)
+            raw = self._psycopg.connect(self.url, autocommit=True, row_factory=_rows, **{**connect_options(self.url), **kw})
         except self._psycopg.OperationalError as e:
             raise StoreUnavailable(f"cannot connect to the database {where(self.url)}: {e}") from None
         conn = PgConnection(raw, self._psycopg.OperationalError)
