@@ -46,7 +46,7 @@ def distill_args(a, out: Path, steps: int) -> list[str]:
             "--teacher-block-size", "1", "--full-block-fraction", str(a.full_block_fraction),
             "--confidence-weight", str(a.confidence_weight), "--mix-text", a.data, "--mix-fraction",
             str(a.mix_fraction), "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--lr", str(a.lr),
-            *dt.schedule(steps)]
+            *(["--draft-adapter", str(a.draft_adapter)] if a.draft_adapter else []), *dt.schedule(steps)]
 
 
 def eval_args(model: Path, a, out_json: Path) -> list[str]:
@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--full-block-fraction", type=float, default=0.5)
     ap.add_argument("--confidence-weight", type=float, default=0.0)
+    ap.add_argument("--draft-adapter", type=int, default=0,
+                    help="train only a draft adapter of this rank (the base frozen: speculative output unchanged)")
     ap.add_argument("--mix-fraction", type=float, default=0.25)
     ap.add_argument("--eval-limit", type=int, default=60, help="held-out tasks per kind in each evaluation")
     ap.add_argument("--data", default="data/corpus", help="corpus directory: prompts, replay and held-out tasks")

@@ -48,7 +48,8 @@ def test_compare_ships_only_at_three_tokens_per_forward_with_no_score_worse():
     assert by_task["next_line"]["accuracy"] == [0.20, 0.15]
 
 
-def test_quick_run_distils_evaluates_and_packages(tmp_path, tokdir):
+@pytest.mark.parametrize("draft_adapter", [0, 4])  # 4: the base frozen, a draft adapter trained
+def test_quick_run_distils_evaluates_and_packages(tmp_path, tokdir, draft_adapter):
     (tmp_path / "corpus").mkdir()
     corpus = write_corpus(tmp_path / "corpus", TEXT * 10, n=6)  # the eval loss needs a 512-token held-out row
     chat = tmp_path / "chat.jsonl"
@@ -57,7 +58,8 @@ def test_quick_run_distils_evaluates_and_packages(tmp_path, tokdir):
     out, runs = tmp_path / "out", tmp_path / "runs"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "device_distill.py"), "--quick", "--model", str(base),
                         "--out", str(out), "--runs", str(runs), "--data", str(corpus), "--chat", str(chat),
-                        "--sft-heldout", str(chat)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                        "--sft-heldout", str(chat), "--draft-adapter", str(draft_adapter)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["calibrate"]["steps"] == 2 and summary["distill"]["steps"] == 3
@@ -76,7 +78,8 @@ def test_quick_run_distils_evaluates_and_packages(tmp_path, tokdir):
                     str(joined)], check=True, capture_output=True, cwd=ROOT, timeout=120)
     from unmask.models.loader import load_model
 
-    assert load_model(joined, dtype="float32", device="cpu") is not None
+    model, _ = load_model(joined, dtype="float32", device="cpu")
+    assert (model.draft_gate is not None) == bool(draft_adapter)
 
 
 def test_a_model_directory_without_config_is_one_line(tmp_path):
