@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -28,8 +29,10 @@ from pg_server import postgres  # noqa: E402,F401 - the session's Postgres serve
 from unmask.batch.offline import run as run_offline  # noqa: E402
 
 BIN = Path(sys.executable).parent
-# `ray start` turns token authentication on (the token in ~/.ray/auth_token); its clients must use it too
-ENV = dict(os.environ, RAY_AUTH_MODE="token")
+# the cluster runs with token authentication, as a shared one should: `ray start` then needs a token (it does not
+# make one), and every client must present it. A token of the test's own, so a fresh machine (no
+# ~/.ray/auth_token) runs the same as one where Ray was used before.
+ENV = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32))
 HINT = "error: Ray is not installed; --ray needs it: pip install 'unmask[ray]'"
 
 
