@@ -11,6 +11,8 @@ drafts it disagrees with (engine/speculative.py, "a second chain") against the s
 before it (the copy only continuing the diffusion drafts): the baseline runs with that second chain switched
 off in the process, the candidate as the engine runs. `--all-outcomes` compares, at the same `--lookup`,
 draft blocks after every count of kept diffusion drafts (`draft_all_outcomes`) against one after all drafts.
+`--baseline-model B` compares `--model` against B under the same settings (a draft adapter against its base:
+the output is the same, the drafts are not).
 """
 from __future__ import annotations
 
@@ -72,6 +74,9 @@ def main() -> None:
     ap.add_argument("--all-outcomes", action="store_true",
                     help="candidate: the same --lookup with a draft block after every count of kept diffusion "
                          "drafts (draft_all_outcomes); baseline: the same --lookup without it")
+    ap.add_argument("--baseline-model", type=Path, default=None,
+                    help="baseline: this model (e.g. the base of a draft adapter) with the candidate's settings; "
+                         "candidate: --model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -82,6 +87,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     llm = LLM(args.model)
+    llms = {"without": LLM(args.baseline_model) if args.baseline_model else llm, "with": llm}
     docs = list(read_documents(args.corpus / "heldout.jsonl"))
     kinds = {"function": (function_tasks(docs, args.tasks), FUNCTION_TOKENS),
              "next_line": (next_line_tasks(docs, args.tasks), 48)}
@@ -94,17 +100,20 @@ def main() -> None:
     if args.all_outcomes:
         variants = {"without": {**base, "draft_lookup": args.lookup},
                     "with": {**base, "draft_lookup": args.lookup, "draft_all_outcomes": True}}
+    if args.baseline_model:  # the same settings on both models: only the weights differ
+        variants["without"] = dict(variants["with"])
     doc = {"command": " ".join(sys.argv), "model": str(args.model), "threads": args.threads,
+           "baseline_model": str(args.baseline_model) if args.baseline_model else None,
            "lookup": {"without": args.baseline_lookup, "with": args.lookup},
            "load_average_start": os.getloadavg(), "kinds": {}}
     for kind, (tasks, max_tokens) in kinds.items():
         prompts = [llm.encode(t.prompt) for t in tasks]
         rows = {v: [] for v in variants}
         for v in variants:  # warm-up: the first run of a kind pays for allocations the others reuse
-            run(llm, prompts[:2], tasks[:2], max_tokens, variants[v])
+            run(llms[v], prompts[:2], tasks[:2], max_tokens, variants[v])
         for r in range(args.rounds):
             for v in (variants if r % 2 == 0 else reversed(list(variants))):
-                tokens, forwards, seconds = run(llm, prompts, tasks, max_tokens, variants[v])
+                tokens, forwards, seconds = run(llms[v], prompts, tasks, max_tokens, variants[v])
                 rows[v].append({"tokens": tokens, "forwards": forwards, "seconds": seconds})
                 print(f"{kind} round {r} {v:8} {tokens / forwards:.2f} tok/fwd {tokens / seconds:7.1f} tok/s "
                       f"(load {os.getloadavg()[0]:.1f})", flush=True)

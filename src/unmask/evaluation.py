@@ -269,6 +269,7 @@ POLICIES = {
     "speculative_all": dict(policy="speculative", draft_all_outcomes=True),
     "speculative_b4": dict(policy="speculative", block_size=4),
     "speculative_b4_lookup": dict(policy="speculative", block_size=4, draft_lookup=8),
+    "speculative_b4_lookup_all": dict(policy="speculative", block_size=4, draft_lookup=8, draft_all_outcomes=True),
 }
 
 
