@@ -8,9 +8,12 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 # The recipes' corpus (and so the held-out split that the model card and the full bench report on) includes the
-# Python docs; without them `unmask corpus` builds a different, stdlib-only corpus, so these targets stop.
-NEED_DOCS = @ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { echo "make $@: the corpus" \
-	"includes the Python docs, which are not installed (Debian/Ubuntu: apt-get install python3.11-doc)"; exit 1; }
+# Python docs; without them `unmask corpus` builds a different, stdlib-only corpus. As root they are installed
+# from Debian (python3-doc: the docs of the system Python); otherwise these targets stop and say so.
+NEED_DOCS = @ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { if [ "$$(id -u)" = 0 ]; then \
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-doc; fi; \
+	ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { echo "make $@: the corpus includes the" \
+	"Python docs, which are not installed (Debian/Ubuntu, as root: apt-get install python3-doc)"; exit 1; }; }
 
 .PHONY: setup test test-fuzz serve bench bench-quick llama-cpp model model-5m twin clean
 
