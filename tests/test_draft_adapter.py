@@ -115,8 +115,9 @@ def test_a_malformed_config_entry_is_a_clear_load_error(tmp_path, entry, message
         load_model(d, dtype="float32")
 
 
-def test_cli_distill_takes_draft_adapter(tmp_path, base, corpus):
-    r = _cli("distill", "-m", base, "--text", corpus, "--out", tmp_path / "d", "--prompts", "4",
-             "--answer-tokens", "4", "--steps", "1", "--batch-size", "2", "--seq-len", "64",
-             "--draft-adapter", "4", "--lora-rank", "4")
-    _one_line_error(r, "draft_adapter_rank and lora_rank both choose")
+@pytest.mark.parametrize("command", ["distill", "finetune"])
+def test_cli_distill_and_finetune_pass_draft_adapter_on(tmp_path, base, corpus, chat_file, command):
+    data = ["--text", corpus, "--prompts", "4", "--answer-tokens", "4"] if command == "distill" else ["--data", chat_file]
+    r = _cli(command, "-m", base, *data, "--out", tmp_path / "d", "--steps", "1", "--batch-size", "2", "--seq-len",
+             "64", "--draft-adapter", "4", "--lora-rank", "4")
+    _one_line_error(r, "draft_adapter_rank and lora_rank both choose")  # reached the config: the option is wired

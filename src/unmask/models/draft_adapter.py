@@ -123,7 +123,3 @@ def add_draft_adapter(model: nn.Module, cfg: DraftAdapterConfig, gate: DraftGate
                                   cfg.scale, gate, device=w.device, dtype=w.dtype)
                 new.weight, new.bias = child.weight, child.bias
                 setattr(parent, name, new)
-
-
-def draft_parameter_names(model: nn.Module) -> list[str]:
-    return [n for n, _ in model.named_parameters() if n.endswith((".draft_a", ".draft_b"))]

@@ -156,7 +156,8 @@ class PostgresDatabase:
     def connect(self, **kw) -> PgConnection:
         """A new connection of its own (autocommit), e.g. for a download's snapshot; the caller closes it."""
         try:
-            raw = self._psycopg.connect(self.url, autocommit=True, row_factory=_rows, **{**connect_options(self.url), **kw})
+            raw = self._psycopg.connect(self.url, autocommit=True, row_factory=_rows,
+                                        **{**connect_options(self.url), **kw})
         except self._psycopg.OperationalError as e:
             raise StoreUnavailable(f"cannot connect to the database {where(self.url)}: {e}") from None
         conn = PgConnection(raw, self._psycopg.OperationalError)

@@ -151,7 +151,8 @@ def finetune(
 
     try:
         cfg = _train_config(out, steps, batch_size, seq_len, lr, warmup, resume, eval_every, save_every, seed,
-                            lora_rank=lora_rank, block_sizes=block_sizes, on_error=on_error, overwrite=overwrite)
+                            lora_rank=lora_rank, block_sizes=block_sizes, on_error=on_error, overwrite=overwrite,
+                            draft_adapter_rank=draft_adapter)
         cfg.sft_pack = pack
         cfg.compile, cfg.bf16 = compile, bf16
         cfg.next_token_weight, cfg.suffix_fraction = next_token_weight, suffix_fraction
