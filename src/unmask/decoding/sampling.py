@@ -58,8 +58,9 @@ def propose(logits: Tensor, params: SamplingParams, generator: torch.Generator |
       3. Otherwise divide by the temperature, then top-k (only the k largest logits survive, kept as a [M, k]
          slice), then top-p over the survivors (sorted descending; smallest prefix with mass >= top_p).
          Order top-k -> top-p as in SDAR and vLLM (Dream applies top-p first; results differ only at edges).
-      4. Sample x0 ~ processed distribution with `torch.multinomial(generator=generator)`: rows of one call are drawn
-         in order from that generator only, so a request's draws never depend on other requests.
+      4. Sample x0 ~ processed distribution by inverse CDF, one uniform per row from `generator` (`_multinomial`):
+         rows of one call are drawn in order from that generator only, so a request's draws never depend on other
+         requests.
       5. Report p(x0), log p(x0), entropy and p1 - p2 of the processed distribution.
     Greedy without `need_entropy` never materialises the softmax: max, top-2 and logsumexp suffice
     (the per-step cost that matters with 150K-token vocabularies); entropy is then NaN.
@@ -150,11 +151,15 @@ def _top_p_filter(sorted_logits: Tensor, top_p: float) -> Tensor:
 
 
 def _multinomial(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One draw per row [M] long; moves the (small) probs to the generator's device if it lives elsewhere."""
-    src = probs
-    if generator is not None and generator.device != probs.device:
-        src = probs.to(generator.device)  # correct but copies; pass a generator on the logits' device to avoid it
-    return torch.multinomial(src, 1, generator=generator).squeeze(1).to(probs.device)
+    """One draw per row [M] long, by inverse CDF: row i takes the first token whose cumulative probability
+    exceeds the i-th of M uniforms (scaled by the row's total, so rounding in the sum never runs off the end and a
+    zero-probability token is never taken). One uniform per row instead of one random number per vocabulary entry:
+    `torch.multinomial` (an exponential per entry) took 354 ms for [96, 151,936] on one CPU thread, this 42 ms
+    (scratch timing, 2026-12-06), the step cost of sampling a bidirectional canvas over a Qwen vocabulary."""
+    gen_device = generator.device if generator is not None else probs.device
+    cdf = probs.float().cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=gen_device).to(probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_max_(probs.shape[1] - 1).squeeze(1)
 
 
 def _empty(x: Tensor) -> Proposal:
