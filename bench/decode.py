@@ -1,10 +1,12 @@
 """Decode benchmark: tokens/s, forwards, tokens per forward, and the step time spent outside the forward.
 
     python bench/decode.py --model DIR [--policy threshold --threshold 0.9 --block-size 8 --batch 1 --reps 5]
-                           [--dtype auto|float32|bfloat16|float32,bfloat16]
+                           [--dtype auto|float32|bfloat16|float32,bfloat16] [--linear packed|plain|packed,plain]
 
 Prints a table, then one JSON line. Overhead = (step time - forward time) / forward time, where the
-forward includes the output head; the rest is scheduling, planning, policies and bookkeeping.
+forward includes the output head; the rest is scheduling, planning, policies and bookkeeping. `--linear`:
+`packed` runs the CPU linears through oneDNN on packed weights as `LLM` and the server do (models/cpu_linear.py),
+`plain` through torch's default `F.linear`; every dtype x linear pair is a variant, alternated per repetition.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 from unmask.engine.engine import Engine
 from unmask.engine.params import GenerationParams
+from unmask.models.cpu_linear import pack_linears
 from unmask.models.loader import dtype_name, load_model
 from unmask.tokenizer import Tokenizer
 
@@ -58,13 +61,25 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto",
                     help="auto (the engine's default) | float32 | bfloat16; several, comma-separated, alternate "
                          "per repetition and the per-round tokens/s ratio of each to the first is reported")
+    ap.add_argument("--linear", default="packed",
+                    help="packed (oneDNN on packed weights, the engine's CPU default) | plain (F.linear); "
+                         "comma-separated: both, as variants of every dtype")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from unmask.defaults import default_model_path
 
     path = args.model or default_model_path()
-    loaded = [load_model(path, dtype=d.strip()) for d in args.dtype.split(",")]
-    names = [dtype_name(m.lm_head.weight.dtype) for m, _ in loaded]
+    kinds = [k.strip() for k in args.linear.split(",")]
+    if not set(kinds) <= {"packed", "plain"}:
+        raise SystemExit(f"--linear takes packed and/or plain, got {args.linear!r}")
+    loaded, names = [], []
+    for d in args.dtype.split(","):
+        for kind in kinds:
+            model, sp = load_model(path, dtype=d.strip())
+            if kind == "packed" and not pack_linears(model):
+                raise SystemExit("--linear packed: oneDNN's packed linear is not available here (or switched off)")
+            loaded.append((model, sp))
+            names.append(dtype_name(model.lm_head.weight.dtype) + ("" if len(kinds) == 1 else f"/{kind}"))
     spec = loaded[0][1]
     tok = Tokenizer(spec.path)
     prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.batch)]
@@ -79,16 +94,16 @@ def main() -> None:
             runs[i].append(run_once(*loaded[i], prompts, params, args.batch))
     print(f"model={spec.path.name} family={spec.family.name} policy={args.policy} batch={args.batch} "
           f"block={params.block_size or spec.block_size} threads={args.threads} reps={args.reps}")
-    print(f"{'dtype':<9} {'tokens/s':>10} {'tok/fwd':>8} {'steps':>6} {'fwd ms':>8} {'step ms':>8} {'overhead':>9} "
+    print(f"{'variant':<16} {'tokens/s':>10} {'tok/fwd':>8} {'steps':>6} {'fwd ms':>8} {'step ms':>8} {'overhead':>9} "
           f"{'ratio (min-max)':>20}")
     for name, rs in zip(names, runs):
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs[0])]
         ratio = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-        print(f"{name:<9} {med['tokens_per_s']:10.1f} {med['tokens_per_forward']:8.2f} {med['steps']:6.0f} "
+        print(f"{name:<16} {med['tokens_per_s']:10.1f} {med['tokens_per_forward']:8.2f} {med['steps']:6.0f} "
               f"{med['forward_ms']:8.2f} {med['step_ms']:8.2f} {med['overhead_share']:9.1%} "
               f"{ratio['median']:8.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})")
-        print(json.dumps({"bench": "decode", "model": str(spec.path.name), "dtype": name, "policy": args.policy,
+        print(json.dumps({"bench": "decode", "model": str(spec.path.name), "variant": name, "policy": args.policy,
                           "batch": args.batch, "median": med, "ratio_to_first": ratio,
                           "min_tokens_per_s": min(r["tokens_per_s"] for r in rs),
                           "max_tokens_per_s": max(r["tokens_per_s"] for r in rs)}))

@@ -12,7 +12,10 @@ before it (the copy only continuing the diffusion drafts): the baseline runs wit
 off in the process, the candidate as the engine runs. `--all-outcomes` compares, at the same `--lookup`,
 draft blocks after every count of kept diffusion drafts (`draft_all_outcomes`) against one after all drafts.
 `--baseline-model B` compares `--model` against B under the same settings (a draft adapter against its base:
-the output is the same, the drafts are not).
+the output is the same, the drafts are not). `--baseline-plain-linear` compares, same model and settings, the
+CPU linears through oneDNN on packed weights (models/cpu_linear.py, what `LLM` does) against torch's default
+`F.linear` (a second copy of the model loaded with UNMASK_ONEDNN_LINEAR=0); `--policy threshold` runs that
+comparison under the threshold rule instead of `speculative`.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ def _no_second_chain(self, f, drafts):
     return drafts[:0]
 
 
-def run(llm, prompts, tasks, max_tokens: int, knobs: dict) -> tuple[int, int, float]:
+def run(llm, prompts, tasks, max_tokens: int, knobs: dict, outputs: list | None = None) -> tuple[int, int, float]:
     from unmask.engine.params import GenerationParams
     from unmask.engine.speculative import SpeculativeSequence
 
@@ -56,6 +59,8 @@ def run(llm, prompts, tasks, max_tokens: int, knobs: dict) -> tuple[int, int, fl
         gp = GenerationParams(max_tokens=max_tokens, stop=list(t.stop), min_tokens=t.min_tokens, **knobs)
         out = llm.generate([p], [gp])[0]
         tokens, forwards = tokens + len(out.token_ids), forwards + out.forwards
+        if outputs is not None:
+            outputs.append(list(out.token_ids))
     return tokens, forwards, time.perf_counter() - t0
 
 
@@ -77,6 +82,12 @@ def main() -> None:
     ap.add_argument("--baseline-model", type=Path, default=None,
                     help="baseline: this model (e.g. the base of a draft adapter) with the candidate's settings; "
                          "candidate: --model")
+    ap.add_argument("--baseline-plain-linear", action="store_true",
+                    help="baseline: the same model and settings with torch's default F.linear instead of oneDNN "
+                         "on packed weights")
+    ap.add_argument("--policy", choices=("speculative", "threshold"), default="speculative",
+                    help="threshold (0.9, --block-size): only with --baseline-plain-linear")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -86,8 +97,16 @@ def main() -> None:
     from unmask.train.corpus import read_documents
 
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model)
-    llms = {"without": LLM(args.baseline_model) if args.baseline_model else llm, "with": llm}
+    if args.policy != "speculative" and not args.baseline_plain_linear:
+        raise SystemExit("--policy threshold compares only linears (--baseline-plain-linear)")
+    llm = LLM(args.model, dtype=args.dtype)
+    llms = {"without": LLM(args.baseline_model, dtype=args.dtype) if args.baseline_model else llm, "with": llm}
+    if args.baseline_plain_linear:
+        os.environ["UNMASK_ONEDNN_LINEAR"] = "0"
+        llms["without"] = LLM(args.model, dtype=args.dtype)
+        del os.environ["UNMASK_ONEDNN_LINEAR"]
+        if not llm.packed_linears or llms["without"].packed_linears:
+            raise SystemExit("--baseline-plain-linear: oneDNN's packed linear is not available here")
     docs = list(read_documents(args.corpus / "heldout.jsonl"))
     kinds = {"function": (function_tasks(docs, args.tasks), FUNCTION_TOKENS),
              "next_line": (next_line_tasks(docs, args.tasks), 48)}
@@ -100,20 +119,26 @@ def main() -> None:
     if args.all_outcomes:
         variants = {"without": {**base, "draft_lookup": args.lookup},
                     "with": {**base, "draft_lookup": args.lookup, "draft_all_outcomes": True}}
-    if args.baseline_model:  # the same settings on both models: only the weights differ
+    if args.baseline_model or args.baseline_plain_linear:  # the same settings on both: weights or linears differ
         variants["without"] = dict(variants["with"])
+    if args.policy == "threshold":
+        variants = {v: dict(policy="threshold", threshold=0.9, block_size=args.block_size) for v in variants}
     doc = {"command": " ".join(sys.argv), "model": str(args.model), "threads": args.threads,
            "baseline_model": str(args.baseline_model) if args.baseline_model else None,
+           "baseline_plain_linear": args.baseline_plain_linear, "dtype": args.dtype,
+           "variants": {v: {k: x for k, x in knobs.items()} for v, knobs in variants.items()},
            "lookup": {"without": args.baseline_lookup, "with": args.lookup},
            "load_average_start": os.getloadavg(), "kinds": {}}
     for kind, (tasks, max_tokens) in kinds.items():
         prompts = [llm.encode(t.prompt) for t in tasks]
         rows = {v: [] for v in variants}
+        outputs = {v: [] for v in variants}
         for v in variants:  # warm-up: the first run of a kind pays for allocations the others reuse
             run(llms[v], prompts[:2], tasks[:2], max_tokens, variants[v])
         for r in range(args.rounds):
             for v in (variants if r % 2 == 0 else reversed(list(variants))):
-                tokens, forwards, seconds = run(llms[v], prompts, tasks, max_tokens, variants[v])
+                outputs[v] = []
+                tokens, forwards, seconds = run(llms[v], prompts, tasks, max_tokens, variants[v], outputs[v])
                 rows[v].append({"tokens": tokens, "forwards": forwards, "seconds": seconds})
                 print(f"{kind} round {r} {v:8} {tokens / forwards:.2f} tok/fwd {tokens / seconds:7.1f} tok/s "
                       f"(load {os.getloadavg()[0]:.1f})", flush=True)
@@ -122,11 +147,14 @@ def main() -> None:
         summary = {v: {"tokens_per_forward": rows[v][0]["tokens"] / rows[v][0]["forwards"],
                        "tokens_per_s_median": statistics.median(x["tokens"] / x["seconds"] for x in rows[v])}
                    for v in variants}
+        summary["same_outputs"] = sum(a == b for a, b in zip(outputs["with"], outputs["without"]))
+        summary["tasks"] = len(tasks)
         summary["speed_ratio"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
         doc["kinds"][kind] = {"rounds": rows, "summary": summary}
         print(f"{kind}: tokens/forward {summary['without']['tokens_per_forward']:.2f} -> "
               f"{summary['with']['tokens_per_forward']:.2f}, tokens/s x{summary['speed_ratio']['median']:.2f} "
-              f"[{summary['speed_ratio']['min']:.2f}-{summary['speed_ratio']['max']:.2f}]", flush=True)
+              f"[{summary['speed_ratio']['min']:.2f}-{summary['speed_ratio']['max']:.2f}], same output on "
+              f"{summary['same_outputs']}/{len(tasks)} tasks", flush=True)
     doc["load_average_end"] = os.getloadavg()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -196,8 +196,8 @@ def main() -> None:
             variants.append(policies.Variant(hf.name, "AR twin, transformers generate (KV cache)", decoder=hf,
                                              cache="KV (DynamicCache)", group="twin"))
             loop = twin.HFTwinLoop.sharing(hf)
-            variants.append(policies.Variant(loop.name, "AR twin, plain greedy loop over its KV cache", decoder=loop,
-                                             cache="KV (DynamicCache)", group="twin"))
+            variants.append(policies.Variant(loop.name, "AR twin, plain greedy loop, unmask's CPU linears",
+                                             decoder=loop, cache="KV (DynamicCache)", group="twin"))
             gguf, why = twin.llama_cpp_status(args.twin, args.twin_gguf)
             if gguf is not None:
                 try:

@@ -96,7 +96,9 @@ class HFTwin:
 
 class HFTwinLoop(HFTwin):
     """The same model in a plain greedy loop over its KV cache: the model's cost without generate()'s
-    per-call machinery (logits processors, criteria, config resolution)."""
+    per-call machinery (logits processors, criteria, config resolution), and with the linears unmask's `LLM`
+    runs on the CPU (oneDNN on packed weights, unmask.models.cpu_linear), on its own copy of the weights: the
+    like-for-like control for unmask's tokens per forward (same kernels, one token per forward)."""
 
     name = "ar_twin_loop"
 
@@ -104,8 +106,14 @@ class HFTwinLoop(HFTwin):
     def sharing(cls, other: HFTwin) -> "HFTwinLoop":
         import inspect
 
+        import copy
+
+        from unmask.models.cpu_linear import pack_linears
+
         obj = cls.__new__(cls)
         obj.__dict__.update(other.__dict__)
+        obj.model = copy.deepcopy(other.model)  # packing swaps classes in place: generate()'s model stays plain
+        obj.packed_linears = pack_linears(obj.model)
         # transformers renamed `past_key_values` to `cache` (5.x deprecation)
         names = inspect.signature(type(obj.model).forward).parameters
         obj._cache_kw = "cache" if "cache" in names else "past_key_values"

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unmask.errors import ModelLoadError
+from unmask.models.cpu_linear import PackedLinear
 
 DRAFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -117,7 +118,7 @@ def add_draft_adapter(model: nn.Module, cfg: DraftAdapterConfig, gate: DraftGate
     computes what it did until the adapter trains)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if name in cfg.targets and type(child) is nn.Linear:
+            if name in cfg.targets and type(child) in (nn.Linear, PackedLinear):
                 w = child.weight
                 new = DraftLinear(child.in_features, child.out_features, child.bias is not None, cfg.rank,
                                   cfg.scale, gate, device=w.device, dtype=w.dtype)

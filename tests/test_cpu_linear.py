@@ -1,0 +1,105 @@
+"""The oneDNN packed-weight CPU linear (models/cpu_linear.py): same numbers as F.linear, refreshed when the weight
+changes, out of autograd's way, and the engine's tokens unchanged by it."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unmask.models.cpu_linear import PACK_MIN_WORK, PackedLinear, pack_linears, packed_linear_available
+
+pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN linear")
+
+
+def _packed(out_f: int, in_f: int, bias: bool, dtype=torch.float32) -> nn.Linear:
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f, bias=bias).to(dtype)
+    assert pack_linears(nn.Sequential(lin)) == 1
+    assert type(lin) is PackedLinear
+    return lin
+
+
+@pytest.mark.parametrize("rows", [1, 4, 10, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_in_float32(rows, bias):
+    lin = _packed(1024, 256, bias)
+    x = torch.randn(rows, 256)
+    with torch.no_grad():
+        got = lin(x)
+        want = F.linear(x, lin.weight, lin.bias)
+    assert got.shape == (rows, 1024) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if rows * lin.weight.numel() >= PACK_MIN_WORK:  # the packed path ran: not MKL's bits
+        assert lin._pack is not None
+
+
+def test_packed_linear_in_bfloat16_and_over_leading_dims():
+    lin = _packed(512, 128, True, torch.bfloat16)
+    x = torch.randn(2, 7, 128).bfloat16()
+    with torch.no_grad():
+        got = lin(x)
+        want = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+    assert got.shape == (2, 7, 512) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_changed_weight_is_packed_again():
+    lin = _packed(1024, 256, False)
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        before = lin(x)
+        lin.weight.mul_(2)  # in place: the version counter moves
+        doubled = lin(x)
+        lin.weight = nn.Parameter(torch.zeros(1024, 256), requires_grad=False)  # replaced: the pointer moves
+        zero = lin(x)
+    torch.testing.assert_close(doubled, 2 * before, rtol=1e-5, atol=1e-5)
+    assert float(zero.abs().max()) == 0.0
+
+
+def test_autograd_runs_the_plain_linear_and_gets_gradients():
+    lin = _packed(1024, 256, True)
+    lin.requires_grad_(True)
+    x = torch.randn(8, 256, requires_grad=True)
+    lin(x).sum().backward()
+    torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(8, -1), rtol=1e-5, atol=1e-4)
+    assert lin.bias.grad is not None and torch.equal(lin.bias.grad, torch.full((1024,), 8.0))
+
+
+def test_pack_linears_leaves_the_model_alone_when_switched_off_or_too_big(monkeypatch):
+    model = nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 256))
+    keys = list(model.state_dict())
+    assert pack_linears(model, max_bytes=1000) == 0  # 2 x 1 MB of weights: over the cap
+    assert all(type(m) is nn.Linear for m in model)
+    monkeypatch.setenv("UNMASK_ONEDNN_LINEAR", "0")
+    assert pack_linears(model) == 0
+    monkeypatch.delenv("UNMASK_ONEDNN_LINEAR")
+    assert pack_linears(model) == 2
+    assert list(model.state_dict()) == keys  # same parameters, same names: checkpoints save and load unchanged
+
+
+def test_subclasses_of_linear_are_not_swapped():
+    class Special(nn.Linear):
+        pass
+
+    model = nn.Sequential(Special(256, 256), nn.Linear(256, 256))
+    assert pack_linears(model) == 1
+    assert type(model[0]) is Special and type(model[1]) is PackedLinear
+
+
+def test_the_engine_writes_the_same_tokens_with_and_without_packed_linears(monkeypatch):
+    from unmask.engine.llm import LLM
+    from unmask.engine.params import GenerationParams
+
+    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n"]
+    params = [GenerationParams(max_tokens=24, policy="speculative", block_size=4, draft_lookup=8),
+              GenerationParams(max_tokens=24, policy="threshold", threshold=0.9)]
+    packed = LLM(dtype="float32")
+    n_linears = sum(type(m) is PackedLinear for m in packed.model.modules())
+    cfg = packed.model.cfg
+    assert packed.packed_linears == n_linears == 7 * cfg.num_layers + 1  # q k v o gate up down per layer + head
+    monkeypatch.setenv("UNMASK_ONEDNN_LINEAR", "0")
+    plain = LLM(dtype="float32")
+    assert plain.packed_linears == 0
+    for gp in params:
+        a = [o.token_ids for o in packed.generate(prompts, [gp] * len(prompts))]
+        b = [o.token_ids for o in plain.generate(prompts, [gp] * len(prompts))]
+        assert a == b and all(len(t) > 0 for t in a)
