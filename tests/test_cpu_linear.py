@@ -103,3 +103,19 @@ def test_the_engine_writes_the_same_tokens_with_and_without_packed_linears(monke
         a = [o.token_ids for o in packed.generate(prompts, [gp] * len(prompts))]
         b = [o.token_ids for o in plain.generate(prompts, [gp] * len(prompts))]
         assert a == b and all(len(t) > 0 for t in a)
+
+
+def test_a_packed_path_that_fails_its_check_leaves_every_linear_plain(monkeypatch):
+    import unmask.models.cpu_linear as cl
+
+    def broken(*args):
+        raise RuntimeError("no oneDNN kernel for this dtype here")
+
+    monkeypatch.setattr(cl, "_check", broken)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 256))
+    assert pack_linears(model) == 0
+    assert all(type(m) is nn.Linear and m._pack is None for m in model)
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias),
+                                                      model[1].weight, model[1].bias))

@@ -85,7 +85,25 @@ def pack_linears(model: nn.Module, max_bytes: int = MAX_BYTES) -> int:
                and m.weight.device.type == "cpu" and m.weight.dtype in _DTYPES]
     if not linears or sum(m.weight.numel() * m.weight.element_size() for m in linears) > max_bytes:
         return 0
-    for m in linears:
-        m.__class__ = PackedLinear
-        m.packed_weight()
+    try:
+        for m in linears:
+            m.__class__ = PackedLinear
+            m.packed_weight()
+        _check(linears[0])
+    except RuntimeError:  # a oneDNN build that cannot run this dtype here: keep torch's default everywhere
+        for m in linears:
+            m.__class__, m._pack, m._pack_key = nn.Linear, None, None
+        return 0
     return len(linears)
+
+
+def _check(m: PackedLinear) -> None:
+    """One call on the packed path against F.linear: raises RuntimeError if oneDNN fails or disagrees."""
+    w = m.weight
+    x = torch.linspace(-1, 1, 8 * w.shape[1], dtype=torch.float32).view(8, -1).to(w.dtype)
+    with torch.no_grad():
+        got = torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), m.bias, "none", [], "").float()
+        want = F.linear(x, w, m.bias).float()
+    tol = 1e-3 if w.dtype == torch.float32 else 5e-2
+    if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max().clamp_min(1))):
+        raise RuntimeError("oneDNN's packed linear disagrees with F.linear")
