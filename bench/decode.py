@@ -19,7 +19,7 @@ import torch
 
 from unmask.engine.engine import Engine
 from unmask.engine.params import GenerationParams
-from unmask.models.cpu_linear import pack_linears
+from unmask.models.cpu_linear import PackedLinear
 from unmask.models.loader import dtype_name, load_model
 from unmask.tokenizer import Tokenizer
 
@@ -75,8 +75,8 @@ def main() -> None:
     loaded, names = [], []
     for d in args.dtype.split(","):
         for kind in kinds:
-            model, sp = load_model(path, dtype=d.strip())
-            if kind == "packed" and not pack_linears(model):
+            model, sp = load_model(path, dtype=d.strip(), packed_linears=kind == "packed")
+            if kind == "packed" and not any(type(m) is PackedLinear for m in model.modules()):
                 raise SystemExit("--linear packed: oneDNN's packed linear is not available here (or switched off)")
             loaded.append((model, sp))
             names.append(dtype_name(model.lm_head.weight.dtype) + ("" if len(kinds) == 1 else f"/{kind}"))

@@ -119,3 +119,18 @@ def test_a_packed_path_that_fails_its_check_leaves_every_linear_plain(monkeypatc
     with torch.no_grad():
         torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias),
                                                       model[1].weight, model[1].bias))
+
+
+def test_load_model_packs_on_the_cpu_unless_asked_not_to():
+    from unmask.defaults import default_model_path
+    from unmask.models.loader import load_model
+
+    packed, _ = load_model(default_model_path(), dtype="float32")
+    plain, _ = load_model(default_model_path(), dtype="float32", packed_linears=False)
+    assert sum(type(m) is PackedLinear for m in packed.modules()) == 7 * packed.cfg.num_layers + 1
+    assert not any(type(m) is PackedLinear for m in plain.modules())
+    ids, pos = torch.arange(5, 25), torch.arange(20)
+    with torch.no_grad():
+        a = packed.logits(packed.forward_dense(ids[None], pos[None], "causal")[0])
+        b = plain.logits(plain.forward_dense(ids[None], pos[None], "causal")[0])
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

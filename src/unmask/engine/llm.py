@@ -10,7 +10,7 @@ from unmask.engine.memory import resolve_kv_cache_dtype
 from unmask.engine.outputs import RequestOutput, StepOutput
 from unmask.engine.params import GenerationParams
 from unmask.errors import InvalidRequestError, ModelLoadError
-from unmask.models.cpu_linear import pack_linears
+from unmask.models.cpu_linear import PackedLinear
 from unmask.models.loader import load_model
 from unmask.tokenizer import Tokenizer
 
@@ -29,7 +29,8 @@ class LLM:
             raise ModelLoadError(f"the built-in model is not installed at {default_model_path()}; pass --model DIR")
         path = Path(model) if model is not None else default_model_path()
         self.model, self.spec = load_model(path, dtype=dtype, device=device)
-        self.packed_linears = pack_linears(self.model)  # CPU: oneDNN on packed weights (models/cpu_linear.py)
+        # on the CPU load_model ran the linears through oneDNN on packed weights (models/cpu_linear.py)
+        self.packed_linears = sum(type(m) is PackedLinear for m in self.model.modules())
         self.tokenizer = Tokenizer(self.spec.path, chat_template=chat_template)
         self.engine = Engine(self.model, self.spec, self.tokenizer, max_num_seqs, max_batch_tokens,
                              kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype), static_step=static_step,

@@ -39,6 +39,33 @@ def enabled_by_env() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def packed_forward(m: nn.Linear, x: Tensor) -> Tensor:
+    """m(x) through oneDNN on m's packed weight where that path applies (module docstring), else F.linear."""
+    w = m.weight
+    if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in _DTYPES
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) or x.dim() < 2):
+        return F.linear(x, w, m.bias)
+    rows = x.numel() // x.shape[-1]
+    if rows == 0 or (w.dtype == torch.float32 and rows * w.numel() < PACK_MIN_WORK):
+        return F.linear(x, w, m.bias)
+    flat = x.reshape(rows, x.shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    bias = m.bias if m.bias is None or m.bias.dtype == w.dtype else m.bias.to(w.dtype)
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed_weight(m), bias, "none", [], "")
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def packed_weight(m: nn.Linear) -> Tensor:
+    """m's weight in oneDNN's blocked layout, reordered again whenever the weight was replaced or written."""
+    w = m.weight
+    key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+    if getattr(m, "_pack", None) is None or m._pack_key != key:
+        m._pack = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        m._pack_key = key
+    return m._pack
+
+
 class PackedLinear(nn.Linear):
     """An nn.Linear whose no-grad CPU calls run oneDNN on a packed copy of its weight (module docstring)."""
 
@@ -46,28 +73,10 @@ class PackedLinear(nn.Linear):
     _pack_key: tuple | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight
-        if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in _DTYPES
-                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) or x.dim() < 2):
-            return F.linear(x, w, self.bias)
-        rows = x.numel() // x.shape[-1]
-        if rows == 0 or (w.dtype == torch.float32 and rows * w.numel() < PACK_MIN_WORK):
-            return F.linear(x, w, self.bias)
-        flat = x.reshape(rows, x.shape[-1])
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        bias = self.bias if self.bias is None or self.bias.dtype == w.dtype else self.bias.to(w.dtype)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight(), bias, "none", [], "")
-        return out.view(*x.shape[:-1], w.shape[0])
+        return packed_forward(self, x)
 
     def packed_weight(self) -> Tensor:
-        """The weight in oneDNN's blocked layout, reordered again whenever the weight was replaced or written."""
-        w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
-        if self._pack is None or self._pack_key != key:
-            self._pack = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-            self._pack_key = key
-        return self._pack
+        return packed_weight(self)
 
 
 def linear_weight_bytes(model: nn.Module) -> int:
@@ -78,31 +87,38 @@ def pack_linears(model: nn.Module, max_bytes: int = MAX_BYTES) -> int:
     """Turn every plain nn.Linear of a CPU model in float32 or bfloat16 into a PackedLinear and pack its weight
     now (so the memory it takes is taken before the engine reads what is free); the number swapped. 0, and the
     model unchanged, where oneDNN is missing, `UNMASK_ONEDNN_LINEAR=0`, the model is not on the CPU, or its
-    linear weights exceed max_bytes. Subclasses of nn.Linear (draft adapters, LoRA layers) are left alone."""
+    linear weights exceed max_bytes. Subclasses of nn.Linear are left alone, but for those that set
+    `follows_packing` (draft adapters): their base product then runs `packed_forward` too, so a clean row is the
+    base model's bit for bit on either path."""
     if not (enabled_by_env() and packed_linear_available()):
         return 0
-    linears = [m for m in model.modules() if type(m) is nn.Linear
+    linears = [m for m in model.modules() if (type(m) is nn.Linear or getattr(m, "follows_packing", False))
                and m.weight.device.type == "cpu" and m.weight.dtype in _DTYPES]
     if not linears or sum(m.weight.numel() * m.weight.element_size() for m in linears) > max_bytes:
         return 0
     try:
         for m in linears:
-            m.__class__ = PackedLinear
-            m.packed_weight()
+            if type(m) is nn.Linear:
+                m.__class__ = PackedLinear
+            else:  # a linear with more to do (a draft adapter): its base product takes the same path
+                m.packed = True
+            packed_weight(m)
         _check(linears[0])
     except RuntimeError:  # a oneDNN build that cannot run this dtype here: keep torch's default everywhere
         for m in linears:
-            m.__class__, m._pack, m._pack_key = nn.Linear, None, None
+            if type(m) is PackedLinear:
+                m.__class__ = nn.Linear
+            m.packed, m._pack, m._pack_key = False, None, None
         return 0
     return len(linears)
 
 
-def _check(m: PackedLinear) -> None:
+def _check(m: nn.Linear) -> None:
     """One call on the packed path against F.linear: raises RuntimeError if oneDNN fails or disagrees."""
     w = m.weight
     x = torch.linspace(-1, 1, 8 * w.shape[1], dtype=torch.float32).view(8, -1).to(w.dtype)
     with torch.no_grad():
-        got = torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), m.bias, "none", [], "").float()
+        got = torch.ops.mkldnn._linear_pointwise(x, packed_weight(m), m.bias, "none", [], "").float()
         want = F.linear(x, w, m.bias).float()
     tol = 1e-3 if w.dtype == torch.float32 else 5e-2
     if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max().clamp_min(1))):

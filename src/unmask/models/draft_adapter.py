@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unmask.errors import ModelLoadError
-from unmask.models.cpu_linear import PackedLinear
+from unmask.models.cpu_linear import PackedLinear, packed_forward
 
 DRAFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -96,8 +96,11 @@ class DraftLinear(nn.Linear):
         self.scale = scale
         self.gate = gate
 
+    follows_packing = True  # cpu_linear.pack_linears: the base product takes the packed path when the model's does
+    packed = False
+
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = packed_forward(self, x) if self.packed else F.linear(x, self.weight, self.bias)
         rows, index = self.gate.rows, self.gate.index
         if rows is None:
             return y

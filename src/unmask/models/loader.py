@@ -11,6 +11,7 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 
 from unmask.errors import ModelLoadError, UnsupportedModelError
+from unmask.models.cpu_linear import pack_linears
 from unmask.models.registry import Family, family_for
 from unmask.models.transformer import ArchConfig, DiffusionTransformer
 from unmask.precision import bf16_is_fast
@@ -216,7 +217,9 @@ def _skip_init():
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
-               device: str = "cpu") -> tuple[DiffusionTransformer, ModelSpec]:
+               device: str = "cpu", packed_linears: bool = True) -> tuple[DiffusionTransformer, ModelSpec]:
+    """An inference model (eval mode, no gradients) and its spec. packed_linears: on the CPU, run the linears
+    through oneDNN on weights packed once (models/cpu_linear.py; UNMASK_ONEDNN_LINEAR=0 also turns it off)."""
     device = resolve_device(device)
     check_device(device)
     spec = load_spec(path)
@@ -235,4 +238,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
         if bias is not None and bias.is_meta:
             raise ModelLoadError(f"{spec.path}: MoE expert_bias missing from checkpoint")
     model.eval().requires_grad_(False)
+    if packed_linears:
+        pack_linears(model)
     return model, spec
