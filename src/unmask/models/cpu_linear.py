@@ -79,10 +79,6 @@ class PackedLinear(nn.Linear):
         return packed_weight(self)
 
 
-def linear_weight_bytes(model: nn.Module) -> int:
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear)
-
-
 def pack_linears(model: nn.Module, max_bytes: int = MAX_BYTES) -> int:
     """Turn every plain nn.Linear of a CPU model in float32 or bfloat16 into a PackedLinear and pack its weight
     now (so the memory it takes is taken before the engine reads what is free); the number swapped. 0, and the
