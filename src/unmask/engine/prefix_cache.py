@@ -47,19 +47,24 @@ class PrefixCache:
 
     def load(self, keys: list[str], cache: KVCache, block_size: int) -> int:
         """Copy the longest cached chain of `keys` into `cache`; returns the number of tokens restored."""
-        n = 0
         self.queries += len(keys)
+        chain = []
         for key in keys:
             blk = self.blocks.get(key)
             if blk is None:
                 break
             self.blocks.move_to_end(key)
-            lo = n * block_size
-            cache.reserve(lo + block_size)
+            chain.append(blk)
+        n = len(chain)
+        if n:
+            # one copy per layer and tensor, not one per block: a 270-token prompt at block 4 is 68 blocks, 544
+            # small copies on the built-in model (a request that hits: 76.7 -> 72.6 ms, same tokens; scratch A/B,
+            # 40 held-out next lines, 4 interleaved rounds, 2 CPU cores, 2026-12-06)
+            end = n * block_size
+            cache.reserve(end)
             for layer in range(cache.num_layers):
-                cache.k[layer][:, lo:lo + block_size] = blk.k[layer]
-                cache.v[layer][:, lo:lo + block_size] = blk.v[layer]
-            n += 1
+                for store, part in ((cache.k, [b.k[layer] for b in chain]), (cache.v, [b.v[layer] for b in chain])):
+                    store[layer][:, :end] = part[0] if n == 1 else torch.cat(part, dim=1)
         self.hits += n
         cache.length = max(cache.length, n * block_size)
         return n * block_size
