@@ -126,7 +126,7 @@ def main() -> None:
     doc = {"command": " ".join(sys.argv), "model": str(args.model), "threads": args.threads,
            "baseline_model": str(args.baseline_model) if args.baseline_model else None,
            "baseline_plain_linear": args.baseline_plain_linear, "dtype": args.dtype,
-           "variants": {v: {k: x for k, x in knobs.items()} for v, knobs in variants.items()},
+           "variants": {v: dict(knobs) for v, knobs in variants.items()},
            "lookup": {"without": args.baseline_lookup, "with": args.lookup},
            "load_average_start": os.getloadavg(), "kinds": {}}
     for kind, (tasks, max_tokens) in kinds.items():

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unmask.models.cpu_linear import PACK_MIN_WORK, PackedLinear, pack_linears, packed_linear_available
+from unmask.models.cpu_linear import PackedLinear, pack_linears, packed_linear_available
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN linear")
 
@@ -28,8 +28,6 @@ def test_packed_linear_equals_f_linear_in_float32(rows, bias):
         want = F.linear(x, lin.weight, lin.bias)
     assert got.shape == (rows, 1024) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    if rows * lin.weight.numel() >= PACK_MIN_WORK:  # the packed path ran: not MKL's bits
-        assert lin._pack is not None
 
 
 def test_packed_linear_in_bfloat16_and_over_leading_dims():
@@ -134,3 +132,23 @@ def test_load_model_packs_on_the_cpu_unless_asked_not_to():
         a = packed.logits(packed.forward_dense(ids[None], pos[None], "causal")[0])
         b = plain.logits(plain.forward_dense(ids[None], pos[None], "causal")[0])
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _ran_onednn(lin: nn.Linear, x: torch.Tensor, grad: bool = False) -> bool:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.set_grad_enabled(grad), profile(activities=[ProfilerActivity.CPU]) as prof:
+        lin(x)
+    return any("_linear_pointwise" in e.key for e in prof.key_averages())
+
+
+def test_the_routing_rule_sends_small_float32_products_to_mkl_and_the_rest_to_onednn():
+    small = _packed(256, 256, False)                 # 65,536 weights: 1-4 rows stay on MKL (PACK_MIN_WORK)
+    assert not _ran_onednn(small, torch.randn(1, 256))
+    assert _ran_onednn(small, torch.randn(10, 256))
+    head = _packed(8192, 256, False)
+    assert _ran_onednn(head, torch.randn(1, 256))    # the LM head: oneDNN from one row on
+    bf16 = _packed(256, 256, False, torch.bfloat16)
+    assert _ran_onednn(bf16, torch.randn(1, 256).bfloat16())  # bfloat16: always
+    head.requires_grad_(True)
+    assert not _ran_onednn(head, torch.randn(10, 256), grad=True)  # autograd: F.linear

@@ -104,9 +104,8 @@ class HFTwinLoop(HFTwin):
 
     @classmethod
     def sharing(cls, other: HFTwin) -> "HFTwinLoop":
-        import inspect
-
         import copy
+        import inspect
 
         from unmask.models.cpu_linear import pack_linears
 

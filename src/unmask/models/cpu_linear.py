@@ -1,12 +1,13 @@
 """CPU linears through oneDNN on weights packed once: an inference transform, separable from the model code.
 
 torch runs a float32 `F.linear` on the CPU through MKL's sgemm, whose few-row path is slow on this repository's
-AMD EPYC machines: the built-in models' LM head (8,192 x 256) took 575 us for 4 rows and 850 us for 10, where
-oneDNN on a weight reordered once into its blocked layout takes 130 and 223 us (`torch.ops.mkldnn`, the packed
-linear inductor's CPU freezing emits; scratch timing, 2 threads, 2026-12-06). A speculative or diffusion step
-feeds 4 to 30 rows, exactly that range. For bfloat16 the packed weight also skips the per-call reorder of the
-default path (1.5-3.5x at 1-3 rows). Only a float32 matrix of under PACK_MIN_WORK row x weight elements
-(a 256 x 256 projection at 1-3 rows: 13 us against 37) stays on MKL, where oneDNN's fixed cost dominates.
+AMD EPYC machines: the built-in models' LM head (8,192 x 256) took 473 us for 4 rows and 705 us for 10, where
+oneDNN on a weight reordered once into its blocked layout takes 103 and 230 us (`torch.ops.mkldnn`, the packed
+linear inductor's CPU freezing emits; `bench/cpu_linear.py`, 2 threads, 2026-12-06). A speculative or diffusion
+step feeds 4 to 30 rows, exactly that range. For bfloat16 the packed weight also skips the per-call reorder of
+the default path (1.5-3.2x at 1-20 rows). Only a float32 matrix of under PACK_MIN_WORK row x weight elements
+(a 256 x 256 projection at 1-4 rows: 7 us against 20 at one row) stays on MKL, where oneDNN's fixed cost
+dominates.
 
 The swap changes each `nn.Linear`'s class in place (same parameters and state-dict names); a call with autograd
 on, off the CPU, or in another dtype runs the plain `F.linear`. The packed copy is refreshed when the weight is
@@ -74,9 +75,6 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return packed_forward(self, x)
-
-    def packed_weight(self) -> Tensor:
-        return packed_weight(self)
 
 
 def pack_linears(model: nn.Module, max_bytes: int = MAX_BYTES) -> int:
