@@ -7,7 +7,7 @@ from unmask.decoding.speculative import lookup_drafts, verify
 from unmask.engine.params import GenerationParams, model_policy
 from unmask.errors import InvalidRequestError
 
-from test_speculative import AR, MODEL, code_prompts, one_by_one  # noqa: F401  (the shared model and prompts)
+from test_speculative import AR, MODEL, code_prompts, memoised, one_by_one  # noqa: F401  (the shared model and prompts)
 
 
 def ids(*xs):
@@ -81,10 +81,15 @@ def prompts(llm):
     return [llm.encode(p) for p in [*code_prompts(), repetitive]]
 
 
+@pytest.fixture(scope="module")
+def reference(llm, prompts):
+    return memoised(llm, prompts)
+
+
 @pytest.mark.parametrize("knobs", [dict(), dict(block_size=4), dict(frequency_penalty=0.5),
                                    dict(draft_all_outcomes=True)])
-def test_greedy_output_is_next_token_decoding_in_fewer_forwards_than_without(llm, prompts, knobs):
-    ref = one_by_one(llm, prompts, **AR, **{k: v for k, v in knobs.items() if k == "frequency_penalty"})
+def test_greedy_output_is_next_token_decoding_in_fewer_forwards_than_without(llm, prompts, reference, knobs):
+    ref = reference(**AR, **{k: v for k, v in knobs.items() if k == "frequency_penalty"})
     plain = one_by_one(llm, prompts, policy="speculative", **knobs)
     got = one_by_one(llm, prompts, policy="speculative", draft_lookup=8, **knobs)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
@@ -93,7 +98,7 @@ def test_greedy_output_is_next_token_decoding_in_fewer_forwards_than_without(llm
         assert sum(o.forwards for o in got) < sum(o.forwards for o in plain)
 
 
-def test_a_copy_that_disagrees_with_the_diffusion_drafts_is_verified_beside_them(llm, prompts):
+def test_a_copy_that_disagrees_with_the_diffusion_drafts_is_verified_beside_them(llm, prompts, reference):
     """Greedy, with diffusion drafts: a copy of the committed text that differs from them is a second chain in
     the same forward; the branch that keeps more wins, and the output is still next-token decoding."""
     from unmask.engine.engine import Engine
@@ -109,7 +114,7 @@ def test_a_copy_that_disagrees_with_the_diffusion_drafts_is_verified_beside_them
         assert (wins > 0) == expect_wins, (knobs, wins)  # adjusted or sampled rows keep the single chain
         if "temperature" not in knobs:
             ar = dict(AR, **{k: v for k, v in knobs.items() if k == "frequency_penalty"})
-            ref = one_by_one(llm, prompts, **ar)
+            ref = reference(**ar)
             assert [s.output_ids for s in seqs] == [o.token_ids for o in ref]
 
 
