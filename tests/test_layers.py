@@ -52,6 +52,7 @@ def _rms_norm_formula(x, weight, eps):
 
 def _rope_formula(x, cos, sin, r):
     """rotate_half RoPE as written before (float32 copy of x, rotated copy, full-width tables)."""
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)   # cos_sin's half tables, as both halves
     xr, half = x[..., :r].float(), r // 2
     rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
     out = (xr * cos[..., None, :] + rotated * sin[..., None, :]).to(x.dtype)
@@ -111,10 +112,11 @@ def test_rope_equals_the_rotate_half_formula(dtype, rotary_dim, scaling):
     positions = torch.randint(0, 5000, (2, 40), generator=g)
     x = (torch.randn(2, 40, 4, 32, generator=g) * 3).to(dtype)
     cos, sin = rope.cos_sin(positions)
-    # the tables: each half the cos/sin of the (float32) angles times the magnitude
+    # the tables: the cos/sin of the (float32) angles times the magnitude, once for both halves
     freqs = (positions.float()[..., None] * rope.inv_freq).double()
-    assert torch.allclose(cos.double(), torch.cat([freqs.cos(), freqs.cos()], -1) * rope.mscale, atol=2e-6)
-    assert torch.allclose(sin.double(), torch.cat([freqs.sin(), freqs.sin()], -1) * rope.mscale, atol=2e-6)
+    assert cos.shape == (2, 40, rotary_dim // 2)
+    assert torch.allclose(cos.double(), freqs.cos() * rope.mscale, atol=2e-6)
+    assert torch.allclose(sin.double(), freqs.sin() * rope.mscale, atol=2e-6)
     for xs, c, s in ((x, cos, sin), (x[0], cos[0], sin[0])):
         with torch.no_grad():
             out, ref = rope.apply(xs, c, s), _rope_formula(xs, c, s, rotary_dim)
@@ -125,6 +127,20 @@ def test_rope_equals_the_rotate_half_formula(dtype, rotary_dim, scaling):
             assert (out.float() - ref.float()).abs().max() <= 2 * torch.finfo(dtype).eps * ref.float().abs().max()
             assert (out != ref).float().mean() < 0.01
         assert torch.equal(out[..., rotary_dim:], xs[..., rotary_dim:])
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_tables_are_the_computed_angles_bit_for_bit(scaling):
+    """The CPU table (grown to the farthest position seen, past its first size too) gives exactly the values
+    computed per call, ragged and dense, so a model reads the same cos/sin either way."""
+    rope = Rotary(head_dim=32, theta=10000.0, scaling=scaling)
+    for positions in (torch.arange(7), torch.tensor([5, 300, 2, 299]), torch.arange(4000).view(8, 500),
+                      torch.tensor([[70000, 3]])):
+        cos, sin = rope.cos_sin(positions)
+        want_cos, want_sin = rope._angles(positions)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert rope._table[0].shape == (131072, 16)   # grown to a power of two past 70,000
+    assert rope.cos_sin(torch.empty(0, dtype=torch.long))[0].shape == (0, 16)
 
 
 def test_rope_gradients_equal_the_formula():

@@ -8,6 +8,7 @@ Entries are evicted least-recently-used beyond `max_bytes`.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -19,20 +20,20 @@ from unmask.models.attention import KVCache
 
 @dataclass
 class CachedBlock:
-    k: list[Tensor]   # per layer [Hkv, B, D]
-    v: list[Tensor]
+    k: Tensor   # [layers, Hkv, B, D]: one tensor for every layer (one copy to store, not one per layer)
+    v: Tensor
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v))
 
 
 def block_keys(tokens: list[int], block_size: int) -> list[str]:
     """Chained digests of each complete block of `tokens`."""
     keys, h = [], hashlib.blake2b(f"B{block_size}".encode(), digest_size=16).digest()
     for i in range(0, len(tokens) - block_size + 1, block_size):
-        h = hashlib.blake2b(h + torch.tensor(tokens[i:i + block_size], dtype=torch.int64).numpy().tobytes(),
-                            digest_size=16).digest()
+        # the block's ids as int64 bytes (array's 'q'), as a torch.int64 tensor's would be, without torch ops
+        h = hashlib.blake2b(h + array("q", tokens[i:i + block_size]).tobytes(), digest_size=16).digest()
         keys.append(h.hex())
     return keys
 
@@ -79,7 +80,7 @@ class PrefixCache:
                 self.blocks.move_to_end(key)
                 continue
             lo = hi - block_size
-            blk = CachedBlock([t[:, lo:hi].clone() for t in cache.k], [t[:, lo:hi].clone() for t in cache.v])
+            blk = CachedBlock(torch.stack([t[:, lo:hi] for t in cache.k]), torch.stack([t[:, lo:hi] for t in cache.v]))
             if blk.nbytes > self.max_bytes:
                 return
             self.blocks[key] = blk

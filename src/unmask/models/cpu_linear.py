@@ -67,6 +67,70 @@ def packed_weight(m: nn.Linear) -> Tensor:
     return m._pack
 
 
+class FusedProjection:
+    """Linears that read the same input (q/k/v, gate/up) run as one oneDNN product on their weights concatenated
+    and packed once: one call and one output [..., sum of widths] instead of one per linear, whose fixed cost
+    dominates at the few rows a decoding step feeds. Not a module: the model's parameters and state-dict names
+    stay the members'. `__call__` returns None wherever `packed_forward` would not take the packed path (autograd,
+    another device or dtype), so the caller runs the members as before; the packed weight is rebuilt when any
+    member's weight is replaced or written (pointer and version counter)."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.linears = linears
+        self.widths = [m.weight.shape[0] for m in linears]
+        self._pack: Tensor | None = None
+        self._key: tuple | None = None
+
+    def __call__(self, x: Tensor) -> Tensor | None:
+        w = self.linears[0].weight
+        if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype or x.dim() < 2
+                or (torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in self.linears)))):
+            return None
+        rows = x.numel() // x.shape[-1]
+        if rows == 0 or (w.dtype == torch.float32 and rows * x.shape[-1] * sum(self.widths) < PACK_MIN_WORK):
+            return None   # MKL's path for the members, as packed_forward would choose for each
+        flat = x.reshape(rows, x.shape[-1])
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        weight, bias = self._packed()
+        out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _packed(self) -> tuple[Tensor, Tensor | None]:
+        key = tuple((m.weight.data_ptr(), m.weight._version, m.weight.dtype) for m in self.linears)
+        if self._pack is None or self._key != key:
+            w = torch.cat([m.weight.detach() for m in self.linears])
+            biases = [m.bias for m in self.linears]
+            bias = None if all(b is None for b in biases) else torch.cat(
+                [(b.detach() if b is not None else torch.zeros(n, dtype=w.dtype)).to(w.dtype)
+                 for b, n in zip(biases, self.widths)])
+            self._pack, self._key = (torch.ops.mkldnn._reorder_linear_weight(w), bias), key
+        return self._pack
+
+
+FUSED_GROUPS = {"fused_qkv": ("q_proj", "k_proj", "v_proj"), "fused_gate_up": ("gate_proj", "up_proj")}
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Give each module whose FUSED_GROUPS members are all PackedLinear (of one dtype) a FusedProjection under
+    the group's name, and drop the members' own packed copies (the fused one replaces them, so memory stays
+    that of one packed copy); the number of groups fused. Draft adapters' linears are not PackedLinear, so a
+    model with one keeps its separate products (a clean row must stay the base model's bit for bit)."""
+    fused = 0
+    for module in model.modules():
+        for name, members in FUSED_GROUPS.items():
+            linears = [getattr(module, m, None) for m in members]
+            if not all(type(m) is PackedLinear for m in linears) or len({m.weight.dtype for m in linears}) != 1:
+                continue
+            group = FusedProjection(linears)
+            group._packed()
+            setattr(module, name, group)
+            for m in linears:
+                m._pack, m._pack_key = None, None
+            fused += 1
+    return fused
+
+
 class PackedLinear(nn.Linear):
     """An nn.Linear whose no-grad CPU calls run oneDNN on a packed copy of its weight (module docstring)."""
 
@@ -98,11 +162,15 @@ def pack_linears(model: nn.Module, max_bytes: int = MAX_BYTES) -> int:
                 m.packed = True
             packed_weight(m)
         _check(linears[0])
+        fuse_projections(model)
     except RuntimeError:  # a oneDNN build that cannot run this dtype here: keep torch's default everywhere
         for m in linears:
             if type(m) is PackedLinear:
                 m.__class__ = nn.Linear
             m.packed, m._pack, m._pack_key = False, None, None
+        for module in model.modules():
+            for name in FUSED_GROUPS:
+                module.__dict__.pop(name, None)
         return 0
     return len(linears)
 

@@ -65,7 +65,13 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.act = activation(act)
 
+    fused_gate_up = None   # models/cpu_linear.FusedProjection over gate/up on the CPU (set by pack_linears)
+
     def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.fused_gate_up(x) if self.fused_gate_up is not None else None
+        if gate_up is not None:
+            gate, up = gate_up.split(self.down_proj.weight.shape[1], dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -116,23 +122,40 @@ class Rotary(nn.Module):
         self.rotary_dim = rotary_dim or head_dim
         # a plain attribute, not a buffer: stays float32 on the CPU through .to(dtype) and meta init
         self.inv_freq, self.mscale = rope_inv_freq(self.rotary_dim, theta, scaling)
+        self._table: tuple[Tensor, Tensor] | None = None  # CPU: cos/sin of positions 0..n-1, grown on demand
 
-    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def cos_sin(self, positions: Tensor, sync_free: bool = False) -> tuple[Tensor, Tensor]:
+        """cos and sin of each position's angles, [..., rotary_dim / 2] (the two halves of the rotation share
+        them), times YaRN's magnitude. On the CPU they are read from a table that grows to the farthest position
+        seen (the same float32 products and cos/sin, so the same values): one index per table instead of a
+        product, cos, sin and their scaling at every forward. On other devices, and in a static step that must
+        read nothing back to the host (`sync_free`: the table's size check reads the farthest position), they are
+        computed."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
+        if positions.device.type != "cpu" or positions.numel() == 0 or sync_free:
+            return self._angles(positions)
+        need = int(positions.max()) + 1
+        if self._table is None or self._table[0].shape[0] < need:
+            n = max(256, 1 << (need - 1).bit_length())
+            self._table = self._angles(torch.arange(n))
+        flat = positions.reshape(-1)
+        return tuple(t.index_select(0, flat).view(*positions.shape, -1) for t in self._table)
+
+    def _angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq
-        c, s = freqs.cos(), freqs.sin()  # each half once: the halves of the tables are equal
+        c, s = freqs.cos(), freqs.sin()
         if self.mscale != 1.0:
             c, s = c * self.mscale, s * self.mscale
-        return torch.cat([c, c], dim=-1), torch.cat([s, s], dim=-1)
+        return c, s
 
     def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [..., L, H, D]; cos/sin [..., L, rotary_dim] (cos_sin's: both halves equal, so only the first is read).
+        """x [..., L, H, D]; cos/sin [..., L, rotary_dim / 2] (cos_sin's).
 
         (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) in float32 (the products promote a half-precision x: no
         float32 copy of it, no rotated copy). Without autograd the halves are written into one output buffer."""
         r, half = self.rotary_dim, self.rotary_dim // 2
-        c, s = cos[..., None, :half], sin[..., None, :half]
+        c, s = cos[..., None, :], sin[..., None, :]
         x1, x2 = x[..., :half], x[..., half:r]
         if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
             out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)  # out= has no backward

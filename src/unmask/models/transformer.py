@@ -67,6 +67,8 @@ class ArchConfig:
 
 
 class Attention(nn.Module):
+    fused_qkv = None   # models/cpu_linear.FusedProjection over q/k/v on the CPU (set by pack_linears)
+
     def __init__(self, cfg: ArchConfig, layer: int):
         super().__init__()
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -82,12 +84,21 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: Rotary, cos: Tensor, sin: Tensor, ctx) -> Tensor:
         lead = x.shape[:-1]  # [N] ragged or [B, L] dense
-        q = self.q_proj(x).view(*lead, self.h, self.d)
-        k = self.k_proj(x).view(*lead, self.kv, self.d)
-        v = self.v_proj(x).view(*lead, self.kv, self.d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        qkv = self.fused_qkv(x) if self.fused_qkv is not None else None
+        if qkv is not None:   # one product; q and k then rotate in one call (RoPE acts per head)
+            heads = qkv.view(*lead, self.h + 2 * self.kv, self.d)
+            qk, v = heads[..., :self.h + self.kv, :], heads[..., self.h + self.kv:, :]
+            if self.qk_norm:
+                qk = torch.cat([self.q_norm(qk[..., :self.h, :]), self.k_norm(qk[..., self.h:, :])], dim=-2)
+            qk = rope.apply(qk, cos, sin)
+            q, k = qk[..., :self.h, :], qk[..., self.h:, :]
+        else:
+            q = self.q_proj(x).view(*lead, self.h, self.d)
+            k = self.k_proj(x).view(*lead, self.kv, self.d)
+            v = self.v_proj(x).view(*lead, self.kv, self.d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         if isinstance(ctx, AttentionBatch):
             out = ragged_attention(q, k, v, ctx, self.layer)
         elif hasattr(ctx, "attend"):  # a static-buffer step's rows over the KV pool (unmask.engine.static_step)
@@ -161,7 +172,7 @@ class DiffusionTransformer(nn.Module):
         if self.draft_gate is not None:
             self.draft_gate.set(ids)
         x = self.model.embed_tokens(ids)
-        cos, sin = self.rope.cos_sin(positions)
+        cos, sin = self.rope.cos_sin(positions, sync_free=getattr(ctx, "sync_free", False))
         for layer in self.model.layers:
             x = layer(x, self.rope, cos, sin, ctx)
         return self.model.norm(x)
