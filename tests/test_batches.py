@@ -196,7 +196,7 @@ def wait_healthy(url: str, proc: subprocess.Popen) -> None:
 def test_batch_survives_kill_9_and_every_custom_id_lands_once(tmp_path):
     from store_server import free_port
 
-    port, n = free_port(), 48
+    port, n = free_port(), 24   # 6 land before the kill, the rest after the restart
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     lines = [chat_line(f"k{i}", f"Item {i}.", max_tokens=24) for i in range(n)]
