@@ -167,15 +167,16 @@ def _chosen(key: str, rate: float) -> bool:
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < rate
 
 
-def next_line_tasks(docs, limit: int = 200, context_chars: int = 1200) -> list[Task]:
-    """Code lines of held-out stdlib files, sampled deterministically by a hash of (file, line)."""
+def next_line_tasks(docs, limit: int = 200, context_chars: int = 1200, rate: float = 0.05) -> list[Task]:
+    """Code lines of held-out stdlib files, sampled deterministically by a hash of (file, line): each eligible
+    line is taken when its hash falls under `rate` (so a higher rate's set holds every lower rate's)."""
     tasks = []
     for doc, lines, i, start in _stdlib_lines(docs):
         line = lines[i]
         body = line.strip()
         if i < 5 or not 8 <= len(body) <= 80 or body.startswith("#") or body.startswith(('"""', "'''")):
             continue
-        if _chosen(f"{doc.relpath}:{i}", 0.05):
+        if _chosen(f"{doc.relpath}:{i}", rate):
             prompt = doc.text[max(0, start - 1 - context_chars):start - 1]  # without the newline
             tasks.append(Task("next_line", prompt, line.rstrip(), ("\n",), lead="\n"))
     return tasks[:limit]
