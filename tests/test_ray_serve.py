@@ -233,7 +233,7 @@ def test_autoscale_grows_under_load_and_shrinks_without_cutting_a_stream(cluster
         "model": str(default_model_path()), "embedding_model": "off", "max_num_seqs": 4, "max_queue": 8,
         "drain_timeout": 20.0, "autoscale": "1,2", "num_cpus": 0.5,
         # Ray's delays and metric intervals shortened for the test (defaults: 30 s up, 600 s down, 10 s pushes)
-        "autoscaling_config": {"upscale_delay_s": 1, "downscale_delay_s": 5, "look_back_period_s": 2,
+        "autoscaling_config": {"upscale_delay_s": 1, "downscale_delay_s": 2, "look_back_period_s": 1,
                                "metrics_interval_s": 0.5}})
     handle = serve.run(launch.build(args, scale, ingress=False), name="scaling", route_prefix=None)
     handle = handle.options(stream=True)   # one router for every thread below
