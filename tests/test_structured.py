@@ -634,6 +634,24 @@ def test_no_duplicate_keys(llms, family):
         no_duplicates(out.text)
 
 
+def test_the_budget_closer_never_repeats_a_key(llms):
+    """An answer cut by max_tokens is completed by the budget closer (constraint.closing_path), which obeys the
+    guard too. Biased towards `"` and `,`, the random model writes empty keys quickly; before the fix the closer
+    closed a half-written key into a second `""` (`{"T none": 5, "": 9, "": 8}` at 24 tokens, seed 4)."""
+    llm = llms["sdar"]
+    quote, comma = (llm.tokenizer.encode(c) for c in ('"', ","))
+    assert len(quote) == len(comma) == 1
+    schema = {"type": "object", "additionalProperties": {"type": "integer"}}
+    params = [GenerationParams(max_tokens=n, structured=StructuredSpec.json_schema(schema), seed=seed,
+                               temperature=1.5, logit_bias={quote[0]: 12, comma[0]: 12})
+              for seed in range(6) for n in (24, 32)]
+    outs = llm.generate([prompt(llm)] * len(params), params)
+    objects = [no_duplicates(out.text) for out in outs]
+    assert all(isinstance(o, dict) for o in objects)
+    assert sum(out.finish_reason == "length" for out in outs) >= 6   # the closer wrote these answers' ends
+    assert sum("" in o and len(o) >= 2 for o in objects) >= 3        # an empty key, then others after it
+
+
 def test_guard_bans_a_repeated_key_and_runaway_numbers():
     from unmask.structured.guard import MAX_FRAC_DIGITS, MAX_INT_DIGITS, JsonGuard, TokenFacts
 

@@ -211,7 +211,7 @@ class Constraint:
     # ------------------------------------------------------------------ budget
     def _fit(self, out: list[int], p: list[float], room: int, rows: int) -> tuple[list[int], list[float]]:
         """Keep the longest prefix of `out` after which the grammar can still be completed within `room`."""
-        if self.closing_path(room - len(out)) is not None:
+        if self.closing_path(room - len(out), out) is not None:
             return out, p
         self.budget_cut = True
         self.m.rollback(len(out))
@@ -222,7 +222,7 @@ class Constraint:
         kept = 0
         while kept < len(out) - 1:  # the full run does not fit; find the longest prefix that does
             self.m.consume_token(out[kept])
-            if self.closing_path(room - kept - 1) is None:
+            if self.closing_path(room - kept - 1, out[:kept + 1]) is None:
                 self.m.rollback(1)
                 break
             kept += 1
@@ -232,49 +232,66 @@ class Constraint:
         self.m.consume_tokens(path)
         return path, [1.0] * len(path)
 
-    def closing_path(self, limit: int) -> list[int] | None:
-        """A short token sequence that completes the grammar from here (at most `limit` tokens), or None."""
+    def closing_path(self, limit: int, fed: list[int] = ()) -> list[int] | None:
+        """A short token sequence that completes the grammar from here (at most `limit` tokens), or None. `fed`:
+        tokens the matcher consumed after the guard's state (so the guard is brought level with it). With a
+        JSON guard the path obeys it too: a completion must not close a key that the object already has."""
         self._fuel = CLOSE_FUEL
-        return self._greedy(self.m.deep_copy(), limit, lookahead=True)
+        guard = self._guard_after(self.guard, list(fed)) if self.guard is not None else None
+        return self._greedy(self.m.deep_copy(), limit, lookahead=True, guard=guard)
 
-    def _greedy(self, c, limit: int, lookahead: bool) -> list[int] | None:
-        """Greedy completion of matcher `c` (consumed as it goes): forced bytes; else a closing text
-        (backend.CLOSERS: a string's quote first inside a string, else `}` `]` `"` `0`); else one of the allowed tokens, chosen with
-        `lookahead` as the one whose own greedy completion is shortest (among the LOOKAHEAD lowest ids).
-        Exact where nothing is left to choose, short and terminating for JSON."""
+    def _greedy(self, c, limit: int, lookahead: bool, guard: JsonGuard | None = None) -> list[int] | None:
+        """Greedy completion of matcher `c` (consumed as it goes, as is `guard`): forced bytes; else a closing text
+        (backend.CLOSERS: a string's quote first inside a string, else `}` `]` `"` `0`) the guard allows; else one
+        of the allowed tokens, chosen with `lookahead` as the one whose own greedy completion is shortest (among the
+        LOOKAHEAD lowest ids). Exact where nothing is left to choose, short and terminating for JSON."""
         path: list[int] = []
         closers = self.backend.closers
+
+        def take(ids: list[int]) -> None:
+            c.consume_tokens(ids)
+            path.extend(ids)
+            if guard is not None:
+                self._feed(guard, ids)
+
         while not c.is_accepting():
             if len(path) >= limit:
                 return None
             forced = c.compute_ff_tokens()
             if forced:
-                c.consume_tokens(forced)
-                path += forced
+                take(forced)
                 continue
             in_string = self._probe is not None and c.validate_tokens([self._probe]) == 1
             for ids in closers["string" if in_string else "value"]:
-                if c.validate_tokens(ids) == len(ids):
-                    c.consume_tokens(ids)
-                    path += ids
+                if c.validate_tokens(ids) == len(ids) and (guard is None or self._feed(guard.copy(), ids)):
+                    take(ids)
                     break
             else:
                 self._fuel -= 1
                 if self._fuel < 0:  # a grammar the greedy closer cannot finish: give up, cheaply
                     return None
-                ok = [t for t in self.allowed(c).nonzero().flatten().tolist() if t not in self.stops][:LOOKAHEAD]
+                allowed = self.allowed(c)
+                if guard is not None:
+                    allowed = guard.restrict(allowed, self.facts)
+                ok = [t for t in allowed.nonzero().flatten().tolist() if t not in self.stops][:LOOKAHEAD]
                 if not ok:
                     return None
                 if not lookahead or len(ok) == 1:
-                    c.consume_token(ok[0])
-                    path.append(ok[0])
+                    take(ok[:1])
                     continue
                 best: list[int] | None = None
                 for t in ok:
-                    branch = c.deep_copy()
+                    branch, fork = c.deep_copy(), guard.copy() if guard is not None else None
                     branch.consume_token(t)
-                    rest = self._greedy(branch, limit - len(path) - 1 if best is None else len(best) - 1, False)
+                    if fork is not None:
+                        self._feed(fork, [t])
+                    rest = self._greedy(branch, limit - len(path) - 1 if best is None else len(best) - 1, False,
+                                        fork)
                     if rest is not None and (best is None or 1 + len(rest) < len(best)):
                         best = [t] + rest
                 return None if best is None else path + best
         return path if len(path) <= limit else None
+
+    def _feed(self, guard: JsonGuard, ids: list[int]) -> bool:
+        """Feed `ids`' bytes (stop tokens carry none) to `guard`; False if it refuses one."""
+        return all(guard.feed(self.facts.bytes[t]) for t in ids if t not in self.stops)

@@ -16,8 +16,9 @@ that would:
     repeating one (the grammar would force the rest of it, unscreened).
 
 The bans are soft: where they would leave no grammatical token at all (a schema that demands a
-longer string, say), the grammar's own mask is used unchanged. Forced text and the budget closer are
-not screened (the grammar leaves them no choice).
+longer string, say), the grammar's own mask is used unchanged. Forced text is not screened (the grammar
+leaves it no choice); the budget closer (constraint.closing_path) is: it skips a closing text the guard
+refuses (a key string closed into one the object has) and picks its own tokens among those the guard allows.
 """
 from __future__ import annotations
 
