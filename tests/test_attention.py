@@ -159,7 +159,8 @@ class _LargestTensor(TorchDispatchMode):
 def test_causal_prompt_chunks_build_no_square_mask_and_match_the_causal_forward(tmp_path):
     """A causal-context prompt prefilled in three chunks: every chunk's hidden states equal the dense causal forward
     (the chunks after the first read the cached prefix), and no operator returns a tensor anywhere near a
-    [chunk, chunk] mask: the largest is an activation, linear in the chunk (the MLP's [chunk, 64])."""
+    [chunk, chunk] mask: the largest is an activation, linear in the chunk (the MLP's [chunk, 64], or on the CPU the
+    fused gate/up product's [chunk, 2 x 64])."""
     from unmask.models.attention import commit_cache_lengths
     from unmask.models.transformer import CAUSAL
 
@@ -178,5 +179,5 @@ def test_causal_prompt_chunks_build_no_square_mask_and_match_the_causal_forward(
             largest.append(probe.largest)
             assert batch.segments[0].causal_rows == chunk
         dense = model.forward_dense(ids[None], torch.arange(n)[None], CAUSAL)[0]
-    assert max(largest) <= 64 * chunk < chunk * chunk // 8
+    assert max(largest) <= 2 * 64 * chunk < chunk * chunk // 4   # the fused gate/up output [chunk, 2 x 64] on the CPU
     assert (torch.cat(hidden) - dense).abs().max().item() < 1e-5
