@@ -41,6 +41,10 @@ def main() -> None:
     ap.add_argument("--distilled", type=Path, default=None)
     ap.add_argument("--twin", type=Path, default=ROOT / "bench/models/ar-twin")
     ap.add_argument("--no-twin", action="store_true")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="also the twin through llama.cpp (llama-cpp-python, `make llama-cpp`), from --twin-gguf or "
+                         "a float32 GGUF written beside the twin on first use")
+    ap.add_argument("--twin-gguf", type=Path, default=None)
     ap.add_argument("--corpus", type=Path, default=ROOT / "data/corpus")
     ap.add_argument("--sft-heldout", type=Path, default=ROOT / "data/sft/heldout.jsonl")
     ap.add_argument("--next-line", type=int, default=133)
@@ -85,6 +89,13 @@ def main() -> None:
         variants.append(policies.Variant(hf.name, "AR twin, transformers generate (KV cache)", decoder=hf,
                                          cache="KV (DynamicCache)", group="twin"))
     tasks, info = policies.load_tasks(llm, args.corpus, args.sft_heldout, args.next_line, args.infill)
+    if args.llama_cpp and not args.no_twin:
+        lc, info["llama_cpp"] = twin.llama_cpp_decoder(args.twin, args.twin_gguf, hf, torch.get_num_threads(),
+                                                       llm.encode(tasks[0].prompt))
+        if lc is None:
+            sys.exit(f"--llama-cpp: {info['llama_cpp']['llama_cpp_reason']}")
+        variants.append(policies.Variant(lc.name, "AR twin, llama.cpp (GGUF)", decoder=lc, cache="KV (llama.cpp)",
+                                         group="twin"))
     t0 = time.perf_counter()
     results = policies.run_section(llm, variants, tasks, args.rounds, lambda m: print(m, flush=True))
     if twin_name:  # each variant's tokens/s over the twin's, round by round (interleaved), median and range

@@ -198,21 +198,13 @@ def main() -> None:
             loop = twin.HFTwinLoop.sharing(hf)
             variants.append(policies.Variant(loop.name, "AR twin, plain greedy loop, unmask's CPU linears",
                                              decoder=loop, cache="KV (DynamicCache)", group="twin"))
-            gguf, why = twin.llama_cpp_status(args.twin, args.twin_gguf)
-            if gguf is not None:
-                try:
-                    lc = twin.LlamaCppTwin(gguf, hf, args.threads)
-                    gap = lc.logit_gap(llm.encode(tasks[0].prompt))
-                    if gap > 1e-2:  # not the same network: its tokens/s would compare different models
-                        raise RuntimeError(f"its next-token logits differ from transformers' by {gap:.3g}")
-                    variants.append(policies.Variant(lc.name, "AR twin, llama.cpp (GGUF)", decoder=lc,
-                                                     cache="KV (llama.cpp)", group="twin"))
-                    tw.update(llama_cpp="ran", llama_cpp_gguf=rel(gguf), llama_cpp_logit_gap=gap,
-                              llama_cpp_version=twin.llama_cpp_version())
-                except Exception as e:  # a GGUF the installed llama.cpp cannot load, or a different network
-                    why = f"llama.cpp failed on {gguf}: {e}"
-            if tw.get("llama_cpp") != "ran":
-                tw["llama_cpp"], tw["llama_cpp_reason"] = "skipped", why
+            lc, lc_info = twin.llama_cpp_decoder(args.twin, args.twin_gguf, hf, args.threads,
+                                                 llm.encode(tasks[0].prompt))
+            if lc is not None:
+                variants.append(policies.Variant(lc.name, "AR twin, llama.cpp (GGUF)", decoder=lc,
+                                                 cache="KV (llama.cpp)", group="twin"))
+                lc_info["llama_cpp_gguf"] = rel(Path(lc_info["llama_cpp_gguf"]))
+            tw.update(lc_info)
         else:
             tw["llama_cpp_reason"] = "no twin model"
         log(f"policies: {len(tasks)} tasks x {len(variants)} variants x {c['rounds']} rounds")

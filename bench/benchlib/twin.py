@@ -153,8 +153,8 @@ class LlamaCppTwin:
         self.hf = hf  # decoding the text and the stop sets use the same tokenizer
 
     def logit_gap(self, prompt_ids: list[int]) -> float:
-        """Max |llama.cpp - transformers| over the next-token logits of `prompt_ids`: is the GGUF file the
-        same network? (float32 file: expect ~1e-4.)"""
+        """Max |llama.cpp - transformers (float32)| over the next-token logits of `prompt_ids`: is the GGUF file
+        the same network? (on the 5.25M twin: 0.003 for a float32 file, 0.009 for float16.)"""
         import numpy as np
 
         self.llm.reset()
@@ -162,8 +162,13 @@ class LlamaCppTwin:
         # without logits_all, llama-cpp-python keeps no scores: read the last row from the context itself
         last = self.llm._ctx.get_logits_ith(-1)
         mine = torch.from_numpy(np.ctypeslib.as_array(last, shape=(self.llm.n_vocab(),)).copy()).float()
+        model = self.hf.model
+        if next(model.parameters()).dtype != torch.float32:  # half-precision rounding alone moves logits ~0.1
+            import copy
+
+            model = copy.deepcopy(model).float()
         with torch.no_grad():
-            ref = self.hf.model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()
+            ref = model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()
         return float((mine[: ref.numel()] - ref).abs().max())
 
     def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool, min_tokens: int = 0) -> Result:
@@ -205,3 +210,24 @@ def llama_cpp_status(twin_dir: Path | None, gguf: Path | None) -> tuple[Path | N
     if gguf is None or not gguf.is_file():
         return None, f"no GGUF file of the twin at {gguf}"
     return gguf, ""
+
+
+def llama_cpp_decoder(twin_dir: Path | None, gguf: Path | None, hf: HFTwin, threads: int,
+                      probe_ids: list[int]) -> tuple["LlamaCppTwin | None", dict]:
+    """The llama.cpp decoder of the twin, checked to be the same network (its next-token logits on `probe_ids`
+    within 0.1 of transformers' in float32), and what to record: {"llama_cpp": "ran", gguf, logit gap, version} or
+    {"llama_cpp": "skipped", "llama_cpp_reason": why}."""
+    path, why = llama_cpp_status(twin_dir, gguf)
+    if path is not None:
+        try:
+            lc = LlamaCppTwin(path, hf, threads)
+            gap = lc.logit_gap(probe_ids)
+            # not the same network: its tokens/s would compare different models (a float16 file's rounding
+            # alone moves these logits by up to ~0.05 on 400-token prompts; another network by whole units)
+            if gap > 0.1:
+                raise RuntimeError(f"its next-token logits differ from transformers' by {gap:.3g}")
+            return lc, {"llama_cpp": "ran", "llama_cpp_gguf": str(path), "llama_cpp_logit_gap": gap,
+                        "llama_cpp_version": llama_cpp_version()}
+        except Exception as e:  # a GGUF the installed llama.cpp cannot load, or a different network
+            why = f"llama.cpp failed on {path}: {e}"
+    return None, {"llama_cpp": "skipped", "llama_cpp_reason": why}
