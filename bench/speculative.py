@@ -101,13 +101,14 @@ def main() -> None:
     if twin_name:  # each variant's tokens/s over the twin's, round by round (interleaved), median and range
         for r in results["variants"].values():
             r["speed_vs_twin"] = ratio_summary(r["tokens_per_s_rounds"], results["variants"][twin_name]["tokens_per_s_rounds"])
-    print(f"{'variant':32} {'acc':>6} {'tok/fwd':>8} {'tok/s':>8} {'x first':>8} {'x default':>10} {'x twin':>7}")
+    print(f"{'variant':32} {'acc':>6} {'tok/fwd':>8} {'tok/s':>8} {'ms/req':>7} {'x first':>8} {'x default':>10} "
+          f"{'x twin':>7}")
     for n, r in results["variants"].items():
-        tpf, tps = r["tokens_per_forward"]["median"], r["tokens_per_s"]["median"]
+        tpf, tps, ms = r["tokens_per_forward"]["median"], r["tokens_per_s"]["median"], r["latency_ms"]["median"]
         vs_first = r["speed_vs_baseline"]["median"]
         vs_def = r.get("speed_vs_default", {}).get("median")
         vs_twin = r.get("speed_vs_twin", {}).get("median")
-        print(f"{n:32} {r['accuracy']:6.1%} {tpf:8.2f} {tps:8.1f} {vs_first:8.2f} "
+        print(f"{n:32} {r['accuracy']:6.1%} {tpf:8.2f} {tps:8.1f} {ms:7.1f} {vs_first:8.2f} "
               f"{'' if vs_def is None else f'{vs_def:.2f}':>10} {'' if vs_twin is None else f'{vs_twin:.2f}':>7}")
     if args.json:
         write_json(args.json, {"command": " ".join(sys.argv), "model": str(args.model), "distilled": str(args.distilled),
