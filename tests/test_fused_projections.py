@@ -103,3 +103,16 @@ def test_the_engine_writes_the_same_tokens_fused_and_not():
     _unfused(llm.model)
     separate = [[o.token_ids for o in llm.generate(prompts, [gp] * 3)] for gp in params]
     assert fused == separate and all(len(t) > 0 for runs in fused for t in runs)
+
+
+def test_a_member_bias_written_in_place_is_fused_again():
+    model = _model(qkv_bias=True)
+    pack_linears(model)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(12, 128)
+    with torch.no_grad():
+        before = attn.fused_qkv(x)
+        attn.q_proj.bias.add_(1.0)
+        after = attn.fused_qkv(x)
+    torch.testing.assert_close(after[:, :128], before[:, :128] + 1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after[:, 128:], before[:, 128:])

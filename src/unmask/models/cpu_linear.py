@@ -40,18 +40,26 @@ def enabled_by_env() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _onednn_rows(x: Tensor, w: Tensor, grad: bool, out_features: int) -> Tensor | None:
+    """x as [rows, in] for a oneDNN call on a packed copy of `w` (out_features wide), or None where torch's
+    default path is the one to take: autograd, another device or dtype, no rows, or a float32 product under
+    PACK_MIN_WORK (MKL). The one rule for single and fused linears."""
+    if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in _DTYPES
+            or (torch.is_grad_enabled() and (x.requires_grad or grad)) or x.dim() < 2):
+        return None
+    rows = x.numel() // x.shape[-1]
+    if rows == 0 or (w.dtype == torch.float32 and rows * x.shape[-1] * out_features < PACK_MIN_WORK):
+        return None
+    flat = x.reshape(rows, x.shape[-1])
+    return flat if flat.is_contiguous() else flat.contiguous()
+
+
 def packed_forward(m: nn.Linear, x: Tensor) -> Tensor:
     """m(x) through oneDNN on m's packed weight where that path applies (module docstring), else F.linear."""
     w = m.weight
-    if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in _DTYPES
-            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) or x.dim() < 2):
+    flat = _onednn_rows(x, w, w.requires_grad, w.shape[0])
+    if flat is None:
         return F.linear(x, w, m.bias)
-    rows = x.numel() // x.shape[-1]
-    if rows == 0 or (w.dtype == torch.float32 and rows * w.numel() < PACK_MIN_WORK):
-        return F.linear(x, w, m.bias)
-    flat = x.reshape(rows, x.shape[-1])
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
     bias = m.bias if m.bias is None or m.bias.dtype == w.dtype else m.bias.to(w.dtype)
     out = torch.ops.mkldnn._linear_pointwise(flat, packed_weight(m), bias, "none", [], "")
     return out.view(*x.shape[:-1], w.shape[0])
@@ -82,22 +90,17 @@ class FusedProjection:
         self._key: tuple | None = None
 
     def __call__(self, x: Tensor) -> Tensor | None:
-        w = self.linears[0].weight
-        if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype or x.dim() < 2
-                or (torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in self.linears)))):
-            return None
-        rows = x.numel() // x.shape[-1]
-        if rows == 0 or (w.dtype == torch.float32 and rows * x.shape[-1] * sum(self.widths) < PACK_MIN_WORK):
-            return None   # MKL's path for the members, as packed_forward would choose for each
-        flat = x.reshape(rows, x.shape[-1])
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
+        grad = any(m.weight.requires_grad for m in self.linears)
+        flat = _onednn_rows(x, self.linears[0].weight, grad, sum(self.widths))
+        if flat is None:
+            return None   # the members' own path, as packed_forward would choose for each
         weight, bias = self._packed()
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def _packed(self) -> tuple[Tensor, Tensor | None]:
-        key = tuple((m.weight.data_ptr(), m.weight._version, m.weight.dtype) for m in self.linears)
+        key = tuple((t.data_ptr(), t._version, t.dtype) for m in self.linears
+                    for t in (m.weight, m.bias) if t is not None)   # a bias written in place is fused again too
         if self._pack is None or self._key != key:
             w = torch.cat([m.weight.detach() for m in self.linears])
             biases = [m.bias for m in self.linears]
