@@ -18,6 +18,7 @@ NEED_DOCS = @ls -d /usr/share/doc/python3*/html/_sources > /dev/null 2>&1 || { i
 .PHONY: setup test test-fuzz serve bench bench-quick llama-cpp model model-5m twin clean
 
 setup: $(STAMP)
+	$(CXX_TOOLCHAIN)
 	$(CHROMIUM)
 	$(POSTGRES)
 	$(FORTUNES)
@@ -42,9 +43,16 @@ FORTUNES = @test -f /usr/share/games/fortunes/computers || { if [ "$$(id -u)" = 
 	echo "note: apt-get could not install fortunes; the classification data test will skip"; }; \
 	else echo "note: not root, so the fortunes collections are not installed; the classification data test will skip"; fi; }
 
+# a C++ compiler for torch.compile's CPU kernels (the compiled step, engine/compiled_step.py, and its tests);
+# Debian's g++, only as root
+CXX_TOOLCHAIN = @command -v g++ > /dev/null || { if [ "$$(id -u)" = 0 ]; then \
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++; \
+	else echo "note: not root, so g++ is not installed; --compile-step and its tests need a C++ compiler"; fi; }
+
 # torch==2.13.0 first: on these machines it is a CPU wheel already on disk; a bare
 # "torch" requirement would otherwise pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
+	$(CXX_TOOLCHAIN)
 	$(CHROMIUM)
 	$(POSTGRES)
 	$(FORTUNES)

@@ -20,7 +20,9 @@ def test_the_builder_passes_the_static_step_and_store_settings_to_the_engine_arg
     plain, _ = launch.builder_args({})
     assert (plain.static_step, plain.cuda_graphs, plain.kv_pool_tokens, plain.memory_utilization) == (None, None,
                                                                                                       None, 0.9)
-    assert plain.database_url is None
+    assert plain.database_url is None and plain.compile_step is None
+    compiled, _ = launch.builder_args({"compile_step": "on"})
+    assert compiled.compile_step is True and compiled.static_step is None
     shared, _ = launch.builder_args({"database_url": "postgresql://unmask@db:5432/unmask", "data_dir": "/srv/u"})
     assert (shared.database_url, str(shared.data_dir)) == ("postgresql://unmask@db:5432/unmask", "/srv/u")
 
@@ -31,6 +33,7 @@ def test_the_builder_passes_the_static_step_and_store_settings_to_the_engine_arg
     ({"static_step": True, "gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
     ({"static_step": True, "kv_pool_tokens": 8}, "kv_pool_tokens must be at least 16 (one page of the KV pool), got 8"),
     ({"static_step": "maybe"}, "static_step must be true or false, got 'maybe'"),
+    ({"compile_step": "sometimes"}, "compile_step must be true or false, got 'sometimes'"),
     ({"static_step": True, "kv_pool_tokens": "many"}, "kv_pool_tokens must be a whole number, got 'many'"),
     ({"static_step": True, "gpu_memory_utilization": "half"}, "gpu_memory_utilization must be a number, got 'half'"),
     ({"autoscale": "1,2", "autoscaling_config": {"min_replicas": 0}},

@@ -14,7 +14,7 @@ import typer
 from unmask.cli_util import (DRY_HELP, check_output_file, check_utf8, dry_breakers, fail, generation_params,
                              static_step_options, with_model_defaults)
 from unmask.defaults import (CUDA_GRAPHS_HELP, DEVICE_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP, KV_POOL_TOKENS_HELP,
-                             MEMORY_UTILIZATION_HELP, STATIC_STEP_HELP)
+                             MEMORY_UTILIZATION_HELP, STATIC_STEP_HELP, COMPILE_STEP_HELP)
 from unmask.evaluation_cli import evaluate_cmd
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -110,6 +110,7 @@ def generate(
     kv_cache_dtype: str = typer.Option("auto", help=KV_CACHE_DTYPE_HELP),
     device: str = typer.Option("auto", help=DEVICE_HELP),
     static_step: Optional[bool] = typer.Option(None, "--static-step/--no-static-step", help=STATIC_STEP_HELP),
+    compile_step: Optional[bool] = typer.Option(None, "--compile-step/--no-compile-step", help=COMPILE_STEP_HELP),
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help=CUDA_GRAPHS_HELP),
     gpu_memory_utilization: Optional[float] = typer.Option(None, envvar="UNMASK_GPU_MEMORY_UTILIZATION",
                                                            help=MEMORY_UTILIZATION_HELP),
@@ -134,7 +135,7 @@ def generate(
                      dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
                      dry_sequence_breakers=dry_breakers(dry_sequence_breaker))
         generation_params(**knobs)  # bad flags fail before the model loads
-        fast = static_step_options(static_step, cuda_graphs, gpu_memory_utilization, kv_pool_tokens)
+        fast = static_step_options(static_step, cuda_graphs, gpu_memory_utilization, kv_pool_tokens, compile_step)
         check_utf8(prompt, "the prompt")
         llm = LLM(model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, **fast)
         # --chat: a chat answer, as the server's

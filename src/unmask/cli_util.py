@@ -41,16 +41,17 @@ def check_output_file(path: Path | None, flag: str) -> None:
 
 
 def static_step_options(static_step: bool | None, cuda_graphs: bool | None, memory_utilization: float | None,
-                        kv_pool_tokens: int | None) -> dict:
-    """The LLM keywords of --static-step, --cuda-graphs, --gpu-memory-utilization and --kv-pool-tokens (`unmask
-    generate` and `unmask serve`), or a one-line error: a value out of range, or a pool size without the static
-    step that would use it."""
+                        kv_pool_tokens: int | None, compile_step: bool | None = None) -> dict:
+    """The LLM keywords of --static-step, --cuda-graphs, --gpu-memory-utilization, --kv-pool-tokens and
+    --compile-step (`unmask generate` and `unmask serve`), or a one-line error: a value out of range, or a pool
+    size without the static step that would use it."""
     from unmask.engine.kv_pool import check_pool_options
     from unmask.errors import InvalidRequestError
 
     # the variables are read here (not by typer, whose error for a bad boolean is a box of lines), strictly
     static_step = env_switch("UNMASK_STATIC_STEP", static_step, False)
     cuda_graphs = env_switch("UNMASK_CUDA_GRAPHS", cuda_graphs, True)
+    compile_step = env_switch("UNMASK_COMPILE_STEP", compile_step, False)
     try:
         check_pool_options(0.9 if memory_utilization is None else memory_utilization, kv_pool_tokens,
                            names=("--gpu-memory-utilization", "--kv-pool-tokens"))
@@ -60,7 +61,8 @@ def static_step_options(static_step: bool | None, cuda_graphs: bool | None, memo
         for flag, value in (("--kv-pool-tokens", kv_pool_tokens), ("--gpu-memory-utilization", memory_utilization)):
             if value is not None:
                 fail(f"{flag} sizes the static step's KV pool: add --static-step (or UNMASK_STATIC_STEP=1)")
-    return dict(static_step=static_step, cuda_graphs=cuda_graphs, kv_pool_tokens=kv_pool_tokens,
+    return dict(static_step=static_step, cuda_graphs=cuda_graphs, compile_step=compile_step,
+                kv_pool_tokens=kv_pool_tokens,
                 memory_utilization=0.9 if memory_utilization is None else memory_utilization)
 
 

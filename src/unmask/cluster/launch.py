@@ -188,7 +188,8 @@ def undeploy(app_name: str = APP_NAME, stop_serve: bool = False) -> None:
 
 SERVER_KEYS = ("cors_origins", "max_num_seqs", "max_queue", "device", "dtype", "kv_cache_dtype", "embedding_model",
                "default_max_tokens", "drain_timeout")
-STATIC_STEP_KEYS = ("static_step", "cuda_graphs", "gpu_memory_utilization", "kv_pool_tokens")   # as the flags
+# as the flags
+STATIC_STEP_KEYS = ("static_step", "cuda_graphs", "gpu_memory_utilization", "kv_pool_tokens", "compile_step")
 BUILDER_KEYS = {"model", "served_model_name", "api_keys", "data_dir", "database_url", "replicas", "autoscale", "autoscaling_config",
                 "num_cpus", "num_gpus", *SERVER_KEYS, *STATIC_STEP_KEYS}
 
@@ -203,7 +204,8 @@ def _switch(key: str, value) -> bool:
 
 
 def static_step_args(config: dict) -> dict:
-    """The builder's static-step keys as ServerArgs fields, checked as `unmask serve` checks the flags."""
+    """The builder's static-step keys (and the CPU's compile_step) as ServerArgs fields, checked as `unmask serve`
+    checks the flags."""
     from unmask.engine.kv_pool import check_pool_options
     from unmask.errors import InvalidRequestError
 
@@ -226,8 +228,9 @@ def static_step_args(config: dict) -> dict:
         raise ClusterError(str(e)) from None
     fields = {"static_step": static, "kv_pool_tokens": tokens,
               "memory_utilization": 0.9 if utilization is None else utilization}
-    if "cuda_graphs" in config:
-        fields["cuda_graphs"] = _switch("cuda_graphs", config["cuda_graphs"])
+    for key in ("cuda_graphs", "compile_step"):
+        if key in config:
+            fields[key] = _switch(key, config[key])
     return fields
 
 

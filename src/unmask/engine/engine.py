@@ -11,6 +11,7 @@ import torch
 from unmask.decoding.dry import breaker_mask
 from unmask.decoding.policies import LEARNED, SPECULATIVE
 from unmask.engine import memory
+from unmask.engine.compiled_step import CompiledStep, cache_capacity, compile_step_requested, not_compilable
 from unmask.engine.detokenizer import TextStream
 from unmask.engine.outputs import StepOutput
 from unmask.engine.params import DEFAULT_POLICY, GenerationParams, model_policy
@@ -46,11 +47,13 @@ class Engine:
                  max_num_seqs: int = 64, max_batch_tokens: int = 4096, prefix_cache_bytes: int = 256 << 20,
                  kv_cache_dtype: torch.dtype | None = None, static_step: bool | None = None,
                  kv_pool_tokens: int | None = None, memory_utilization: float = 0.9,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, compile_step: bool | None = None):
         """static_step: run decode steps on static buffers over a preallocated KV pool, replayed as CUDA graphs on
         a GPU (engine/static_step.py; None: UNMASK_STATIC_STEP); the pool holds `kv_pool_tokens` (None: what
         `memory_utilization` of the memory free now allows, at most what max_num_seqs full contexts need).
-        cuda_graphs: capture and replay steps as CUDA graphs on a GPU (None: UNMASK_CUDA_GRAPHS, on by default)."""
+        cuda_graphs: capture and replay steps as CUDA graphs on a GPU (None: UNMASK_CUDA_GRAPHS, on by default).
+        compile_step: on the CPU, run decode steps through forwards compiled per padded shape
+        (engine/compiled_step.py; None: UNMASK_COMPILE_STEP, off by default)."""
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.kv_cache_dtype = kv_cache_dtype  # None: the weights' dtype
         probe = model.new_cache(capacity=0, dtype=kv_cache_dtype)
@@ -72,7 +75,15 @@ class Engine:
             self.scheduler.admit = lambda seq: seq.cache is not None or self._attach_cache(seq)
             log.info("static step: a KV pool of %d tokens (%s) on %s, CUDA graphs %s", self.kv_pool.capacity_tokens,
                      memory.mib(self.kv_pool.nbytes()), self.kv_pool.device, "on" if static.graphs else "off")
-        self.runner = ModelRunner(model, static, cuda_graphs)
+        compiled = None
+        if static is None and compile_step_requested(compile_step):
+            reason = not_compilable(model)
+            if reason:
+                log.warning("compiled CPU step not used: %s", reason)
+            else:
+                compiled = CompiledStep(model)
+                log.info("compiled CPU step on: each new step shape compiles once (seconds) before it runs")
+        self.runner = ModelRunner(model, static, cuda_graphs, compiled)
         self.traits = ModelTraits(
             attention=spec.family.attention, shift=spec.shift, mask_id=spec.mask_id,
             block_size=spec.block_size, stop_ids=spec.stop_ids, ar_first_token=spec.ar_first_token,
@@ -238,7 +249,15 @@ class Engine:
             seq.cache = cache
         elif not (seq.bidirectional and seq.cache_mode == "none"):
             total = seq.P + seq.params.max_tokens + len(seq.params.suffix_ids)
-            seq.cache = self.model.new_cache(capacity=min(total, 4096), max_capacity=total, dtype=self.kv_cache_dtype)
+            compiled = self.runner.compiled is not None and self.kv_cache_dtype in (None, self.runner.compiled.dtype)
+            cap = cache_capacity(total) if compiled else None
+            if cap is not None:  # one power-of-two buffer from the start: the compiled step's shapes depend on it
+                seq.cache = self.model.new_cache(capacity=cap, max_capacity=cap)
+                for t in seq.cache.k + seq.cache.v:
+                    t.zero_()   # it attends over the whole buffer, masked: unwritten keys must be finite
+            else:
+                seq.cache = self.model.new_cache(capacity=min(total, 4096), max_capacity=total,
+                                                 dtype=self.kv_cache_dtype)
         if self.prefix_cache is not None:
             keys = block_keys(seq.prompt_ids[:seq.block_start], seq.B)
             seq.cached = self.prefix_cache.load(keys[:seq.prefill_limit // seq.B], seq.cache, seq.B)

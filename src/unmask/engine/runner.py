@@ -61,11 +61,13 @@ class ForwardTimer:
 
 
 class ModelRunner:
-    def __init__(self, model: DiffusionTransformer, static=None, cuda_graphs: bool | None = None):
+    def __init__(self, model: DiffusionTransformer, static=None, cuda_graphs: bool | None = None, compiled=None):
         """static: an engine.static_step.StaticStep, which takes the steps whose shape fits its buffers;
-        cuda_graphs: replay repeated canvas steps as CUDA graphs (None: UNMASK_CUDA_GRAPHS)."""
+        cuda_graphs: replay repeated canvas steps as CUDA graphs (None: UNMASK_CUDA_GRAPHS); compiled: an
+        engine.compiled_step.CompiledStep, which runs the CPU steps whose shape it takes."""
         self.model = model
         self.static = static
+        self.compiled = compiled
         self.device = model.lm_head.weight.device
         on = graphs_enabled(model, self.device, cuda_graphs)
         self.graphs = DecodeGraphs(model, self.device) if on else None
@@ -104,6 +106,10 @@ class ModelRunner:
             key = self.graphs.key(batch, counts)
             if key is not None:
                 logits = self.graphs.run(key, ids, pos, batch)
+        if logits is None and self.compiled is not None:
+            key = self.compiled.key(batch, counts)
+            if key is not None:
+                logits = self.compiled.run(key, ids, pos, batch, [p.logit_rows for p in plans])
         if logits is None:
             hidden = self.model(ids, pos.to(dev, non_blocking=True), batch)
             flat_rows = torch.cat(rows).to(dev, non_blocking=True)

@@ -43,9 +43,10 @@ def enabled_by_env() -> bool:
 def _onednn_rows(x: Tensor, w: Tensor, grad: bool, out_features: int) -> Tensor | None:
     """x as [rows, in] for a oneDNN call on a packed copy of `w` (out_features wide), or None where torch's
     default path is the one to take: autograd, another device or dtype, no rows, or a float32 product under
-    PACK_MIN_WORK (MKL). The one rule for single and fused linears."""
+    PACK_MIN_WORK (MKL), or a forward being compiled. The one rule for single and fused linears."""
     if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in _DTYPES
-            or (torch.is_grad_enabled() and (x.requires_grad or grad)) or x.dim() < 2):
+            or (torch.is_grad_enabled() and (x.requires_grad or grad)) or x.dim() < 2
+            or torch.compiler.is_compiling()):  # traced (engine/compiled_step.py): inductor packs it itself
         return None
     rows = x.numel() // x.shape[-1]
     if rows == 0 or (w.dtype == torch.float32 and rows * x.shape[-1] * out_features < PACK_MIN_WORK):

@@ -68,7 +68,8 @@ class GatedMLP(nn.Module):
     fused_gate_up = None   # models/cpu_linear.FusedProjection over gate/up on the CPU (set by pack_linears)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.fused_gate_up(x) if self.fused_gate_up is not None else None
+        gate_up = (self.fused_gate_up(x) if self.fused_gate_up is not None and not torch.compiler.is_compiling()
+                   else None)
         if gate_up is not None:
             gate, up = gate_up.split(self.down_proj.weight.shape[1], dim=-1)
             return self.down_proj(self.act(gate) * up)
@@ -157,8 +158,9 @@ class Rotary(nn.Module):
         r, half = self.rotary_dim, self.rotary_dim // 2
         c, s = cos[..., None, :], sin[..., None, :]
         x1, x2 = x[..., :half], x[..., half:r]
-        if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
-            out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)  # out= has no backward
+        if (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)
+                or torch.compiler.is_compiling()):  # out= has no backward and is not traced
+            out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
         else:
             out = torch.empty((*x.shape[:-1], r), dtype=torch.float32, device=x.device)
             torch.mul(x1, c, out=out[..., :half]).addcmul_(x2, s, value=-1)

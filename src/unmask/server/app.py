@@ -73,6 +73,7 @@ class ServerArgs:
     # the block-causal fast path (engine/static_step.py): None = UNMASK_STATIC_STEP / UNMASK_CUDA_GRAPHS
     static_step: bool | None = None
     cuda_graphs: bool | None = None
+    compile_step: bool | None = None     # CPU decode steps compiled per shape (engine/compiled_step.py)
     memory_utilization: float = 0.9      # of the memory free after loading, for the static step's KV pool
     kv_pool_tokens: int | None = None    # or the pool's size in tokens
 
@@ -91,7 +92,7 @@ def load_serving(app: FastAPI, args: ServerArgs) -> None:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                   chat_template=args.chat_template, kv_cache_dtype=args.kv_cache_dtype, static_step=args.static_step,
                   cuda_graphs=args.cuda_graphs, memory_utilization=args.memory_utilization,
-                  kv_pool_tokens=args.kv_pool_tokens)
+                  kv_pool_tokens=args.kv_pool_tokens, compile_step=args.compile_step)
         if llm.tokenizer.has_chat_template:  # load the template's tokenizer now, not in the first chat request
             try:                              # (0.9 s with the built-in model on 2 CPU cores)
                 llm.tokenizer.apply_chat_template([{"role": "user", "content": "warm-up"}])

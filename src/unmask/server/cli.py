@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from unmask.defaults import (CUDA_GRAPHS_HELP, DEVICE_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES,
-                             KV_POOL_TOKENS_HELP, MEMORY_UTILIZATION_HELP, STATIC_STEP_HELP)
+                             KV_POOL_TOKENS_HELP, MEMORY_UTILIZATION_HELP, STATIC_STEP_HELP, COMPILE_STEP_HELP)
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's levels
@@ -98,6 +98,7 @@ def serve(
     kv_cache_dtype: str = typer.Option("auto", envvar="UNMASK_KV_CACHE_DTYPE", help=KV_CACHE_DTYPE_HELP),
     device: str = typer.Option("auto", envvar="UNMASK_DEVICE", help=DEVICE_HELP),
     static_step: Optional[bool] = typer.Option(None, "--static-step/--no-static-step", help=STATIC_STEP_HELP),
+    compile_step: Optional[bool] = typer.Option(None, "--compile-step/--no-compile-step", help=COMPILE_STEP_HELP),
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help=CUDA_GRAPHS_HELP),
     gpu_memory_utilization: Optional[float] = typer.Option(None, envvar="UNMASK_GPU_MEMORY_UTILIZATION",
                                                            help=MEMORY_UTILIZATION_HELP),
@@ -165,7 +166,7 @@ def serve(
         _fail(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose one of auto, {', '.join(KV_CACHE_DTYPES)}")
     from unmask.cli_util import static_step_options
 
-    fast = static_step_options(static_step, cuda_graphs, gpu_memory_utilization, kv_pool_tokens)
+    fast = static_step_options(static_step, cuda_graphs, gpu_memory_utilization, kv_pool_tokens, compile_step)
     from unmask.errors import UnmaskError
     from unmask.models.loader import check_device, load_spec, resolve_device
 
@@ -207,6 +208,7 @@ def serve(
     args.embedding_model, args.vector_store, args.database_url = embedding_model, vector_store, database_url
     args.kv_cache_dtype = kv_cache_dtype
     args.static_step, args.cuda_graphs = fast["static_step"], fast["cuda_graphs"]
+    args.compile_step = fast["compile_step"]
     args.memory_utilization, args.kv_pool_tokens = fast["memory_utilization"], fast["kv_pool_tokens"]
     if on_ray:
         from unmask.cluster.cli import serve_on_ray
