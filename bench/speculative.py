@@ -7,6 +7,8 @@ block per outcome), `speculative_b4` (draft blocks of 4: a narrower forward, for
 `speculative_b4_lookup` (the built-in model's default: also prompt-lookup drafts), or the subset --variants names;
 with --distilled the same ones on a second model of the same tokenizer (e.g. one trained by `unmask distill --teacher-block-size 1
 --full-block-fraction F`); the AR twin through transformers `generate`, and each variant's tokens/s over the twin's ("x twin").
+With --compiled every variant runs a second time on an engine with the compiled CPU step
+(engine/compiled_step.py), each task decoded once untimed first so every step shape is compiled before the rounds.
 Rounds rotate the order per task (A B A B); speeds are medians over rounds with min-max, and ratios are taken
 within each round (benchlib.policies.run_section, the suite's policy section).
 
@@ -56,6 +58,9 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(n for n, _, _ in VARIANTS),
                     help="comma-separated subset of the unmask variants, run for each model (the first is the "
                          "baseline of the 'x first' column)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also each variant with the compiled CPU step (engine/compiled_step.py; bfloat16), every "
+                         "task decoded once untimed first so each step shape is compiled before the rounds")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     known = {n: (n, lbl, knobs) for n, lbl, knobs in VARIANTS}
@@ -82,6 +87,17 @@ def main() -> None:
         other.engine = Engine(other.model, other.spec, other.tokenizer, max_num_seqs=1, prefix_cache_bytes=0)
         variants += [policies.Variant(f"distilled:{n}", f"distilled: {lbl}", knobs, group="distilled", llm=other)
                      for n, lbl, knobs in selected]
+    if args.compiled:
+        from unmask.engine.engine import Engine
+
+        models = [("compiled", args.model)] + ([("distilled-compiled", args.distilled)] if args.distilled else [])
+        for group, path in models:
+            c = LLM(path, dtype=args.dtype, device="cpu")
+            c.engine = Engine(c.model, c.spec, c.tokenizer, max_num_seqs=1, prefix_cache_bytes=0, compile_step=True)
+            if c.engine.runner.compiled is None:
+                sys.exit(f"--compiled: the compiled step does not take {path} in {args.dtype} (see the log)")
+            variants += [policies.Variant(f"{group}:{n}", f"{group}: {lbl}", knobs, group=group, llm=c,
+                                          warmup_tasks=10 ** 9) for n, lbl, knobs in selected]
     twin_name = None
     if not args.no_twin:
         hf = twin.HFTwin(args.twin, dtype=args.dtype)
@@ -110,8 +126,14 @@ def main() -> None:
         vs_twin = r.get("speed_vs_twin", {}).get("median")
         print(f"{n:32} {r['accuracy']:6.1%} {tpf:8.2f} {tps:8.1f} {ms:7.1f} {vs_first:8.2f} "
               f"{'' if vs_def is None else f'{vs_def:.2f}':>10} {'' if vs_twin is None else f'{vs_twin:.2f}':>7}")
+    compiled = {v.name: {"compiles": v.llm.engine.runner.compiled.compiles,
+                         "compile_s": v.llm.engine.runner.compiled.compile_s,
+                         "compiled_steps": v.llm.engine.runner.compiled.runs}
+                for v in variants if v.group.endswith("compiled")}
+    for n, c in compiled.items():
+        print(f"{n}: {c['compiles']} shapes compiled in {c['compile_s']:.0f} s (engine total, shared by its variants)")
     if args.json:
-        write_json(args.json, {"command": " ".join(sys.argv), "model": str(args.model), "distilled": str(args.distilled),
+        write_json(args.json, {"command": " ".join(sys.argv), "compiled_step": compiled, "model": str(args.model), "distilled": str(args.distilled),
                                "threads": torch.get_num_threads(), "dtype": args.dtype, "rounds": args.rounds,
                                "tasks": info, "seconds": time.perf_counter() - t0, "results": results}, default=str)
 

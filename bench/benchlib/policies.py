@@ -31,6 +31,7 @@ class Variant:
     cache: str = "exact"
     group: str = "unmask"            # "unmask", "distilled" (another unmask model, `llm`) or "twin"
     llm: object | None = None        # the LLM this variant decodes with (None: the section's model)
+    warmup_tasks: int = 1            # untimed requests first (a compiled step: every task, so each shape compiles)
 
 
 def unmask_variants(block_size: int, bidirectional: bool, learned: bool = False,
@@ -141,9 +142,10 @@ def run_section(llm, variants: list[Variant], tasks: list, rounds: int, log) -> 
         out = (v.llm or llm).generate([prompts[i]], [params])[0]
         return out.text, len(out.token_ids), out.forwards, time.perf_counter() - t0
 
-    # warm-up (untimed): one request per variant
+    # warm-up (untimed): one request per variant, or its warmup_tasks
     for v in variants:
-        one(v, 0)
+        for i in range(min(max(1, v.warmup_tasks), len(tasks))):
+            one(v, i)
     tallies = [{n: {k: Tally() for k in kinds} for n in names} for _ in range(rounds)]
     outputs: dict[str, list[str]] = {n: [""] * len(tasks) for n in names}
     t_start = time.perf_counter()
