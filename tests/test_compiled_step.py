@@ -78,7 +78,7 @@ def test_compiled_logits_match_the_eager_forward_for_every_layout():
     step = CompiledStep(model)
     batch = AttentionBatch(segs).prepare()
     key = step.key(batch, [r.numel() for r in rows])
-    assert key == (2, 16, 8, (256, 512), torch.float32)       # 2 rows, padded to 16 tokens, 8 logit rows each
+    assert key == (2, 16, 8, torch.float32)       # 2 rows, padded to 16 tokens, 8 logit rows each
     out = step.run(key, ids, pos, batch, rows)
     assert out.shape == ref.shape == (15, 300) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
@@ -87,6 +87,26 @@ def test_compiled_logits_match_the_eager_forward_for_every_layout():
         s.cache.length = s.start
     again = step.run(key, ids, pos, batch, rows)
     torch.testing.assert_close(again, ref, atol=2e-4, rtol=1e-4)
+    assert (step.compiles, step.runs) == (1, 2)
+
+
+def test_two_rows_compiled_with_equal_cache_lengths_serve_unequal_ones():
+    """Compiled when both caches were 256 long, the same shape then runs rows of 256 and 704: each row's length is
+    its own symbol (no duck sizing), so nothing assumes them equal."""
+    model = _model()
+    step = CompiledStep(model)
+    attend = draft_layout(1, 3, [4], [3])
+    ids = torch.randint(4, 300, (16,))
+    pos = torch.tensor([37, 38, 39, 40, 40, 41, 42, 43] * 2)
+    rows = [torch.arange(7), torch.arange(7)]
+    for caps in ((256, 256), (256, 704)):
+        segs = [Segment(start=37, length=8, write=4, cache=_filled_cache(model, c, 37), attend=attend) for c in caps]
+        want = _eager(model, segs, ids, pos, rows)
+        for seg in segs:
+            seg.cache.length = 37
+        batch = AttentionBatch(segs).prepare()
+        key = step.key(batch, [7, 7])
+        torch.testing.assert_close(step.run(key, ids, pos, batch, rows), want, atol=2e-4, rtol=1e-4)
     assert (step.compiles, step.runs) == (1, 2)
 
 
@@ -99,8 +119,17 @@ def test_one_request_alone_takes_its_own_shape_and_matches():
     step = CompiledStep(model)
     batch = AttentionBatch([seg]).prepare()
     key = step.key(batch, [7])
-    assert key == (1, 8, 8, (256,), torch.float32)
+    assert key == (1, 8, 8, torch.float32)
     torch.testing.assert_close(step.run(key, ids1, pos1, batch, rows1), ref, atol=2e-4, rtol=1e-4)
+    # the same step over a cache four times as long takes the same compiled code: its length is a symbol of it
+    longer = _filled_cache(model, 1024, 37)
+    seg2 = Segment(start=37, length=8, write=4, cache=longer, attend=seg.attend)
+    want = _eager(model, [seg2], ids1, pos1, rows1)
+    longer.length = 37
+    batch2 = AttentionBatch([seg2]).prepare()
+    assert step.key(batch2, [7]) == key
+    torch.testing.assert_close(step.run(key, ids1, pos1, batch2, rows1), want, atol=2e-4, rtol=1e-4)
+    assert (step.compiles, step.runs) == (1, 2)
 
 
 def test_steps_it_cannot_take_go_to_the_eager_path():
@@ -112,8 +141,8 @@ def test_steps_it_cannot_take_go_to_the_eager_path():
     assert step.key(AttentionBatch([Segment(start=10, length=4, suffix=2, cache=cache)]).prepare(), [4]) is None
     near_end = Segment(start=250, length=4, cache=_filled_cache(model, 256, 250))
     assert step.key(AttentionBatch([near_end]).prepare(), [4]) is None                  # no room for its padding
-    odd = Segment(start=10, length=4, cache=_filled_cache(model, 300, 10))
-    assert step.key(AttentionBatch([odd]).prepare(), [4]) is None                       # not a power of two
+    huge = Segment(start=10, length=4, cache=_filled_cache(model, 8256, 10))
+    assert step.key(AttentionBatch([huge]).prepare(), [4]) is None                      # past MAX_CAPACITY
     int8 = Int8KVCache([(2, 16)] * 2, "cpu", 256, 256)
     assert step.key(AttentionBatch([Segment(start=0, length=4, cache=int8)]).prepare(), [4]) is None
     assert step.compiles == 0
@@ -127,8 +156,8 @@ def test_which_models_it_takes():
 
     adapted.enable_draft_adapter(DraftAdapterConfig(rank=4, alpha=8, mask_id=3))
     assert "draft adapters" in not_compilable(adapted)
-    # requests get one power-of-two buffer with room for a padded step; long contexts keep the eager path's cache
-    assert cache_capacity(100) == 256 and cache_capacity(200) == 512 and cache_capacity(8128) == 8192
+    # requests get one buffer with room for a padded step, in whole 64s; long contexts keep the eager path's cache
+    assert cache_capacity(100) == 192 and cache_capacity(200) == 320 and cache_capacity(8128) == 8192
     assert cache_capacity(8129) is None
 
 

@@ -1,14 +1,14 @@
 """A CPU decode step compiled by torch.compile (inductor), one compiled forward per padded shape.
 
 On a CPU the forward of a small model is mostly fixed cost: a few hundred small operations (norms, RoPE, slices,
-residual adds) and the Python that dispatches them, around products that two cores finish quickly
-(docs/benchmarks.md, "What capturing a CPU step could save": 1.4-1.9x for the 5.25M model's forward at 4-24
-rows, 1.1x for the 19.9M one). Inductor fuses the small operations into a few C++ loops and packs the linears
-itself (`freezing`: weights become constants of the compiled graph), which is the CPU's counterpart of a CUDA
-graph: the work is fixed per shape, so it is done once per shape.
+residual adds) and the Python that dispatches them, around products that two cores finish quickly. Inductor
+fuses the small operations into a few C++ loops and packs the linears itself (`freezing`: weights become
+constants of the compiled graph), which is the CPU's counterpart of a CUDA graph: the work is fixed per shape,
+so it is done once per shape (bench/compiled_step.py: 1.85x a decode step of the 5.25M model, 1.58x of the 19.9M
+one, bfloat16, two cores).
 
-A step qualifies when every request feeds one segment of at most MAX_WIDTH tokens over a plain KV cache of a
-power-of-two capacity (the engine allocates such caches when this path is on), with no cached suffix, on a
+A step qualifies when every request feeds one segment of at most MAX_WIDTH tokens over a plain KV cache with
+room for a padded segment (the engine sizes caches so when this path is on, zeroed), with no cached suffix, on a
 model of the built-in transformer without a draft adapter or experts. Each request is one row:
 
   * the row's tokens padded to W (a multiple of 8) with token 0 at the positions that follow;
@@ -17,12 +17,13 @@ model of the built-in transformer without a draft adapter or experts. Each reque
   * its K/V written into its cache at start .. start + W (the padding's past the segment: scratch the next
     step overwrites, as the eager path's own scratch), attention over the whole cache with keys at or past
     start + W, and the row's padding keys, masked;
-  * the logit rows it asks for, padded to a power of two.
+  * the logit rows it asks for, padded to a power of two (at least 8).
 
-The shape key is (rows, W, logit rows per row, each cache's capacity, dtype); a new key compiles (seconds: 8-14
-s for the 5.25M model on two cores, measured by bench/compiled_step.py) and later steps of that shape run the
-compiled code. Anything else, and a shape past `max_graphs`, runs eagerly. Off by default (`--compile-step`,
-UNMASK_COMPILE_STEP=1): the first steps of each new shape wait for the compiler.
+The shape key is (rows, W, logit rows per row, dtype); each cache's length is a dynamic dimension of the
+compiled code, so requests of any length share it. A new key compiles (5-9 s for the 5.25M model on two cores)
+and later steps of that shape run the compiled code. Anything else, and a shape past `max_graphs`, runs
+eagerly. Off by default (`--compile-step`, UNMASK_COMPILE_STEP=1): the first step of each new shape waits for
+the compiler.
 """
 from __future__ import annotations
 
@@ -61,10 +62,9 @@ def compile_step_requested(explicit: bool | None = None) -> bool:
 
 
 def cache_capacity(total: int) -> int | None:
-    """The power-of-two capacity a request of `total` tokens gets when the compiled step is on (room for a
-    padded segment past its last token), or None where the compiled step would not take it anyway."""
-    need = total + MAX_WIDTH
-    cap = max(256, 1 << (need - 1).bit_length())
+    """The capacity a request of `total` tokens gets when the compiled step is on: room for a padded segment past
+    its last token, in whole 64s; None where the compiled step would not take it anyway."""
+    cap = -(-(total + MAX_WIDTH) // 64) * 64
     return cap if cap <= MAX_CAPACITY else None
 
 
@@ -164,15 +164,13 @@ class CompiledStep:
         width = -(-max(s.length for s in segs) // WIDTH_STEP) * WIDTH_STEP
         if width > MAX_WIDTH:
             return None
-        caps = []
         for s in segs:
             c = s.cache
             if (type(c) is not KVCache or c.dtype != self.dtype or s.suffix or s.extra or s.length == 0
-                    or c.capacity & (c.capacity - 1) or c.capacity > MAX_CAPACITY
+                    or c.capacity > MAX_CAPACITY
                     or s.start + width > c.capacity or c.length > s.start + s.length):
                 return None
-            caps.append(c.capacity)
-        return (len(segs), width, _pow2(max(counts), MIN_LOGIT_ROWS), tuple(caps), self.dtype)
+        return (len(segs), width, _pow2(max(counts), MIN_LOGIT_ROWS), self.dtype)
 
     def _compiled(self, key: tuple):
         fn = self.compiled.get(key)
@@ -181,7 +179,7 @@ class CompiledStep:
             # one shared `_step` would check every shape's guards in turn on each call (~0.4 ms at 10 shapes)
             code = CompiledStep._step.__code__.replace(co_name=f"_step_{len(self.compiled)}")
             step = types.MethodType(types.FunctionType(code, CompiledStep._step.__globals__, code.co_name), self)
-            fn = torch.compile(step, dynamic=False)
+            fn = torch.compile(step)
             self.compiled[key] = fn
         return fn
 
@@ -212,13 +210,20 @@ class CompiledStep:
             offset += n
         caches = [(seg.cache.k, seg.cache.v) for seg in batch.segments]
         first = key not in self._runs
+        if first:  # each cache's length is a symbol of the compiled code, not a constant of it
+            for seg in batch.segments:
+                for t in seg.cache.k + seg.cache.v:
+                    torch._dynamo.mark_dynamic(t, 1)
         t0 = time.perf_counter()
         args = (pad_ids.view(-1), pad_pos.view(-1), start, own, take.view(-1), caches)
         try:
             if first:  # weights become constants of the graph, packed for oneDNN; q/k/v and gate/up concatenated
                 import torch._inductor.config as inductor_config
+                import torch.fx.experimental._config as shape_config
 
-                with inductor_config.patch(COMPILE_CONFIG):
+                # no duck sizing: two rows whose caches are equally long now must not share one symbol, or a
+                # later step with other lengths would run code that assumes them equal (guards are skipped)
+                with inductor_config.patch(COMPILE_CONFIG), shape_config.patch(use_duck_shape=False):
                     logits = fn(*args)
             else:  # one compiled entry per code object and the key fixes every shape: no guards to evaluate
                 with _unguarded():

@@ -251,7 +251,7 @@ class Engine:
             total = seq.P + seq.params.max_tokens + len(seq.params.suffix_ids)
             compiled = self.runner.compiled is not None and self.kv_cache_dtype in (None, self.runner.compiled.dtype)
             cap = cache_capacity(total) if compiled else None
-            if cap is not None:  # one power-of-two buffer from the start: the compiled step's shapes depend on it
+            if cap is not None:  # one buffer from the start with room for the compiled step's padded segments
                 seq.cache = self.model.new_cache(capacity=cap, max_capacity=cap)
                 for t in seq.cache.k + seq.cache.v:
                     t.zero_()   # it attends over the whole buffer, masked: unwritten keys must be finite
