@@ -68,8 +68,7 @@ class GatedMLP(nn.Module):
     fused_gate_up = None   # models/cpu_linear.FusedProjection over gate/up on the CPU (set by pack_linears)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = (self.fused_gate_up(x) if self.fused_gate_up is not None and not torch.compiler.is_compiling()
-                   else None)
+        gate_up = self.fused_gate_up(x) if self.fused_gate_up is not None else None
         if gate_up is not None:
             gate, up = gate_up.split(self.down_proj.weight.shape[1], dim=-1)
             return self.down_proj(self.act(gate) * up)

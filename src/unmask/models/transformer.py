@@ -84,8 +84,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: Rotary, cos: Tensor, sin: Tensor, ctx) -> Tensor:
         lead = x.shape[:-1]  # [N] ragged or [B, L] dense
-        # (a traced forward takes the three linears: inductor packs and concatenates them itself)
-        qkv = self.fused_qkv(x) if self.fused_qkv is not None and not torch.compiler.is_compiling() else None
+        qkv = self.fused_qkv(x) if self.fused_qkv is not None else None
         if qkv is not None:   # one product; q and k then rotate in one call (RoPE acts per head)
             heads = qkv.view(*lead, self.h + 2 * self.kv, self.d)
             qk, v = heads[..., :self.h + self.kv, :], heads[..., self.h + self.kv:, :]
