@@ -34,10 +34,10 @@ import time
 import types
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from unmask.models.attention import _SDPA_HAS_GQA, AttentionBatch, KVCache, repeat_kv
+from unmask.engine.static_step import _pow2
+from unmask.models.attention import AttentionBatch, KVCache, sdpa
 
 log = logging.getLogger("unmask.engine")
 
@@ -66,10 +66,6 @@ def cache_capacity(total: int) -> int | None:
     its last token, in whole 64s; None where the compiled step would not take it anyway."""
     cap = -(-(total + MAX_WIDTH) // 64) * 64
     return cap if cap <= MAX_CAPACITY else None
-
-
-def _pow2(n: int, lo: int) -> int:
-    return max(lo, 1 << max(0, n - 1).bit_length())
 
 
 def not_compilable(model: torch.nn.Module) -> str | None:
@@ -123,15 +119,7 @@ class PaddedRows:
             slots = self.start[r] + torch.arange(w)
             kc[layer].index_copy_(1, slots, k[sl].transpose(0, 1))
             vc[layer].index_copy_(1, slots, v[sl].transpose(0, 1))
-            keys, vals = kc[layer], vc[layer]
-            qs = q[sl].transpose(0, 1)
-            if _SDPA_HAS_GQA:
-                o = F.scaled_dot_product_attention(qs[None], keys[None], vals[None], attn_mask=self.masks[r],
-                                                   enable_gqa=qs.shape[0] != keys.shape[0])[0]
-            else:
-                g = qs.shape[0] // keys.shape[0]
-                o = F.scaled_dot_product_attention(qs[None], repeat_kv(keys, g)[None], repeat_kv(vals, g)[None],
-                                                   attn_mask=self.masks[r])[0]
+            o = sdpa(q[sl].transpose(0, 1), kc[layer], vc[layer], self.masks[r], None)   # grouped heads as eager
             outs.append(o.transpose(0, 1))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
