@@ -8,8 +8,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from unmask.engine.compiled_step import (MAX_WIDTH, CompiledStep, cache_capacity, compile_step_requested,
-                                         not_compilable)
+from unmask.engine.compiled_step import (MAX_WIDTH, MAX_WIDTH_ALONE, CompiledStep, cache_capacity,
+                                         compile_step_requested, not_compilable)
 from unmask.engine.llm import LLM
 from unmask.engine.params import GenerationParams
 from unmask.engine.speculative import draft_layout
@@ -65,8 +65,8 @@ def _eager(model, segs, ids, pos, rows):
     batch = AttentionBatch([Segment(s.start, s.length, s.write, cache=s.cache, block_ids=s.block_ids,
                                     attend=s.attend) for s in segs]).prepare()
     hidden = model(ids, pos, batch)
-    offsets = [0, segs[0].length]
-    return model.logits(hidden[torch.cat([r + o for r, o in zip(rows, offsets[:len(rows)])])])
+    offsets = torch.tensor([0] + [s.length for s in segs]).cumsum(0)
+    return model.logits(hidden[torch.cat([r + o for r, o in zip(rows, offsets)])])
 
 
 def test_compiled_logits_match_the_eager_forward_for_every_layout():
@@ -78,7 +78,7 @@ def test_compiled_logits_match_the_eager_forward_for_every_layout():
     step = CompiledStep(model)
     batch = AttentionBatch(segs).prepare()
     key = step.key(batch, [r.numel() for r in rows])
-    assert key == (2, 16, 8, torch.float32)       # 2 rows, padded to 16 tokens, 8 logit rows each
+    assert key == (2, 16, 8)       # 2 rows, padded to 16 tokens, 8 logit rows each
     out = step.run(key, ids, pos, batch, rows)
     assert out.shape == ref.shape == (15, 300) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
@@ -88,6 +88,88 @@ def test_compiled_logits_match_the_eager_forward_for_every_layout():
     again = step.run(key, ids, pos, batch, rows)
     torch.testing.assert_close(again, ref, atol=2e-4, rtol=1e-4)
     assert (step.compiles, step.runs) == (1, 2)
+
+
+def test_three_requests_run_as_four_rows_and_the_padding_row_is_dropped():
+    """Row counts are padded to a power of two (fewer shapes to compile): the fourth row is token 0 over a scratch
+    cache of its own, and only the three requests' logits come back, the eager forward's."""
+    model = _model()
+    segs, ids, pos, rows = _segments(model)
+    third = Segment(start=20, length=5, write=5, cache=_filled_cache(model, 128, 20),
+                    attend=torch.ones(5, 5, dtype=torch.bool).tril())
+    segs, ids = segs + [third], torch.cat([ids, torch.randint(4, 300, (5,))])
+    pos, rows = torch.cat([pos, torch.arange(20, 25)]), rows + [torch.tensor([4])]
+    for s in segs:
+        s.cache.length = s.start
+    ref = _eager(model, segs, ids, pos, rows)
+    step = CompiledStep(model)
+    batch = AttentionBatch(segs).prepare()
+    key = step.key(batch, [r.numel() for r in rows])
+    assert key == (4, 16, 8)
+    out = step.run(key, ids, pos, batch, rows)
+    assert out.shape == (16, 300)
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_a_prompt_forward_runs_through_the_code_compiled_for_decode_steps():
+    """A request alone may feed up to MAX_WIDTH_ALONE tokens: its 300-token prompt (token-causal, write-all) and
+    then an 8-token decode step over the K/V it wrote, both through the one-row function, both the eager
+    forward's logits."""
+    model = _model()
+    step = CompiledStep(model)
+    assert step.warm(1)
+    cache, ref_cache = _filled_cache(model, 448, 0), _filled_cache(model, 448, 0)
+    ids = torch.randint(4, 300, (308,))
+    attend = torch.ones(300, 300, dtype=torch.bool).tril()
+    steps = [(0, 300, attend, torch.arange(290, 300)), (300, 8, draft_layout(1, 3, [4], [3]), torch.arange(7))]
+    for start, n, mask, sel in steps:
+        seg = Segment(start=start, length=n, write=n, cache=cache, attend=mask)
+        ref_seg = Segment(start=start, length=n, write=n, cache=ref_cache, attend=mask)
+        pos = torch.arange(start, start + n)
+        want = _eager(model, [ref_seg], ids[start:start + n], pos, [sel])
+        ref_cache.length = start + n
+        batch = AttentionBatch([seg]).prepare()
+        key = step.key(batch, [sel.numel()])
+        assert key == (1, -(-n // 8) * 8, -(-sel.numel() // 8) * 8)
+        torch.testing.assert_close(step.run(key, ids[start:start + n], pos, batch, [sel]), want, atol=2e-4, rtol=1e-4)
+        cache.length = start + n
+    assert (step.compiles, step.runs) == (1, 2)
+
+
+def test_warmed_on_padding_rows_the_code_serves_real_ones():
+    """`warm` compiles a row count before any step meets it (a server's start), tracing padding rows over fresh
+    caches of 512: the code it makes gives the eager logits for real rows over caches of 256 and 512, without
+    compiling again."""
+    model = _model()
+    segs, ids, pos, rows = _segments(model)
+    for s in segs:
+        s.cache.length = s.start
+    ref = _eager(model, segs, ids, pos, rows)
+    step = CompiledStep(model)
+    assert step.warm(2) and (step.compiles, step.runs) == (1, 0)
+    batch = AttentionBatch(segs).prepare()
+    key = step.key(batch, [r.numel() for r in rows])
+    torch.testing.assert_close(step.run(key, ids, pos, batch, rows), ref, atol=2e-4, rtol=1e-4)
+    assert (step.compiles, step.runs) == (1, 1)
+
+
+def test_one_compiled_forward_serves_every_width_and_count_of_logit_rows():
+    """W (tokens a row feeds, padded to 8s) and K (logit rows) are symbols of the code: a step of 8 tokens with 8
+    logit rows, then 24 with 16, then 40 with 40, all through the function compiled by the first, each the eager
+    forward's."""
+    model = _model()
+    step = CompiledStep(model)
+    for n, m in ((7, 7), (20, 13), (37, 37)):
+        cache = _filled_cache(model, 256, 30)
+        seg = Segment(start=30, length=n, write=n, cache=cache, attend=torch.ones(n, n, dtype=torch.bool).tril())
+        ids, pos, sel = torch.randint(4, 300, (n,)), torch.arange(30, 30 + n), torch.arange(n - m, n)
+        want = _eager(model, [seg], ids, pos, [sel])
+        cache.length = 30
+        batch = AttentionBatch([seg]).prepare()
+        key = step.key(batch, [m])
+        assert key[1:] == (-(-n // 8) * 8, -(-m // 8) * 8)
+        torch.testing.assert_close(step.run(key, ids, pos, batch, [sel]), want, atol=2e-4, rtol=1e-4)
+    assert (step.compiles, step.runs) == (1, 3)
 
 
 def test_two_rows_compiled_with_equal_cache_lengths_serve_unequal_ones():
@@ -119,7 +201,7 @@ def test_one_request_alone_takes_its_own_shape_and_matches():
     step = CompiledStep(model)
     batch = AttentionBatch([seg]).prepare()
     key = step.key(batch, [7])
-    assert key == (1, 8, 8, torch.float32)
+    assert key == (1, 8, 8)
     torch.testing.assert_close(step.run(key, ids1, pos1, batch, rows1), ref, atol=2e-4, rtol=1e-4)
     # the same step over a cache four times as long takes the same compiled code: its length is a symbol of it
     longer = _filled_cache(model, 1024, 37)
@@ -136,8 +218,12 @@ def test_steps_it_cannot_take_go_to_the_eager_path():
     model = _model()
     step = CompiledStep(model)
     cache = _filled_cache(model, 256, 10)
-    wide = Segment(start=10, length=MAX_WIDTH + 1, write=0, cache=cache)
-    assert step.key(AttentionBatch([wide]).prepare(), [1]) is None                      # a prefill chunk
+    wide = Segment(start=10, length=MAX_WIDTH + 1, write=0, cache=_filled_cache(model, 1024, 10))
+    assert step.key(AttentionBatch([wide]).prepare(), [1]) == (1, 72, 8)               # alone: compiled
+    other = Segment(start=10, length=4, cache=cache)
+    assert step.key(AttentionBatch([wide, other]).prepare(), [1, 4]) is None            # beside another: eager
+    widest = Segment(start=10, length=MAX_WIDTH_ALONE + 1, write=0, cache=_filled_cache(model, 1024, 10))
+    assert step.key(AttentionBatch([widest]).prepare(), [1]) is None                    # a long prompt's chunk
     assert step.key(AttentionBatch([Segment(start=10, length=4, suffix=2, cache=cache)]).prepare(), [4]) is None
     near_end = Segment(start=250, length=4, cache=_filled_cache(model, 256, 250))
     assert step.key(AttentionBatch([near_end]).prepare(), [4]) is None                  # no room for its padding
@@ -175,13 +261,14 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 def test_the_engine_in_bfloat16_writes_the_eager_tokens():
     """The 5.25M model, greedy, its default policy (self-speculative, block 4; the threshold rule's block layout
-    is in the first test): the same tokens with the compiled step as without, up to where the eager model's two most likely tokens were within
-    bfloat16's rounding of each other (the compiled forward rounds in other places: logits within ~0.13), with
-    most steps compiled."""
+    is in the first test): the same tokens with the compiled step as without, up to where the eager model's two
+    most likely tokens were within bfloat16's rounding of each other (the compiled forward rounds in other
+    places: logits within ~0.13). The engine compiles the one-request step when it starts."""
     eager = LLM(MODEL, dtype="bfloat16", device="cpu")
     compiled = LLM(MODEL, dtype="bfloat16", device="cpu", compile_step=True)
     step = compiled.engine.runner.compiled
     assert step is not None and eager.engine.runner.compiled is None
+    assert (step.compiles, step.runs) == (1, 0)   # warmed at start
     prompt = compiled.encode("def add(a, b):\n    return")
     params = GenerationParams(max_tokens=24, logprobs=True, top_logprobs=2, policy="speculative", block_size=4)
     want = eager.generate([prompt], [params])[0]
@@ -193,7 +280,7 @@ def test_the_engine_in_bfloat16_writes_the_eager_tokens():
     else:   # a near tie: the eager step's top two log-probabilities within bf16 rounding
         (_, first), (_, second) = want.top_logprobs[i][:2]
         assert first - second < 0.1, (i, want.top_logprobs[i])
-    assert step.runs > step.compiles > 0 and not step.failed
+    assert step.runs > 0 and step.compiles == 1 and not step.failed
 
 
 def test_float32_asks_are_refused_with_the_reason(caplog):
@@ -211,3 +298,4 @@ def test_generate_takes_the_flag_and_a_bad_variable_is_one_line(monkeypatch):
     r = runner.invoke(app, ["generate", "--model", str(MODEL), "hi"])
     assert r.exit_code == 1 and r.stderr.strip() == ("error: UNMASK_COMPILE_STEP must be one of 1, true, yes, on, 0, "
                                                      "false, no, off, got 'maybe'"), r.output
+

@@ -1,29 +1,33 @@
-"""A CPU decode step compiled by torch.compile (inductor), one compiled forward per padded shape.
+"""A CPU decode step compiled by torch.compile (inductor), one compiled forward per count of rows.
 
 On a CPU the forward of a small model is mostly fixed cost: a few hundred small operations (norms, RoPE, slices,
 residual adds) and the Python that dispatches them, around products that two cores finish quickly. Inductor
 fuses the small operations into a few C++ loops and packs the linears itself (`freezing`: weights become
 constants of the compiled graph), which is the CPU's counterpart of a CUDA graph: the work is fixed per shape,
-so it is done once per shape (bench/compiled_step.py: 1.85x a decode step of the 5.25M model, 1.58x of the 19.9M
-one, bfloat16, two cores).
+so it is done once (bench/compiled_step.py: 1.99x a decode step of the 5.25M drafter, 1.36x of the 19.9M model,
+bfloat16, two cores).
 
-A step qualifies when every request feeds one segment of at most MAX_WIDTH tokens over a plain KV cache with
+A step qualifies when every request feeds one segment of at most MAX_WIDTH tokens (MAX_WIDTH_ALONE when it is the
+only request: a prompt's first forward, up to 512 tokens, runs compiled too) over a plain KV cache with
 room for a padded segment (the engine sizes caches so when this path is on, zeroed), with no cached suffix, on a
 model of the built-in transformer without a draft adapter or experts. Each request is one row:
 
-  * the row's tokens padded to W (a multiple of 8) with token 0 at the positions that follow;
+  * the row's tokens padded to W (a multiple of 8, the longest segment's) with token 0 at the positions after;
   * its own-key mask [W, W] from the segment (block ids or the self-speculative layout: `Segment.own_mask`), a
     padding query seeing only itself; the cached prefix [0, start) is visible to every real query;
   * its K/V written into its cache at start .. start + W (the padding's past the segment: scratch the next
     step overwrites, as the eager path's own scratch), attention over the whole cache with keys at or past
     start + W, and the row's padding keys, masked;
-  * the logit rows it asks for, padded to a power of two (at least 8).
+  * the logit rows it asks for, padded to K (a multiple of 8).
 
-The shape key is (rows, W, logit rows per row, dtype); each cache's length is a dynamic dimension of the
-compiled code, so requests of any length share it. A new key compiles (5-9 s for the 5.25M model on two cores)
-and later steps of that shape run the compiled code. Anything else, and a shape past `max_graphs`, runs
-eagerly. Off by default (`--compile-step`, UNMASK_COMPILE_STEP=1): the first step of each new shape waits for
-the compiler.
+Rows are padded to a power of two (1, 2, 4, 8) with rows of token 0 over scratch caches of their own, whose
+logits are dropped. W, K and each cache's length are dynamic dimensions of the compiled code (symbols, not
+constants: `torch._dynamo.mark_dynamic`, no duck sizing), so one compiled forward per row count serves every
+step of that many rows: 4 compiles at most per process (about 25 s each for these models on two cores with an
+empty inductor cache, 12 s with a warm one). A step of a row count not compiled yet compiles before it runs
+(the engine compiles one row at start: `warm`); anything else runs eagerly, as do row counts past the
+weight-copy budget (each compiled forward holds its own packed copy of the weights: at most 1 GiB of copies).
+Off by default (`--compile-step`, UNMASK_COMPILE_STEP=1).
 """
 from __future__ import annotations
 
@@ -41,12 +45,16 @@ from unmask.models.attention import AttentionBatch, KVCache, sdpa
 
 log = logging.getLogger("unmask.engine")
 
-MAX_WIDTH = 64           # tokens one row may feed; wider steps (prefill chunks) run eagerly
-WIDTH_STEP = 8           # rows are padded to a multiple of this (the linears pay for every padded token)
-MIN_LOGIT_ROWS = 8       # logit rows per row, a power of two from here: fewer shapes, a few rows of head more
+MAX_WIDTH = 64           # tokens each row of a several-request step may feed (all rows pad to the widest)
+# tokens a request alone may feed: its prompt's forward too, up to here (bench/compiled_first_forward.py: time to
+# first token 1.15x eager's on the 19.9M model, 0.95x on the 5.25M one); wider prompts' chunks run eagerly
+MAX_WIDTH_ALONE = 512
+WIDTH_STEP = 8           # rows' tokens and logit rows are padded to a multiple of this: never a size of 1, which
+                         # the compiler would specialise (the traced code assumes the symbols it saw stay > 1)
 MAX_CAPACITY = 8192      # a cache past this is attended in full each step: the eager path's prefix split wins
 MAX_ROWS = 8
-GRAPH_WEIGHT_BUDGET = 1 << 30   # bytes of frozen weight copies the compiled graphs may hold together
+WARM_CAPACITY = 512      # the cache length `warm` traces with (the code is tuned for its sizes)
+GRAPH_WEIGHT_BUDGET = 1 << 30   # bytes of frozen weight copies the compiled forwards may hold together
 _OFF = ("0", "false", "no", "off")
 # half precision only: inductor packs float32 linears for MKL, whose product at these sizes is about twice the
 # eager oneDNN one (runs/prof/compiled_micro2.py: the 5.25M model's compiled float32 step 0.89-0.92x eager)
@@ -125,20 +133,21 @@ class PaddedRows:
 
 
 class CompiledStep:
-    """Compiled forwards keyed by padded shape (module docstring); `run` returns None where a step runs eagerly."""
+    """Compiled forwards keyed by row count (module docstring); `run` returns None where a step runs eagerly."""
 
-    def __init__(self, model: torch.nn.Module, max_graphs: int | None = None):
+    def __init__(self, model: torch.nn.Module):
         self.model = model
-        # each compiled graph keeps its own packed copy of the weights (freezing)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.max_graphs = max_graphs or max(4, min(32, GRAPH_WEIGHT_BUDGET // max(1, weight_bytes)))
         self.dtype = model.lm_head.weight.dtype
-        self.compiled: dict[tuple, object] = {}
-        self.failed: set[tuple] = set()
+        # each compiled forward keeps its own packed copy of the weights (freezing): at most GRAPH_WEIGHT_BUDGET
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.max_graphs = max(1, min(4, GRAPH_WEIGHT_BUDGET // max(1, weight_bytes)))
+        self.compiled: dict[int, object] = {}     # padded row count -> compiled function
+        self._traced: set[int] = set()             # row counts whose function has compiled (its first call ran)
+        self.failed: set[int] = set()
         self.compiles = self.runs = 0
         self.compile_s = 0.0
         self.enabled = True
-        self._runs: dict[tuple, int] = {}
+        self._scratch: list[tuple[list[Tensor], list[Tensor]]] = []   # caches of padding rows
 
     def _step(self, ids: Tensor, pos: Tensor, start: Tensor, own: Tensor, rows: Tensor, caches) -> Tensor:
         ctx = PaddedRows(caches, start, own)
@@ -146,11 +155,12 @@ class CompiledStep:
         return self.model.logits(hidden.index_select(0, rows))
 
     def key(self, batch: AttentionBatch, counts: list[int]) -> tuple | None:
+        """(rows, W, K): the padded shape of this step, or None where it runs eagerly."""
         segs = batch.segments
         if not self.enabled or not segs or len(segs) > MAX_ROWS:
             return None
-        width = -(-max(s.length for s in segs) // WIDTH_STEP) * WIDTH_STEP
-        if width > MAX_WIDTH:
+        width = _round_up(max(s.length for s in segs))
+        if width > (MAX_WIDTH if len(segs) > 1 else MAX_WIDTH_ALONE):
             return None
         for s in segs:
             c = s.cache
@@ -158,34 +168,44 @@ class CompiledStep:
                     or c.capacity > MAX_CAPACITY
                     or s.start + width > c.capacity or c.length > s.start + s.length):
                 return None
-        return (len(segs), width, _pow2(max(counts), MIN_LOGIT_ROWS), self.dtype)
+        return (_pow2(len(segs), 1), width, _round_up(max(counts)))
 
-    def _compiled(self, key: tuple):
-        fn = self.compiled.get(key)
-        if fn is None and key not in self.failed and len(self.compiled) < self.max_graphs:
-            # a code object of its own per shape: dynamo keeps compiled code and its guards per code object, so
-            # one shared `_step` would check every shape's guards in turn on each call (~0.4 ms at 10 shapes)
-            code = CompiledStep._step.__code__.replace(co_name=f"_step_{len(self.compiled)}")
+    def _function(self, rows: int):
+        """The compiled function for `rows` rows (traced by its first call), or None: eager."""
+        fn = self.compiled.get(rows)
+        if fn is None and rows not in self.failed and len(self.compiled) < self.max_graphs:
+            # a code object of its own per row count: dynamo keeps compiled code and its guards per code object,
+            # so one shared `_step` would check every count's guards in turn on each call
+            code = CompiledStep._step.__code__.replace(co_name=f"_step_{rows}")
             step = types.MethodType(types.FunctionType(code, CompiledStep._step.__globals__, code.co_name), self)
-            fn = torch.compile(step)
-            self.compiled[key] = fn
+            self.compiled[rows] = fn = torch.compile(step)
         return fn
 
-    def run(self, key: tuple, ids: Tensor, positions: Tensor, batch: AttentionBatch,
-            rows: list[Tensor]) -> Tensor | None:
-        """Logits [sum of rows, V] float32, or None: run this step eagerly. rows: per segment, its logit rows
-        (offsets within the segment)."""
-        fn = self._compiled(key)
-        if fn is None:
-            return None
-        R, W, K = key[0], key[1], key[2]
+    def _zero_cache(self, capacity: int) -> tuple[list[Tensor], list[Tensor]]:
+        c = self.model.new_cache(capacity=capacity, max_capacity=capacity)
+        for t in c.k + c.v:
+            t.zero_()
+        return c.k, c.v
+
+    def _scratch_cache(self, i: int) -> tuple[list[Tensor], list[Tensor]]:
+        """The cache of padding row i: its K/V are scratch, read by that row alone."""
+        while len(self._scratch) <= i:
+            self._scratch.append(self._zero_cache(2 * MAX_WIDTH))
+        return self._scratch[i]
+
+    def _inputs(self, key: tuple, batch: AttentionBatch | None, ids: Tensor | None, positions: Tensor | None,
+                rows: list[Tensor], capacity: int = 0) -> tuple:
+        """The padded arguments of the compiled function; batch None: every row a padding row over a fresh cache
+        of `capacity` (a trace's inputs)."""
+        R, W, K = key
         pad_ids = torch.zeros(R, W, dtype=torch.long)
-        pad_pos = torch.empty(R, W, dtype=torch.long)
+        pad_pos = torch.arange(W).repeat(R, 1)
         own = torch.eye(W, dtype=torch.bool).repeat(R, 1, 1)   # a padding query sees itself only
-        start = torch.empty(R, dtype=torch.long)
-        take = torch.zeros(R, K, dtype=torch.long)
+        start = torch.zeros(R, dtype=torch.long)
+        take = (torch.arange(R) * W)[:, None].repeat(1, K)
+        segs = batch.segments if batch is not None else []
         offset = 0
-        for r, (seg, sel) in enumerate(zip(batch.segments, rows)):
+        for r, (seg, sel) in enumerate(zip(segs, rows)):
             n = seg.length
             pad_ids[r, :n] = ids[offset:offset + n]
             pad_pos[r, :n] = positions[offset:offset + n]
@@ -196,37 +216,84 @@ class CompiledStep:
             start[r] = seg.start
             take[r, :sel.numel()] = sel + r * W
             offset += n
-        caches = [(seg.cache.k, seg.cache.v) for seg in batch.segments]
-        first = key not in self._runs
-        if first:  # each cache's length is a symbol of the compiled code, not a constant of it
-            for seg in batch.segments:
-                for t in seg.cache.k + seg.cache.v:
-                    torch._dynamo.mark_dynamic(t, 1)
-        t0 = time.perf_counter()
-        args = (pad_ids.view(-1), pad_pos.view(-1), start, own, take.view(-1), caches)
-        try:
-            if first:  # weights become constants of the graph, packed for oneDNN; q/k/v and gate/up concatenated
-                import torch._inductor.config as inductor_config
-                import torch.fx.experimental._config as shape_config
+        if batch is None:
+            caches = [self._zero_cache(capacity) for _ in range(R)]
+        else:   # padding rows: a scratch cache each (distinct tensors: the compiled code writes every row's cache)
+            caches = [(seg.cache.k, seg.cache.v) for seg in segs]
+            caches += [self._scratch_cache(i) for i in range(R - len(segs))]
+        return pad_ids.view(-1), pad_pos.view(-1), start, own, take.view(-1), caches
 
-                # no duck sizing: two rows whose caches are equally long now must not share one symbol, or a
-                # later step with other lengths would run code that assumes them equal (guards are skipped)
-                with inductor_config.patch(COMPILE_CONFIG), shape_config.patch(use_duck_shape=False):
-                    logits = fn(*args)
-            else:  # one compiled entry per code object and the key fixes every shape: no guards to evaluate
-                with _unguarded():
-                    logits = fn(*args)
-        except Exception as e:  # an operation this build cannot compile: eager from now on for this shape
-            self.failed.add(key)
-            self.compiled.pop(key, None)
-            log.warning("compiled step off for shape %s (%s)", key[:4], str(e).splitlines()[0][:200])
+    def _trace(self, fn, args: tuple) -> Tensor:
+        """The first call of `fn`: dynamo traces it, inductor compiles it with frozen, oneDNN-packed weights and
+        concatenated q/k/v and gate/up. The widths and each cache's length become symbols of the code."""
+        import torch._inductor.config as inductor_config
+        import torch.fx.experimental._config as shape_config
+
+        ids, pos, _, own, take, caches = args
+        for t in (ids, pos, take):
+            torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(own, 1)
+        torch._dynamo.mark_dynamic(own, 2)
+        for kc, vc in caches:
+            for t in kc + vc:
+                torch._dynamo.mark_dynamic(t, 1)
+        # no duck sizing: sizes equal in this call (two caches, W and K) must not share one symbol, or a later
+        # step where they differ would run code that assumes them equal (guards are skipped)
+        with inductor_config.patch(COMPILE_CONFIG), shape_config.patch(use_duck_shape=False), torch.no_grad():
+            return fn(*args)   # no_grad: an inference graph (freezing needs one), and grad mode is guarded
+
+    def warm(self, rows: int = 1) -> bool:
+        """Compile the forward of `rows` rows now, on padding rows (a server does this before it takes requests);
+        False where it failed (those steps stay eager)."""
+        fn = self._function(rows)
+        if fn is None or rows in self._traced:
+            return fn is not None
+        # hints the compiler tunes for: a mid-size step over a cache of a typical prompt
+        args = self._inputs((rows, 2 * WIDTH_STEP, WIDTH_STEP), None, None, None, [], capacity=WARM_CAPACITY)
+        return self._compile(rows, fn, args) is not None
+
+    def _compile(self, rows: int, fn, args: tuple) -> Tensor | None:
+        t0 = time.perf_counter()
+        try:
+            out = self._trace(fn, args)
+        except Exception as e:  # an operation this build cannot compile: eager from now on for this row count
+            self.failed.add(rows)
+            self.compiled.pop(rows, None)
+            log.warning("compiled step off for %d row(s) (%s)", rows, str(e).splitlines()[0][:200])
             return None
-        if first:
-            self.compiles += 1
-            self.compile_s += time.perf_counter() - t0
-            log.info("compiled a CPU step for %d row(s) x %d tokens (%.1f s)", R, W, time.perf_counter() - t0)
-        self._runs[key] = self._runs.get(key, 0) + 1
+        self._traced.add(rows)
+        self.compiles += 1
+        self.compile_s += time.perf_counter() - t0
+        log.info("compiled the CPU step for %d row(s) (%.1f s)", rows, time.perf_counter() - t0)
+        return out
+
+    def run(self, key: tuple, ids: Tensor, positions: Tensor, batch: AttentionBatch,
+            rows: list[Tensor]) -> Tensor | None:
+        """Logits [sum of rows, V] float32, or None: run this step eagerly. rows: per segment, its logit rows
+        (offsets within the segment)."""
+        fn = self._function(key[0])
+        if fn is None:
+            return None
+        args = self._inputs(key, batch, ids, positions, rows)
+        if key[0] not in self._traced:
+            logits = self._compile(key[0], fn, args)
+            if logits is None:
+                return None
+        else:
+            try:  # one compiled entry per code object, and its shapes are symbols: no guards to evaluate
+                with _unguarded(), torch.no_grad():
+                    logits = fn(*args)
+            except Exception as e:
+                self.failed.add(key[0])
+                self.compiled.pop(key[0], None)
+                log.warning("compiled step off for %d row(s) (%s)", key[0], str(e).splitlines()[0][:200])
+                return None
         self.runs += 1
-        if R == 1:
+        K = key[2]
+        if len(rows) == 1:
             return logits[:rows[0].numel()]
         return torch.cat([logits[r * K:r * K + sel.numel()] for r, sel in enumerate(rows)])
+
+
+def _round_up(n: int) -> int:
+    return -(-n // WIDTH_STEP) * WIDTH_STEP

@@ -52,8 +52,8 @@ class Engine:
         a GPU (engine/static_step.py; None: UNMASK_STATIC_STEP); the pool holds `kv_pool_tokens` (None: what
         `memory_utilization` of the memory free now allows, at most what max_num_seqs full contexts need).
         cuda_graphs: capture and replay steps as CUDA graphs on a GPU (None: UNMASK_CUDA_GRAPHS, on by default).
-        compile_step: on the CPU, run decode steps through forwards compiled per padded shape
-        (engine/compiled_step.py; None: UNMASK_COMPILE_STEP, off by default)."""
+        compile_step: on the CPU, run decode steps through forwards compiled per count of requests, the
+        one-request forward compiled here (engine/compiled_step.py; None: UNMASK_COMPILE_STEP, off by default)."""
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.kv_cache_dtype = kv_cache_dtype  # None: the weights' dtype
         probe = model.new_cache(capacity=0, dtype=kv_cache_dtype)
@@ -82,7 +82,9 @@ class Engine:
                 log.warning("compiled CPU step not used: %s", reason)
             else:
                 compiled = CompiledStep(model)
-                log.info("compiled CPU step on: each new step shape compiles once (seconds) before it runs")
+                log.info("compiled CPU step on: compiling the one-request step (seconds; later row counts compile "
+                         "when first met)")
+                compiled.warm(1)
         self.runner = ModelRunner(model, static, cuda_graphs, compiled)
         self.traits = ModelTraits(
             attention=spec.family.attention, shift=spec.shift, mask_id=spec.mask_id,

@@ -24,7 +24,7 @@ class LLM:
                  kv_pool_tokens: int | None = None, memory_utilization: float = 0.9,
                  cuda_graphs: bool | None = None, compile_step: bool | None = None):
         """static_step, kv_pool_tokens, memory_utilization, cuda_graphs: the block-causal static-buffer step, its KV
-        pool and graph capture (Engine; engine/static_step.py); compile_step: CPU decode steps compiled per shape
+        pool and graph capture (Engine; engine/static_step.py); compile_step: CPU decode steps compiled per count of requests
         (engine/compiled_step.py)."""
         if model is None and not default_model_path().is_dir():
             raise ModelLoadError(f"the built-in model is not installed at {default_model_path()}; pass --model DIR")
