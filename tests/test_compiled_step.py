@@ -220,6 +220,7 @@ def test_steps_it_cannot_take_go_to_the_eager_path():
     cache = _filled_cache(model, 256, 10)
     wide = Segment(start=10, length=MAX_WIDTH + 1, write=0, cache=_filled_cache(model, 1024, 10))
     assert step.key(AttentionBatch([wide]).prepare(), [1]) == (1, 72, 8)               # alone: compiled
+    assert step.key(AttentionBatch([wide]).prepare(), [0]) == (1, 72, 8)               # write-only: K never 0
     other = Segment(start=10, length=4, cache=cache)
     assert step.key(AttentionBatch([wide, other]).prepare(), [1, 4]) is None            # beside another: eager
     widest = Segment(start=10, length=MAX_WIDTH_ALONE + 1, write=0, cache=_filled_cache(model, 1024, 10))

@@ -168,7 +168,7 @@ class CompiledStep:
                     or c.capacity > MAX_CAPACITY
                     or s.start + width > c.capacity or c.length > s.start + s.length):
                 return None
-        return (_pow2(len(segs), 1), width, _round_up(max(counts)))
+        return (_pow2(len(segs), 1), width, _round_up(max(1, *counts)))   # a write-only chunk asks for no rows
 
     def _function(self, rows: int):
         """The compiled function for `rows` rows (traced by its first call), or None: eager."""
@@ -256,16 +256,19 @@ class CompiledStep:
         t0 = time.perf_counter()
         try:
             out = self._trace(fn, args)
-        except Exception as e:  # an operation this build cannot compile: eager from now on for this row count
-            self.failed.add(rows)
-            self.compiled.pop(rows, None)
-            log.warning("compiled step off for %d row(s) (%s)", rows, str(e).splitlines()[0][:200])
-            return None
+        except Exception as e:  # an operation this build cannot compile
+            return self._give_up(rows, e)
         self._traced.add(rows)
         self.compiles += 1
         self.compile_s += time.perf_counter() - t0
         log.info("compiled the CPU step for %d row(s) (%.1f s)", rows, time.perf_counter() - t0)
         return out
+
+    def _give_up(self, rows: int, error: Exception) -> None:
+        """Steps of `rows` rows run eagerly from now on (this one included: the caller runs it)."""
+        self.failed.add(rows)
+        self.compiled.pop(rows, None)
+        log.warning("compiled step off for %d row(s) (%s)", rows, str(error).splitlines()[0][:200])
 
     def run(self, key: tuple, ids: Tensor, positions: Tensor, batch: AttentionBatch,
             rows: list[Tensor]) -> Tensor | None:
@@ -284,10 +287,7 @@ class CompiledStep:
                 with _unguarded(), torch.no_grad():
                     logits = fn(*args)
             except Exception as e:
-                self.failed.add(key[0])
-                self.compiled.pop(key[0], None)
-                log.warning("compiled step off for %d row(s) (%s)", key[0], str(e).splitlines()[0][:200])
-                return None
+                return self._give_up(key[0], e)
         self.runs += 1
         K = key[2]
         if len(rows) == 1:
