@@ -33,6 +33,17 @@ def _model(dtype=torch.float32) -> DiffusionTransformer:
     return model
 
 
+@pytest.fixture(scope="module")
+def shared() -> CompiledStep:
+    """One compiled step over `_model()` for the tests that need no fresh one: each row count compiles once in the
+    module (seconds each), as in an engine."""
+    return CompiledStep(_model())
+
+
+def _counts(step: CompiledStep) -> tuple[int, int]:
+    return step.compiles, step.runs
+
+
 def _filled_cache(model, capacity: int, length: int) -> KVCache:
     """A cache whose first `length` positions hold the K/V of a real prompt (an eager causal pass)."""
     cache = model.new_cache(capacity=capacity, max_capacity=capacity)
@@ -69,17 +80,17 @@ def _eager(model, segs, ids, pos, rows):
     return model.logits(hidden[torch.cat([r + o for r, o in zip(rows, offsets)])])
 
 
-def test_compiled_logits_match_the_eager_forward_for_every_layout():
-    model = _model()
+def test_compiled_logits_match_the_eager_forward_for_every_layout(shared):
+    step, model = shared, shared.model
     segs, ids, pos, rows = _segments(model)
     for s in segs:   # the eager reference first, on the same caches (it writes the same K/V)
         s.cache.length = s.start
     ref = _eager(model, segs, ids, pos, rows)
-    step = CompiledStep(model)
     batch = AttentionBatch(segs).prepare()
     key = step.key(batch, [r.numel() for r in rows])
     assert key == (2, 16, 8)       # 2 rows, padded to 16 tokens, 8 logit rows each
     out = step.run(key, ids, pos, batch, rows)
+    compiles, runs = _counts(step)
     assert out.shape == ref.shape == (15, 300) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
     # the kept K/V are the eager ones (the next step reads them), and a second run replays without compiling
@@ -87,7 +98,7 @@ def test_compiled_logits_match_the_eager_forward_for_every_layout():
         s.cache.length = s.start
     again = step.run(key, ids, pos, batch, rows)
     torch.testing.assert_close(again, ref, atol=2e-4, rtol=1e-4)
-    assert (step.compiles, step.runs) == (1, 2)
+    assert _counts(step) == (compiles, runs + 1) and 2 in step._traced
 
 
 def test_three_requests_run_as_four_rows_and_the_padding_row_is_dropped():
@@ -111,13 +122,13 @@ def test_three_requests_run_as_four_rows_and_the_padding_row_is_dropped():
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
 
 
-def test_a_prompt_forward_runs_through_the_code_compiled_for_decode_steps():
+def test_a_prompt_forward_runs_through_the_code_compiled_for_decode_steps(shared):
     """A request alone may feed up to MAX_WIDTH_ALONE tokens: its 300-token prompt (token-causal, write-all) and
     then an 8-token decode step over the K/V it wrote, both through the one-row function, both the eager
     forward's logits."""
-    model = _model()
-    step = CompiledStep(model)
+    step, model = shared, shared.model
     assert step.warm(1)
+    compiles, runs = _counts(step)
     cache, ref_cache = _filled_cache(model, 448, 0), _filled_cache(model, 448, 0)
     ids = torch.randint(4, 300, (308,))
     attend = torch.ones(300, 300, dtype=torch.bool).tril()
@@ -133,7 +144,7 @@ def test_a_prompt_forward_runs_through_the_code_compiled_for_decode_steps():
         assert key == (1, -(-n // 8) * 8, -(-sel.numel() // 8) * 8)
         torch.testing.assert_close(step.run(key, ids[start:start + n], pos, batch, [sel]), want, atol=2e-4, rtol=1e-4)
         cache.length = start + n
-    assert (step.compiles, step.runs) == (1, 2)
+    assert _counts(step) == (compiles, runs + 2)   # no compile after warm: the 304-token step runs the same code
 
 
 def test_warmed_on_padding_rows_the_code_serves_real_ones():
@@ -153,12 +164,13 @@ def test_warmed_on_padding_rows_the_code_serves_real_ones():
     assert (step.compiles, step.runs) == (1, 1)
 
 
-def test_one_compiled_forward_serves_every_width_and_count_of_logit_rows():
+def test_one_compiled_forward_serves_every_width_and_count_of_logit_rows(shared):
     """W (tokens a row feeds, padded to 8s) and K (logit rows) are symbols of the code: a step of 8 tokens with 8
     logit rows, then 24 with 16, then 40 with 40, all through the function compiled by the first, each the eager
     forward's."""
-    model = _model()
-    step = CompiledStep(model)
+    step, model = shared, shared.model
+    step.warm(1)
+    compiles, runs = _counts(step)
     for n, m in ((7, 7), (20, 13), (37, 37)):
         cache = _filled_cache(model, 256, 30)
         seg = Segment(start=30, length=n, write=n, cache=cache, attend=torch.ones(n, n, dtype=torch.bool).tril())
@@ -169,7 +181,7 @@ def test_one_compiled_forward_serves_every_width_and_count_of_logit_rows():
         key = step.key(batch, [m])
         assert key[1:] == (-(-n // 8) * 8, -(-m // 8) * 8)
         torch.testing.assert_close(step.run(key, ids, pos, batch, [sel]), want, atol=2e-4, rtol=1e-4)
-    assert (step.compiles, step.runs) == (1, 3)
+    assert _counts(step) == (compiles, runs + 3)
 
 
 def test_two_rows_compiled_with_equal_cache_lengths_serve_unequal_ones():
@@ -192,17 +204,17 @@ def test_two_rows_compiled_with_equal_cache_lengths_serve_unequal_ones():
     assert (step.compiles, step.runs) == (1, 2)
 
 
-def test_one_request_alone_takes_its_own_shape_and_matches():
-    model = _model()
+def test_one_request_alone_takes_its_own_shape_and_matches(shared):
+    step, model = shared, shared.model
     segs, ids, pos, rows = _segments(model)
     seg, ids1, pos1, rows1 = segs[0], ids[:8], pos[:8], rows[:1]
     seg.cache.length = seg.start
     ref = _eager(model, [seg], ids1, pos1, rows1)
-    step = CompiledStep(model)
     batch = AttentionBatch([seg]).prepare()
     key = step.key(batch, [7])
     assert key == (1, 8, 8)
     torch.testing.assert_close(step.run(key, ids1, pos1, batch, rows1), ref, atol=2e-4, rtol=1e-4)
+    compiles, runs = _counts(step)
     # the same step over a cache four times as long takes the same compiled code: its length is a symbol of it
     longer = _filled_cache(model, 1024, 37)
     seg2 = Segment(start=37, length=8, write=4, cache=longer, attend=seg.attend)
@@ -211,7 +223,7 @@ def test_one_request_alone_takes_its_own_shape_and_matches():
     batch2 = AttentionBatch([seg2]).prepare()
     assert step.key(batch2, [7]) == key
     torch.testing.assert_close(step.run(key, ids1, pos1, batch2, rows1), want, atol=2e-4, rtol=1e-4)
-    assert (step.compiles, step.runs) == (1, 2)
+    assert _counts(step) == (compiles, runs + 1)
 
 
 def test_steps_it_cannot_take_go_to_the_eager_path():
