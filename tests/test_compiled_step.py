@@ -98,7 +98,7 @@ def test_compiled_logits_match_the_eager_forward_for_every_layout(shared):
         s.cache.length = s.start
     again = step.run(key, ids, pos, batch, rows)
     torch.testing.assert_close(again, ref, atol=2e-4, rtol=1e-4)
-    assert _counts(step) == (compiles, runs + 1) and 2 in step._traced
+    assert _counts(step) == (compiles, runs + 1) and 2 in step.compiled
 
 
 def test_three_requests_run_as_four_rows_and_the_padding_row_is_dropped():

@@ -141,8 +141,7 @@ class CompiledStep:
         # each compiled forward keeps its own packed copy of the weights (freezing): at most GRAPH_WEIGHT_BUDGET
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.max_graphs = max(1, min(4, GRAPH_WEIGHT_BUDGET // max(1, weight_bytes)))
-        self.compiled: dict[int, object] = {}     # padded row count -> compiled function
-        self._traced: set[int] = set()             # row counts whose function has compiled (its first call ran)
+        self.compiled: dict[int, object] = {}     # padded row count -> its compiled function (traced: ready)
         self.failed: set[int] = set()
         self.compiles = self.runs = 0
         self.compile_s = 0.0
@@ -169,17 +168,6 @@ class CompiledStep:
                     or s.start + width > c.capacity or c.length > s.start + s.length):
                 return None
         return (_pow2(len(segs), 1), width, _round_up(max(1, *counts)))   # a write-only chunk asks for no rows
-
-    def _function(self, rows: int):
-        """The compiled function for `rows` rows (traced by its first call), or None: eager."""
-        fn = self.compiled.get(rows)
-        if fn is None and rows not in self.failed and len(self.compiled) < self.max_graphs:
-            # a code object of its own per row count: dynamo keeps compiled code and its guards per code object,
-            # so one shared `_step` would check every count's guards in turn on each call
-            code = CompiledStep._step.__code__.replace(co_name=f"_step_{rows}")
-            step = types.MethodType(types.FunctionType(code, CompiledStep._step.__globals__, code.co_name), self)
-            self.compiled[rows] = fn = torch.compile(step)
-        return fn
 
     def _zero_cache(self, capacity: int) -> tuple[list[Tensor], list[Tensor]]:
         c = self.model.new_cache(capacity=capacity, max_capacity=capacity)
@@ -244,25 +232,37 @@ class CompiledStep:
 
     def warm(self, rows: int = 1) -> bool:
         """Compile the forward of `rows` rows now, on padding rows (a server does this before it takes requests);
-        False where it failed (those steps stay eager)."""
-        fn = self._function(rows)
-        if fn is None or rows in self._traced:
-            return fn is not None
+        False where it could not (those steps stay eager)."""
+        if rows in self.compiled:
+            return True
+        if not self._may_compile(rows):
+            return False
         # hints the compiler tunes for: a mid-size step over a cache of a typical prompt
         args = self._inputs((rows, 2 * WIDTH_STEP, WIDTH_STEP), None, None, None, [], capacity=WARM_CAPACITY)
-        return self._compile(rows, fn, args) is not None
+        return self._compile(rows, args) is not None
 
-    def _compile(self, rows: int, fn, args: tuple) -> Tensor | None:
+    def _compile(self, rows: int, args: tuple) -> Tensor | None:
+        """Compile the forward of `rows` rows by its first call, on `args`: its logits, or None (eager)."""
+        if not self._may_compile(rows):
+            return None
+        # a code object of its own per row count: dynamo keeps compiled code and its guards per code object, so
+        # one shared `_step` would check every count's guards in turn on each call
+        code = CompiledStep._step.__code__.replace(co_name=f"_step_{rows}")
+        fn = torch.compile(types.MethodType(types.FunctionType(code, CompiledStep._step.__globals__, code.co_name),
+                                            self))
         t0 = time.perf_counter()
         try:
             out = self._trace(fn, args)
         except Exception as e:  # an operation this build cannot compile
             return self._give_up(rows, e)
-        self._traced.add(rows)
+        self.compiled[rows] = fn
         self.compiles += 1
         self.compile_s += time.perf_counter() - t0
         log.info("compiled the CPU step for %d row(s) (%.1f s)", rows, time.perf_counter() - t0)
         return out
+
+    def _may_compile(self, rows: int) -> bool:
+        return rows not in self.failed and len(self.compiled) < self.max_graphs
 
     def _give_up(self, rows: int, error: Exception) -> None:
         """Steps of `rows` rows run eagerly from now on (this one included: the caller runs it)."""
@@ -274,12 +274,12 @@ class CompiledStep:
             rows: list[Tensor]) -> Tensor | None:
         """Logits [sum of rows, V] float32, or None: run this step eagerly. rows: per segment, its logit rows
         (offsets within the segment)."""
-        fn = self._function(key[0])
-        if fn is None:
+        fn = self.compiled.get(key[0])
+        if fn is None and not self._may_compile(key[0]):
             return None
         args = self._inputs(key, batch, ids, positions, rows)
-        if key[0] not in self._traced:
-            logits = self._compile(key[0], fn, args)
+        if fn is None:
+            logits = self._compile(key[0], args)
             if logits is None:
                 return None
         else:
