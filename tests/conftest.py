@@ -18,3 +18,14 @@ def family_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("families")
     return {name: make(root / name) for name, make in FAMILIES.items()}
+
+
+# The slowest files first (seconds in a one-worker run, 2026-12-06): `make test` runs two workers that take whole
+# files in collection order, so a slow file collected last would leave one worker running it alone at the end.
+SLOW_FILES = ("test_ray_serve", "test_ray_cluster", "test_structured", "test_compiled_step", "test_vector_stores",
+              "test_device_distill", "test_speculative", "test_draft_lookup")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))   # stable: the rest keep their order
