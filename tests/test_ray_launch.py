@@ -73,3 +73,26 @@ def test_unmask_serve_checks_the_autoscaling_variable_before_starting_ray(value,
     r = CliRunner().invoke(app, ["serve", "--ray", "--autoscale", "1,2", "--embedding-model", "off"])
     assert r.exit_code == 1 and r.stderr.strip().startswith(message) and len(r.stderr.strip().splitlines()) == 1, \
         r.output
+
+
+def test_replicas_and_routers_run_on_one_event_loop_unless_the_user_says_otherwise(monkeypatch):
+    """Ray Serve's same-loop switches (launch.SERVE_LOOP_ENV) reach every replica: through the job's runtime_env
+    for `unmask serve --ray`, through each deployment's for a config file's application; a user's value wins."""
+    for name in launch.SERVE_LOOP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    env = launch.runtime_env()["env_vars"]
+    assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0" and env["HF_HUB_OFFLINE"] == "1"
+    args, scale = launch.builder_args({"embedding_model": "off"})
+    app = launch.build(args, scale)
+    ingress = app._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    for deployment in (ingress, engine):
+        assert deployment.ray_actor_options["runtime_env"]["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")
+    assert launch.runtime_env()["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
+    launch.use_serve_loops()   # the gateway's own process: set where unset, kept where set
+    import os
+
+    assert os.environ["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
+    assert os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"

@@ -26,6 +26,7 @@ def serve_on_ray(args, host: str, port: int, root_path: str, address: str | None
     log_level = str((context.params.get("log_level") if context else None) or "info").lower()
 
     try:
+        launch.use_serve_loops()   # the gateway's router, before Ray Serve is imported
         require_ray()
         scale = launch.Scale(replicas=replicas, autoscale=launch.parse_autoscale(autoscale) if autoscale else None,
                              num_cpus=num_cpus, num_gpus=num_gpus, niceness=os.getpriority(os.PRIO_PROCESS, 0),
