@@ -261,10 +261,48 @@ def test_which_models_it_takes():
 
 
 def test_the_switch(monkeypatch):
+    from unmask.cli_util import static_step_options
+
     monkeypatch.delenv("UNMASK_COMPILE_STEP", raising=False)
     assert not compile_step_requested() and compile_step_requested(True)
+    options = lambda flag, serving: static_step_options(None, None, None, None, flag, serving=serving)["compile_step"]
+    # unmask serve: the one-request step where it can be; unmask generate: off; a flag or the variable wins
+    assert (options(None, True), options(None, False), options(False, True), options(True, False)) == (
+        "auto", False, False, True)
     monkeypatch.setenv("UNMASK_COMPILE_STEP", "1")
-    assert compile_step_requested() and not compile_step_requested(False)
+    assert compile_step_requested() is True and not compile_step_requested(False)
+    monkeypatch.setenv("UNMASK_COMPILE_STEP", "auto")
+    assert compile_step_requested() == "auto" and options(None, False) == "auto"
+    monkeypatch.setenv("UNMASK_COMPILE_STEP", "0")
+    assert options(None, True) is False
+
+
+def test_without_compile_when_met_only_warmed_row_counts_run_compiled(shared):
+    """The server's default ("auto") compiles the one-request forward at start and never another: a step of
+    three requests runs eagerly (run returns None) rather than waiting for a compile."""
+    model = shared.model
+    segs, ids, pos, rows = _segments(model)
+    third = Segment(start=20, length=5, write=5, cache=_filled_cache(model, 128, 20),
+                    attend=torch.ones(5, 5, dtype=torch.bool).tril())
+    segs, ids = segs + [third], torch.cat([ids, torch.randint(4, 300, (5,))])
+    pos, rows = torch.cat([pos, torch.arange(20, 25)]), rows + [torch.tensor([4])]
+    batch = AttentionBatch(segs).prepare()
+    key = shared.key(batch, [r.numel() for r in rows])
+    compiles, runs = _counts(shared)
+    shared.compile_when_met = False
+    try:
+        assert key[0] not in shared.compiled and shared.run(key, ids, pos, batch, rows) is None
+    finally:
+        shared.compile_when_met = True
+    assert _counts(shared) == (compiles, runs) and key[0] not in shared.compiled
+
+
+def test_the_servers_default_leaves_float32_eager_with_a_note_not_a_warning(caplog):
+    with caplog.at_level("INFO", logger="unmask.engine"):
+        llm = LLM(MODEL, dtype="float32", device="cpu", compile_step="auto")
+    assert llm.engine.runner.compiled is None
+    notes = [r for r in caplog.records if "compiled CPU step not used: float32 weights" in r.getMessage()]
+    assert notes and all(r.levelname == "INFO" for r in notes)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:

@@ -20,7 +20,7 @@ def test_the_builder_passes_the_static_step_and_store_settings_to_the_engine_arg
     plain, _ = launch.builder_args({})
     assert (plain.static_step, plain.cuda_graphs, plain.kv_pool_tokens, plain.memory_utilization) == (None, None,
                                                                                                       None, 0.9)
-    assert plain.database_url is None and plain.compile_step is None
+    assert plain.database_url is None and plain.compile_step == "auto"
     compiled, _ = launch.builder_args({"compile_step": "on"})
     assert compiled.compile_step is True and compiled.static_step is None
     shared, _ = launch.builder_args({"database_url": "postgresql://unmask@db:5432/unmask", "data_dir": "/srv/u"})

@@ -41,17 +41,20 @@ def check_output_file(path: Path | None, flag: str) -> None:
 
 
 def static_step_options(static_step: bool | None, cuda_graphs: bool | None, memory_utilization: float | None,
-                        kv_pool_tokens: int | None, compile_step: bool | None = None) -> dict:
+                        kv_pool_tokens: int | None, compile_step: bool | None = None, serving: bool = False) -> dict:
     """The LLM keywords of --static-step, --cuda-graphs, --gpu-memory-utilization, --kv-pool-tokens and
     --compile-step (`unmask generate` and `unmask serve`), or a one-line error: a value out of range, or a pool
-    size without the static step that would use it."""
+    size without the static step that would use it. `serving`: the compiled step's default is "auto" (the
+    one-request forward compiled at start where the model qualifies) rather than off."""
     from unmask.engine.kv_pool import check_pool_options
     from unmask.errors import InvalidRequestError
 
     # the variables are read here (not by typer, whose error for a bad boolean is a box of lines), strictly
     static_step = env_switch("UNMASK_STATIC_STEP", static_step, False)
     cuda_graphs = env_switch("UNMASK_CUDA_GRAPHS", cuda_graphs, True)
-    compile_step = env_switch("UNMASK_COMPILE_STEP", compile_step, False)
+    if compile_step is None and os.environ.get("UNMASK_COMPILE_STEP", "").strip().lower() == "auto":
+        compile_step = "auto"
+    compile_step = env_switch("UNMASK_COMPILE_STEP", compile_step, "auto" if serving else False)
     try:
         check_pool_options(0.9 if memory_utilization is None else memory_utilization, kv_pool_tokens,
                            names=("--gpu-memory-utilization", "--kv-pool-tokens"))

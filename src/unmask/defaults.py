@@ -11,7 +11,8 @@ def default_model_path() -> Path:
 DEVICE_HELP = "auto | cpu | cuda[:N] (default: UNMASK_DEVICE, else auto: cuda when available, else cpu)."
 COMPILE_STEP_HELP = ("CPU, bfloat16/float16 weights, the built-in family: decode steps through a forward that "
                      "torch.compile builds once per count of requests (the one-request forward at start, 10-30 s; "
-                     "2, 4, 8 when first met), then reuses. Default: UNMASK_COMPILE_STEP, else off.")
+                     "2, 4, 8 when first met), then reuses. Default: UNMASK_COMPILE_STEP (1, 0 or auto), else off "
+                     "for generate and auto for serve (the one-request forward only, where the model qualifies).")
 STATIC_STEP_HELP = ("Block-causal families (SDAR, Fast-dLLM v2, LLaDA2, the built-in one): decode steps on static "
                     "buffers over a preallocated KV pool, replayed as CUDA graphs on a GPU (default: "
                     "UNMASK_STATIC_STEP, else off; other families ignore it). docs/architecture.md")

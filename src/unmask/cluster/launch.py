@@ -251,6 +251,7 @@ def static_step_args(config: dict) -> dict:
     for key in ("cuda_graphs", "compile_step"):
         if key in config:
             fields[key] = _switch(key, config[key])
+    fields.setdefault("compile_step", "auto")   # as `unmask serve`: the one-request step compiled where it can be
     return fields
 
 

@@ -27,7 +27,10 @@ step of that many rows: 4 compiles at most per process (about 25 s each for thes
 empty inductor cache, 12 s with a warm one). A step of a row count not compiled yet compiles before it runs
 (the engine compiles one row at start: `warm`); anything else runs eagerly, as do row counts past the
 weight-copy budget (each compiled forward holds its own packed copy of the weights: at most 1 GiB of copies).
-Off by default (`--compile-step`, UNMASK_COMPILE_STEP=1).
+`--compile-step` (UNMASK_COMPILE_STEP=1) compiles every row count so; `unmask serve`'s default (AUTO) compiles
+the one-request forward at start where the model qualifies and runs steps of several requests eagerly, so no
+request waits for a compile (a first burst would otherwise wait ~25 s once per row count on two cores).
+`unmask generate` and the library default to off: a one-shot answer would pay the compile for one request.
 """
 from __future__ import annotations
 
@@ -62,11 +65,15 @@ COMPILED_DTYPES = (torch.bfloat16, torch.float16)
 COMPILE_CONFIG = {"freezing": True, "cpp.enable_concat_linear": True}
 
 
-def compile_step_requested(explicit: bool | None = None) -> bool:
-    """An engine option wins; else UNMASK_COMPILE_STEP=1 turns the compiled CPU step on."""
+AUTO = "auto"   # the one-request forward only, where the model qualifies (silently eager where it does not)
+
+
+def compile_step_requested(explicit: bool | str | None = None) -> bool | str:
+    """True (every row count), AUTO or False: an engine option wins; else UNMASK_COMPILE_STEP (1 / auto / 0)."""
     if explicit is not None:
         return explicit
-    return os.environ.get("UNMASK_COMPILE_STEP", "0").lower() not in _OFF
+    raw = os.environ.get("UNMASK_COMPILE_STEP", "0").strip().lower()
+    return AUTO if raw == AUTO else raw not in _OFF
 
 
 def cache_capacity(total: int) -> int | None:
@@ -135,8 +142,9 @@ class PaddedRows:
 class CompiledStep:
     """Compiled forwards keyed by row count (module docstring); `run` returns None where a step runs eagerly."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, compile_when_met: bool = True):
         self.model = model
+        self.compile_when_met = compile_when_met   # False: only what `warm` compiled runs compiled
         self.dtype = model.lm_head.weight.dtype
         # each compiled forward keeps its own packed copy of the weights (freezing): at most GRAPH_WEIGHT_BUDGET
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -275,7 +283,7 @@ class CompiledStep:
         """Logits [sum of rows, V] float32, or None: run this step eagerly. rows: per segment, its logit rows
         (offsets within the segment)."""
         fn = self.compiled.get(key[0])
-        if fn is None and not self._may_compile(key[0]):
+        if fn is None and not (self.compile_when_met and self._may_compile(key[0])):
             return None
         args = self._inputs(key, batch, ids, positions, rows)
         if fn is None:

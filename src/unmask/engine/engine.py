@@ -47,13 +47,14 @@ class Engine:
                  max_num_seqs: int = 64, max_batch_tokens: int = 4096, prefix_cache_bytes: int = 256 << 20,
                  kv_cache_dtype: torch.dtype | None = None, static_step: bool | None = None,
                  kv_pool_tokens: int | None = None, memory_utilization: float = 0.9,
-                 cuda_graphs: bool | None = None, compile_step: bool | None = None):
+                 cuda_graphs: bool | None = None, compile_step: bool | str | None = None):
         """static_step: run decode steps on static buffers over a preallocated KV pool, replayed as CUDA graphs on
         a GPU (engine/static_step.py; None: UNMASK_STATIC_STEP); the pool holds `kv_pool_tokens` (None: what
         `memory_utilization` of the memory free now allows, at most what max_num_seqs full contexts need).
         cuda_graphs: capture and replay steps as CUDA graphs on a GPU (None: UNMASK_CUDA_GRAPHS, on by default).
         compile_step: on the CPU, run decode steps through forwards compiled per count of requests, the
-        one-request forward compiled here (engine/compiled_step.py; None: UNMASK_COMPILE_STEP, off by default)."""
+        one-request forward compiled here; "auto": that one only, where the model qualifies (engine/compiled_step.py;
+        None: UNMASK_COMPILE_STEP, off by default)."""
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.kv_cache_dtype = kv_cache_dtype  # None: the weights' dtype
         probe = model.new_cache(capacity=0, dtype=kv_cache_dtype)
@@ -76,14 +77,15 @@ class Engine:
             log.info("static step: a KV pool of %d tokens (%s) on %s, CUDA graphs %s", self.kv_pool.capacity_tokens,
                      memory.mib(self.kv_pool.nbytes()), self.kv_pool.device, "on" if static.graphs else "off")
         compiled = None
-        if static is None and compile_step_requested(compile_step):
+        mode = compile_step_requested(compile_step) if static is None else False
+        if mode:
             reason = not_compilable(model)
-            if reason:
-                log.warning("compiled CPU step not used: %s", reason)
+            if reason:   # asked for by name: a warning; the server's default: a note
+                log.log(logging.WARNING if mode is True else logging.INFO, "compiled CPU step not used: %s", reason)
             else:
-                compiled = CompiledStep(model)
-                log.info("compiled CPU step on: compiling the one-request step (seconds; later row counts compile "
-                         "when first met)")
+                compiled = CompiledStep(model, compile_when_met=mode is True)
+                log.info("compiled CPU step on: compiling the one-request step (seconds; %s)",
+                         "later row counts compile when first met" if mode is True else "several requests run eagerly")
                 compiled.warm(1)
         self.runner = ModelRunner(model, static, cuda_graphs, compiled)
         self.traits = ModelTraits(

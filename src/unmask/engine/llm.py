@@ -22,7 +22,7 @@ class LLM:
                  max_num_seqs: int = 64, max_batch_tokens: int = 4096, chat_template: str | None = None,
                  kv_cache_dtype: str | None = None, static_step: bool | None = None,
                  kv_pool_tokens: int | None = None, memory_utilization: float = 0.9,
-                 cuda_graphs: bool | None = None, compile_step: bool | None = None):
+                 cuda_graphs: bool | None = None, compile_step: bool | str | None = None):
         """static_step, kv_pool_tokens, memory_utilization, cuda_graphs: the block-causal static-buffer step, its KV
         pool and graph capture (Engine; engine/static_step.py); compile_step: CPU decode steps compiled per count of requests
         (engine/compiled_step.py)."""

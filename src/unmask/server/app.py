@@ -73,7 +73,8 @@ class ServerArgs:
     # the block-causal fast path (engine/static_step.py): None = UNMASK_STATIC_STEP / UNMASK_CUDA_GRAPHS
     static_step: bool | None = None
     cuda_graphs: bool | None = None
-    compile_step: bool | None = None     # CPU decode steps compiled per shape (engine/compiled_step.py)
+    compile_step: bool | str | None = None   # CPU steps compiled per count of requests; "auto": the one-request
+                                             # step only, where it can be (unmask serve's default; engine/compiled_step.py)
     memory_utilization: float = 0.9      # of the memory free after loading, for the static step's KV pool
     kv_pool_tokens: int | None = None    # or the pool's size in tokens
 

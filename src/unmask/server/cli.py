@@ -166,7 +166,8 @@ def serve(
         _fail(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose one of auto, {', '.join(KV_CACHE_DTYPES)}")
     from unmask.cli_util import static_step_options
 
-    fast = static_step_options(static_step, cuda_graphs, gpu_memory_utilization, kv_pool_tokens, compile_step)
+    fast = static_step_options(static_step, cuda_graphs, gpu_memory_utilization, kv_pool_tokens, compile_step,
+                               serving=True)
     from unmask.errors import UnmaskError
     from unmask.models.loader import check_device, load_spec, resolve_device
 
