@@ -63,7 +63,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # two pytest workers, one test file each at a time (module-scoped servers start once): the suite's servers and
-# subprocesses mostly run one thread, so a single worker left one of CI's two cores idle (13.5 min -> 8.9 min here)
+# subprocesses mostly run one thread, so a single worker left one of CI's two cores idle (13.5 min -> 8-9 min here)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests

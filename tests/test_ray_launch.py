@@ -2,6 +2,8 @@
 without a cluster: the static step's settings and the autoscaling config, and their one-line errors."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from typer.testing import CliRunner
 
@@ -92,7 +94,5 @@ def test_replicas_and_routers_run_on_one_event_loop_unless_the_user_says_otherwi
     monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")
     assert launch.runtime_env()["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
     launch.use_serve_loops()   # the gateway's own process: set where unset, kept where set
-    import os
-
     assert os.environ["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
     assert os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"

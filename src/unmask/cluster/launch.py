@@ -15,8 +15,8 @@ PASSED_ENV = ("OMP_WAIT_POLICY",)   # passed on when set
 # Ray Serve runs a replica's code, and a caller's router, on event loops of their own threads by default; on the
 # same loop (Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED mode sets both) each streamed piece skips two thread hand-offs.
 # Measured on 2 cores, one replica against plain `unmask serve` (docs/scale-out.md): the replica's CPU for the same
-# requests 1.15x -> 1.02-1.05x plain's, and at 4 streams 0.78-0.92x -> 0.91-0.96x the throughput. A value the
-# user sets wins.
+# requests 1.14-1.15x -> 1.02-1.05x plain's; at 4 streams 0.78-0.92x -> 0.85-0.96x the throughput (medians 0.83x and
+# 0.90x). A value the user sets wins.
 SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
