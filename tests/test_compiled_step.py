@@ -348,5 +348,5 @@ def test_generate_takes_the_flag_and_a_bad_variable_is_one_line(monkeypatch):
     monkeypatch.setenv("UNMASK_COMPILE_STEP", "maybe")
     r = runner.invoke(app, ["generate", "--model", str(MODEL), "hi"])
     assert r.exit_code == 1 and r.stderr.strip() == ("error: UNMASK_COMPILE_STEP must be one of 1, true, yes, on, 0, "
-                                                     "false, no, off, got 'maybe'"), r.output
+                                                     "false, no, off, auto, got 'maybe'"), r.output
 

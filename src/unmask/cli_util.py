@@ -52,9 +52,7 @@ def static_step_options(static_step: bool | None, cuda_graphs: bool | None, memo
     # the variables are read here (not by typer, whose error for a bad boolean is a box of lines), strictly
     static_step = env_switch("UNMASK_STATIC_STEP", static_step, False)
     cuda_graphs = env_switch("UNMASK_CUDA_GRAPHS", cuda_graphs, True)
-    if compile_step is None and os.environ.get("UNMASK_COMPILE_STEP", "").strip().lower() == "auto":
-        compile_step = "auto"
-    compile_step = env_switch("UNMASK_COMPILE_STEP", compile_step, "auto" if serving else False)
+    compile_step = env_switch("UNMASK_COMPILE_STEP", compile_step, "auto" if serving else False, also=("auto",))
     try:
         check_pool_options(0.9 if memory_utilization is None else memory_utilization, kv_pool_tokens,
                            names=("--gpu-memory-utilization", "--kv-pool-tokens"))
@@ -72,16 +70,20 @@ def static_step_options(static_step: bool | None, cuda_graphs: bool | None, memo
 SWITCH_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
-def env_switch(name: str, flag: bool | None, default: bool) -> bool:
-    """A --x/--no-x flag, else the variable `name` (1/true/yes/on or 0/false/no/off), else `default`."""
+def env_switch(name: str, flag: bool | None, default: bool | str, also: tuple[str, ...] = ()) -> bool | str:
+    """A --x/--no-x flag, else the variable `name` (1/true/yes/on or 0/false/no/off, or one of the words `also`
+    allows, returned as written), else `default`."""
     if flag is not None:
         return flag
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default
-    if raw.strip().lower() not in SWITCH_VALUES:
-        fail(f"{name} must be one of {', '.join(SWITCH_VALUES)}, got {raw!r}")
-    return SWITCH_VALUES[raw.strip().lower()]
+    word = raw.strip().lower()
+    if word in also:
+        return word
+    if word not in SWITCH_VALUES:
+        fail(f"{name} must be one of {', '.join((*SWITCH_VALUES, *also))}, got {raw!r}")
+    return SWITCH_VALUES[word]
 
 
 DRY_HELP = ("DRY loop penalty (llama.cpp's): penalise the token that would extend a repeat of an earlier "
