@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchlib import line_children
+from benchlib.common import write_json
 
 
 def child(args) -> list[float]:
@@ -28,20 +27,13 @@ def child(args) -> list[float]:
     from unmask.engine import compiled_step
     from unmask.engine.engine import Engine
     from unmask.engine.llm import LLM
-    from unmask.engine.params import GenerationParams
-    from unmask.evaluation import next_line_tasks
-    from unmask.train.corpus import read_documents
 
     compiled_step.MAX_WIDTH_ALONE = args.limit
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype="bfloat16", device="cpu")
     # no prefix cache: every pass feeds the whole prompt, as a request of a new file would
     llm.engine = Engine(llm.model, llm.spec, llm.tokenizer, max_num_seqs=1, prefix_cache_bytes=0, compile_step=True)
-    tasks = next_line_tasks(list(read_documents(args.corpus / "heldout.jsonl")), args.tasks)
-    prompts = [llm.encode(t.prompt) for t in tasks]
-    params = [GenerationParams(max_tokens=args.max_tokens, stop=list(t.stop), min_tokens=min(t.min_tokens,
-                                                                                         args.max_tokens))
-              for t in tasks]
+    prompts, params = line_children.line_requests(llm, args, args.max_tokens)
     for p, q in zip(prompts, params):   # untimed: oneDNN's packing, allocator warm-up
         llm.generate([p], [q])
     per_pass = []
@@ -55,15 +47,11 @@ def child(args) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=ROOT / "src/unmask/assets/unmask-tiny")
-    ap.add_argument("--corpus", type=Path, default=ROOT / "data/corpus")
-    ap.add_argument("--tasks", type=int, default=40)
+    line_children.add_args(ap)
     ap.add_argument("--width", type=int, default=512, help="tokens a request alone may feed compiled")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=1, help="1: the first token; 48: whole answers")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--limit", type=int, help=argparse.SUPPRESS)   # the child's
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.limit:
         print(json.dumps(child(args)))
@@ -72,23 +60,16 @@ def main() -> None:
     ms: dict[str, list[float]] = {n: [] for n in sides}
     for r in range(args.rounds):
         for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-            cmd = [sys.executable, __file__, "--limit", str(sides[name]), "--model", str(args.model),
-                   "--corpus", str(args.corpus), "--tasks", str(args.tasks), "--threads", str(args.threads),
-                   "--max-tokens", str(args.max_tokens)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if out.returncode:
-                sys.exit(f"{name}: {out.stderr.strip().splitlines()[-1]}")
-            ms[name] += json.loads(out.stdout.strip().splitlines()[-1])
+            ms[name] += line_children.run_child(__file__, args, ["--limit", str(sides[name]), "--max-tokens",
+                                                                  str(args.max_tokens)], name)
     med = {n: statistics.median(v) for n, v in ms.items()}
     ratio = med["eager_prompt"] / med["compiled_prompt"]
     print(f"ms per request, max_tokens {args.max_tokens} (median of {len(ms['eager_prompt'])} passes over "
           f"{args.tasks} prompts): prompt eager {med['eager_prompt']:.1f}, prompt compiled "
           f"{med['compiled_prompt']:.1f}: x{ratio:.2f}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "tasks": args.tasks,
-                                         "max_tokens": args.max_tokens, "ms_per_request": ms,
-                                         "median": med, "speedup": ratio}, indent=1) + "\n")
+        write_json(args.json, {"command": " ".join(sys.argv), "tasks": args.tasks, "max_tokens": args.max_tokens,
+                               "ms_per_request": ms, "median": med, "speedup": ratio})
 
 
 if __name__ == "__main__":

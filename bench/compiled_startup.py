@@ -15,13 +15,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchlib import line_children
+from benchlib.common import write_json
+
 MODES = ("eager", "compiled")
 
 
@@ -30,9 +30,6 @@ def one_mode(args) -> dict:
     import torch
 
     from unmask.engine.llm import LLM
-    from unmask.engine.params import GenerationParams
-    from unmask.evaluation import next_line_tasks
-    from unmask.train.corpus import read_documents
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -41,9 +38,7 @@ def one_mode(args) -> dict:
     step = llm.engine.runner.compiled
     if args.mode != "eager" and step is None:
         sys.exit(f"the compiled step does not take {args.model} (see the log)")
-    tasks = next_line_tasks(list(read_documents(args.corpus / "heldout.jsonl")), args.tasks)
-    prompts = [llm.encode(t.prompt) for t in tasks]
-    params = [GenerationParams(max_tokens=48, stop=list(t.stop), min_tokens=t.min_tokens) for t in tasks]
+    prompts, params = line_children.line_requests(llm, args, 48)
     passes = []
     for _ in range(2):
         seconds, outputs, tokens = [], [], 0
@@ -62,14 +57,10 @@ def one_mode(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=ROOT / "src/unmask/assets/unmask-tiny")
-    ap.add_argument("--corpus", type=Path, default=ROOT / "data/corpus")
-    ap.add_argument("--tasks", type=int, default=40)
-    ap.add_argument("--threads", type=int, default=2)
+    line_children.add_args(ap)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--cache", choices=("cold", "warm"), default="cold", help="inductor's on-disk cache")
     ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)   # the child's
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.mode:
         print(json.dumps(one_mode(args)))
@@ -79,12 +70,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         with tempfile.TemporaryDirectory() as cache:   # a cold inductor cache for every mode
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache} if args.cache == "cold" else dict(os.environ)
-            cmd = [sys.executable, __file__, "--mode", mode, "--model", str(args.model), "--corpus", str(args.corpus),
-                   "--tasks", str(args.tasks), "--threads", str(args.threads)]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            if out.returncode:
-                sys.exit(f"{mode}: {out.stderr.strip().splitlines()[-1]}")
-            results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+            results[mode] = line_children.run_child(__file__, args, ["--mode", mode], mode, env=env)
     reference = results.get("eager")
     rows = {}
     for mode, doc in results.items():
@@ -106,9 +92,8 @@ def main() -> None:
               + (f"; same as eager {row['first_same_as_eager']}/{row['second_same_as_eager']} of {args.tasks}"
                  if reference is not None else ""))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "tasks": args.tasks, "cache": args.cache,
-                                         "modes": rows}, indent=1) + "\n")
+        write_json(args.json, {"command": " ".join(sys.argv), "tasks": args.tasks, "cache": args.cache,
+                               "modes": rows})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Where the CPU goes during the scale-out overhead measurement: per-process CPU seconds over the loadtest
-# (from /proc/PID/stat utime+stime), plain server (A) and --ray (B) both up; bench/ray_overhead_cpu.sh; CONC, ROUNDS, LT_ARGS.
+# Where the CPU goes in the scale-out overhead measurement (docs/scale-out.md): plain unmask serve (A) and --ray (B)
+# both up and eager, per-process CPU ticks from /proc (bench/cpu_snap.py) idle for 20 s and over an interleaved
+# loadtest. Environment: CONC (concurrency, default 4), ROUNDS (4), LT_ARGS (more loadtest flags).
 set -u
 cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY=PASSIVE
