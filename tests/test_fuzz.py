@@ -8,9 +8,13 @@ parts missing or mistyped), which the schema-driven one rarely gets past validat
 does not declare must answer 405 with `Allow`.
 
 `make test` runs FUZZ_EXAMPLES=15 cases per operation and 4x that per history endpoint (about 360 requests,
-20-30 s); `make test-fuzz` runs FUZZ_EXAMPLES=300 (about 7,000). The server runs in this process on the
-built-in model (`live_server`), with the decoding a request asks for kept cheap: token budgets capped at 4,
-`n` at 2, `steps` at 16, so that what is exercised is the request handling.
+20-30 s); `make test-fuzz` runs FUZZ_EXAMPLES=300 (about 7,000). The server is an `unmask serve` subprocess on
+the built-in model, with the decoding a request asks for kept cheap: token budgets capped at 4, `n` at 2,
+`steps` at 16, so that what is exercised is the request handling. Not a server thread in this process: on
+CPython 3.11, two threads building `ast` objects at once can fail with a spurious "AST constructor recursion
+depth mismatch" (the race behind python/cpython#106905; CI hit it once), and Hypothesis parses source to
+describe its strategies while the server's threads parse too (`inspect.signature` of builtins while torch
+imports in the embedding loader, traceback carets in 3.11's `format_exc`).
 
 schemathesis' own pytest integration (`schemathesis.pytest.from_fixture`) does not run under pytest 9, so
 Hypothesis drives its strategies directly, one test per operation.
@@ -29,7 +33,8 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
                                                response_schema_conformance, status_code_conformance)
 
-from test_server_hardening import live_server  # noqa: F401 - the module-scoped server fixture
+from test_server import Server
+from unmask.defaults import default_model_path
 from unmask.server.openapi import OPERATIONS
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "15"))
@@ -38,6 +43,18 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 # fields whose size sets the amount of decoding; the fuzzer's values are replaced by small ones
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens")
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory):
+    """`unmask serve` on the built-in model, in its own process; yields its base URL."""
+    log = tmp_path_factory.mktemp("fuzz") / "server.log"
+    server = Server(default_model_path(), log, "--served-model-name", "unmask-tiny", "--max-num-seqs", "4",
+                    "--max-queue", "4", "--default-max-tokens", "4")
+    try:
+        yield server.wait_ready().url
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
