@@ -2,7 +2,7 @@
 the OpenAPI document, 405s, and client text reaching the log.
 
 The server runs in this process (uvicorn in a thread, `live_server`) on the built-in model, so that its log
-records reach caplog; test_fuzz.py fuzzes the same server.
+records reach caplog (test_fuzz.py starts its own, in a subprocess).
 """
 from __future__ import annotations
 
