@@ -6,7 +6,8 @@ reproduce), `threshold_0.9` (the default), `speculative` (one draft block a step
 block per outcome), `speculative_b4` (draft blocks of 4: a narrower forward, for CPUs) and
 `speculative_b4_lookup` (the built-in model's default: also prompt-lookup drafts), or the subset --variants names;
 with --distilled the same ones on a second model of the same tokenizer (e.g. one trained by `unmask distill --teacher-block-size 1
---full-block-fraction F`); the AR twin through transformers `generate`, and each variant's tokens/s over the twin's ("x twin").
+--full-block-fraction F`); the AR twin through transformers `generate`, and each variant's tokens/s over the twin's ("x twin");
+with --twin-lookup N also the twin through `generate` with transformers' prompt lookup decoding (N-token drafts).
 With --compiled every variant runs a second time on an engine with the compiled CPU step
 (engine/compiled_step.py), each task decoded once untimed first so every step shape is compiled before the rounds.
 Rounds rotate the order per task (A B A B); speeds are medians over rounds with min-max, and ratios are taken
@@ -61,6 +62,9 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true",
                     help="also each variant with the compiled CPU step (engine/compiled_step.py; bfloat16), every "
                          "task decoded once untimed first so each step shape is compiled before the rounds")
+    ap.add_argument("--twin-lookup", type=int, default=0,
+                    help="also the twin through generate with transformers' prompt lookup decoding, this many "
+                         "tokens a draft (prompt_lookup_num_tokens; 0: not run)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     known = {n: (n, lbl, knobs) for n, lbl, knobs in VARIANTS}
@@ -104,6 +108,10 @@ def main() -> None:
         twin_name = hf.name
         variants.append(policies.Variant(hf.name, "AR twin, transformers generate (KV cache)", decoder=hf,
                                          cache="KV (DynamicCache)", group="twin"))
+        if args.twin_lookup:
+            hl = twin.HFTwinLookup.sharing(hf, args.twin_lookup)
+            variants.append(policies.Variant(hl.name, f"AR twin, generate + prompt lookup ({args.twin_lookup})",
+                                             decoder=hl, cache="KV (DynamicCache)", group="twin"))
     tasks, info = policies.load_tasks(llm, args.corpus, args.sft_heldout, args.next_line, args.infill)
     if args.llama_cpp and not args.no_twin:
         lc, info["llama_cpp"] = twin.llama_cpp_decoder(args.twin, args.twin_gguf, hf, torch.get_num_threads(),

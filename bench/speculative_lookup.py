@@ -15,7 +15,9 @@ draft blocks after every count of kept diffusion drafts (`draft_all_outcomes`) a
 the output is the same, the drafts are not). `--baseline-plain-linear` compares, same model and settings, the
 CPU linears through oneDNN on packed weights (models/cpu_linear.py, what `LLM` does) against torch's default
 `F.linear` (a second copy of the model loaded with UNMASK_ONEDNN_LINEAR=0); `--policy threshold` runs that
-comparison under the threshold rule instead of `speculative`.
+comparison under the threshold rule instead of `speculative`. `--baseline-no-ngrams` compares, at the same
+`--lookup`, drafts from the model's n-gram table where the copy finds nothing (`draft_ngrams`, the default where
+the model ships `ngram_drafts.safetensors`) against the same requests with `draft_ngrams: false`.
 """
 from __future__ import annotations
 
@@ -85,6 +87,8 @@ def main() -> None:
     ap.add_argument("--baseline-plain-linear", action="store_true",
                     help="baseline: the same model and settings with torch's default F.linear instead of oneDNN "
                          "on packed weights")
+    ap.add_argument("--baseline-no-ngrams", action="store_true",
+                    help="baseline: the same --lookup with draft_ngrams false (the model's n-gram table unused)")
     ap.add_argument("--policy", choices=("speculative", "threshold"), default="speculative",
                     help="threshold (0.9, --block-size): only with --baseline-plain-linear")
     ap.add_argument("--dtype", default="auto")
@@ -119,6 +123,11 @@ def main() -> None:
     if args.all_outcomes:
         variants = {"without": {**base, "draft_lookup": args.lookup},
                     "with": {**base, "draft_lookup": args.lookup, "draft_all_outcomes": True}}
+    if args.baseline_no_ngrams:
+        if llm.engine.traits.ngram_drafts is None:
+            raise SystemExit(f"--baseline-no-ngrams: {args.model} has no ngram_drafts.safetensors")
+        variants = {"without": {**base, "draft_lookup": args.lookup, "draft_ngrams": False},
+                    "with": {**base, "draft_lookup": args.lookup}}
     if args.baseline_model or args.baseline_plain_linear:  # the same settings on both: weights or linears differ
         variants["without"] = dict(variants["with"])
     if args.policy == "threshold":

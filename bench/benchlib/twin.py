@@ -82,16 +82,60 @@ class HFTwin:
         text = self.tok.decode(new, skip_special_tokens=True)
         return Result(text, len(new), forwards, seconds)
 
+    def _generate_kwargs(self) -> dict:
+        return {}
+
+    def _cut(self, new: list[int], min_tokens: int) -> list[int]:
+        return new   # one token a step: generation stopped at the newline
+
     @torch.no_grad()
     def run(self, prompt_ids: list[int], max_tokens: int, stop_newline: bool, min_tokens: int = 0) -> Result:
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         t0 = time.perf_counter()
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                                   do_sample=False, use_cache=True, eos_token_id=self.eos, pad_token_id=self.pad,
-                                  stopping_criteria=self._stop(len(prompt_ids), min_tokens) if stop_newline else None)
+                                  stopping_criteria=self._stop(len(prompt_ids), min_tokens) if stop_newline else None,
+                                  **self._generate_kwargs())
         seconds = time.perf_counter() - t0
         new = out[0, len(prompt_ids):].tolist()
+        new = self._cut(new, min_tokens) if stop_newline else new
         return self._finish(new, seconds, len(new))
+
+
+class HFTwinLookup(HFTwin):
+    """The same `generate` with transformers' prompt lookup decoding (`prompt_lookup_num_tokens`: n-gram drafts
+    copied from the prompt and output, verified by the model in one forward), what a transformers user turns on
+    for speed; shares the weights of the plain twin. Several tokens may be accepted at once, so the newline stop
+    looks at every new token past `min_tokens` and the answer is cut after the first newline, as the plain
+    twin's one-token steps stop there."""
+
+    name = "ar_twin_lookup"
+
+    @classmethod
+    def sharing(cls, other: HFTwin, lookup: int) -> "HFTwinLookup":
+        obj = cls.__new__(cls)
+        obj.__dict__.update(other.__dict__)
+        obj.lookup = lookup
+        return obj
+
+    def _stop(self, prompt_len: int, min_tokens: int):
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        ids = self.newline_ids
+
+        class NewlineAnywhere(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.isin(input_ids[:, prompt_len + min_tokens:], ids).any(1)
+
+        return StoppingCriteriaList([NewlineAnywhere()])
+
+    def _generate_kwargs(self) -> dict:
+        return {"prompt_lookup_num_tokens": self.lookup}
+
+    def _cut(self, new: list[int], min_tokens: int) -> list[int]:
+        nl = set(self.newline_ids.tolist())
+        cut = next((i for i in range(min_tokens, len(new)) if new[i] in nl), None)
+        return new if cut is None else new[:cut + 1]   # forwards stay unknown to generate's caller: tokens count
 
 
 class HFTwinLoop(HFTwin):

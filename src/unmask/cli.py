@@ -55,6 +55,10 @@ def generate(
     draft_lookup: Optional[int] = typer.Option(
         None, help="Policy speculative: also draft up to this many tokens copied from an earlier occurrence of the "
                    "text's last few tokens (prompt lookup; 0: off; default: the model's)."),
+    draft_ngrams: Optional[bool] = typer.Option(
+        None, "--draft-ngrams/--no-draft-ngrams",
+        help="Policy speculative, with --draft-lookup: where the copy finds nothing, draft from the model's table of "
+             "its training text's n-grams (default: on where the model has one)."),
     greedy_filters: Optional[bool] = typer.Option(
         None, "--greedy-filters/--no-greedy-filters",
         help="At temperature 0, read confidences from the top-k / top-p filtered softmax (default: the model's; "
@@ -125,7 +129,7 @@ def generate(
                      policy=policy, threshold=threshold, block_size=block_size, steps=steps,
                      tokens_per_step=tokens_per_step, factor=factor, entropy_bound=entropy_bound, alg_temp=alg_temp,
                      small_block_size=small_block_size, multi_block_threshold=multi_block_threshold,
-                     draft_all_outcomes=draft_all_outcomes, draft_lookup=draft_lookup,
+                     draft_all_outcomes=draft_all_outcomes, draft_lookup=draft_lookup, draft_ngrams=draft_ngrams,
                      greedy_filters=greedy_filters, empty_steps=empty_steps, full_last_block=full_last_block,
                      ordered_stops=ordered_stops, credit_decay=credit_decay, edit_threshold=edit_threshold,
                      max_post_edit_steps=max_post_edit_steps, remask_budget=remask_budget,
@@ -358,7 +362,7 @@ def _register_optional_commands() -> None:
     from unmask.loadtest import cli as loadtest_cli
     from unmask.train import cli as train_cli
 
-    for command in (train_cli.train, train_cli.finetune, train_cli.distill, train_cli.calibrate,
+    for command in (train_cli.train, train_cli.finetune, train_cli.distill, train_cli.calibrate, train_cli.ngram_drafts,
                     loadtest_cli.loadtest, batch_cli.batch):
         app.command()(command)
     try:

@@ -271,6 +271,8 @@ POLICIES = {
     "speculative_b4": dict(policy="speculative", block_size=4),
     "speculative_b4_lookup": dict(policy="speculative", block_size=4, draft_lookup=8),
     "speculative_b4_lookup_all": dict(policy="speculative", block_size=4, draft_lookup=8, draft_all_outcomes=True),
+    # the same without the model's n-gram draft table (decoding.ngram_drafts): what the table adds
+    "speculative_b4_lookup_no_ngrams": dict(policy="speculative", block_size=4, draft_lookup=8, draft_ngrams=False),
     # draft blocks of 8: a ~14-token line caps blocks of 4 near 2.7 tokens per forward (one token from the prompt's
     # forward, then at most 4 a step); issue 29's 3 on next lines needs wider drafts
     "speculative_b8_lookup": dict(policy="speculative", block_size=8, draft_lookup=8),

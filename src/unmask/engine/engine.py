@@ -20,6 +20,7 @@ from unmask.engine.kv_pool import KVPool
 from unmask.engine.runner import ModelRunner
 from unmask.engine.scheduler import Scheduler
 from unmask.engine.sequence import ModelTraits, Sequence
+from unmask.engine.speculative import load_ngram_drafts
 from unmask.engine.static_step import MAX_WIDTH, StaticStep, static_step_requested
 from unmask.errors import ContextLengthError, InvalidRequestError, MemoryLimitError
 from unmask.models.loader import ModelSpec
@@ -92,7 +93,7 @@ class Engine:
             attention=spec.family.attention, shift=spec.shift, mask_id=spec.mask_id,
             block_size=spec.block_size, stop_ids=spec.stop_ids, ar_first_token=spec.ar_first_token,
             max_context=spec.max_context, config=spec.config, generation_config=spec.generation_config,
-            causal_context=spec.causal_context, family=spec.family.name,
+            causal_context=spec.causal_context, family=spec.family.name, ngram_drafts=load_ngram_drafts(spec),
         )
         self.streams: dict[str, TextStream] = {}
         # prompt K/V are reusable only where they do not depend on the answer canvas

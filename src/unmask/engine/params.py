@@ -64,6 +64,9 @@ class GenerationParams:
     # policy "speculative": also draft up to this many tokens copied from an earlier occurrence of the text's last
     # n-gram (prompt lookup; decoding.speculative.lookup_drafts); None or 0: off
     draft_lookup: int | None = None
+    # policy "speculative", with draft_lookup: where the copy finds no earlier match, draft that many tokens from the
+    # model's table of its training text's n-grams (decoding.ngram_drafts); None: on where the model has one
+    draft_ngrams: bool | None = None
     # revising committed tokens of the active block (unmask.decoding.edits); all None: off, the tokens as before
     edit_threshold: float | None = None       # LLaDA2.1 token-to-token edits: replace when p(new token) > this
     max_post_edit_steps: int | None = None    # edit-only steps once the block is full (None: 16, SGLang's default)
@@ -139,6 +142,9 @@ class GenerationParams:
         if lookup is not None and (not isinstance(lookup, int) or isinstance(lookup, bool)
                                    or not 0 <= lookup <= MAX_DRAFT_LOOKUP):
             bad(f"draft_lookup must be an integer in [0, {MAX_DRAFT_LOOKUP}], got {lookup!r}", "draft_lookup")
+        if self.draft_ngrams is not None and not isinstance(self.draft_ngrams, bool):
+            bad(f"draft_ngrams must be true, false or null (the model's table where it has one), got "
+                f"{self.draft_ngrams!r}", "draft_ngrams")
         self.check_edits()
         for name in REFERENCE_SWITCHES:
             value = getattr(self, name)

@@ -53,6 +53,8 @@ class ModelTraits:
     config: dict = field(default_factory=dict, compare=False)
     generation_config: dict = field(default_factory=dict, compare=False)
     family: str = ""  # the registry's family name: its reference sampler's defaults (params.FAMILY_DEFAULTS)
+    # the checkpoint's n-gram draft table (decoding.ngram_drafts), for policy speculative; None: it has none
+    ngram_drafts: object = field(default=None, compare=False, repr=False)
 
     @property
     def defaults(self) -> dict:

@@ -20,17 +20,20 @@ With `draft_lookup`, greedy and no logit adjustments, a step whose diffusion dra
 committed text (decoding.speculative.lookup_drafts on the text alone) verifies both: after M come the copy C and
 its own draft block, C token-causal over T, and the branch that keeps more drafts wins (the diffusion one on a
 tie). The output is still exactly next-token decoding; a won copy's K/V were not written, so its tokens are fed
-again next step as committed ones.
+again next step as committed ones. Where the text has no earlier match, a model that ships an n-gram table of its
+training text (decoding.ngram_drafts; `draft_ngrams`) drafts from that instead, in both places a copy goes.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from unmask.decoding import ngram_drafts
 from unmask.decoding.logit_adjust import ban_early_stops
+from unmask.decoding.ngram_drafts import FILE, NgramTable, TableMismatch, tokenizer_digest
 from unmask.decoding.speculative import draw, lookup_drafts, processed_probs, verify
 from unmask.engine.sequence import Sequence, StepPlan
-from unmask.errors import InvalidRequestError
+from unmask.errors import InvalidRequestError, ModelLoadError
 from unmask.models.attention import Segment
 
 
@@ -56,7 +59,23 @@ def speculative_refusal(params, traits, family_class) -> tuple[str, str] | None:
     ) if on]
     if unsupported:
         return f"policy 'speculative' cannot be combined with {unsupported[0]} (use another policy)", "policy"
+    if params.draft_ngrams and traits.ngram_drafts is None:
+        return (f"draft_ngrams: this model has no n-gram draft table ({FILE} beside its weights; `unmask "
+                "ngram-drafts` counts one from its training text)", "draft_ngrams")
     return None
+
+
+def load_ngram_drafts(spec) -> NgramTable | None:
+    """The checkpoint's n-gram draft table (decoding.ngram_drafts), checked against its vocabulary and tokenizer;
+    None where it has none. A table that does not belong to the model stops the load with one line."""
+    path = spec.path / FILE
+    if not path.is_file():
+        return None
+    tok = spec.path / "tokenizer.json"
+    try:
+        return ngram_drafts.load(path, spec.arch.vocab_size, tokenizer_digest(tok) if tok.is_file() else None)
+    except TableMismatch as e:
+        raise ModelLoadError(str(e)) from e
 
 
 def check_speculative(params, traits, family_class) -> None:
@@ -110,6 +129,8 @@ class SpeculativeSequence(Sequence):
         self.drafted = 0   # drafts offered to the verifier, and kept: the acceptance rate in stats
         self.kept = 0
         self.lookup = int(self.params.draft_lookup or 0)
+        # where the copy finds no match, the model's n-gram table drafts (draft_ngrams; None: on where there is one)
+        self.ngrams: NgramTable | None = None if self.params.draft_ngrams is False else self.traits.ngram_drafts
         self._step_drafts = self.drafts  # this step's: `drafts` (the diffusion rows'), then any copied ones
         self._alt = self.drafts          # this step's second chain: a copy of the committed text (module docstring)
         self._alt_rows = (0, 0)          # its verifier rows (first logit row, count) after T's last row
@@ -182,7 +203,7 @@ class SpeculativeSequence(Sequence):
         diffusion = min(int(self.drafts.numel()), int(drafts.numel()))
         if not self.lookup or not diffusion or not self.sampling.greedy or self.adjuster is not None:
             return empty
-        copy = lookup_drafts(self.seq[:f], self.lookup, min_ngram=LOOKUP_MIN_NGRAM)[:max(0, self.end - f - 1)]
+        copy = self._copied(self.seq[:f])[:max(0, self.end - f - 1)]
         n = min(int(copy.numel()), int(drafts.numel()))
         if not n or torch.equal(copy[:n], drafts[:n]):  # the diffusion chain already drafts what the copy would
             return empty
@@ -194,8 +215,16 @@ class SpeculativeSequence(Sequence):
         a copied draft costs a verifier row, never the output."""
         if not self.lookup:
             return self.drafts
-        more = lookup_drafts(torch.cat([self.seq[:f], self.drafts]), self.lookup, min_ngram=LOOKUP_MIN_NGRAM)
+        more = self._copied(torch.cat([self.seq[:f], self.drafts]))
         return torch.cat([self.drafts, more])
+
+    def _copied(self, ids: Tensor) -> Tensor:
+        """Up to `lookup` drafts continuing `ids`: copied from an earlier occurrence of its last tokens (prompt
+        lookup), else, with an n-gram table, what most often followed them in the model's training text."""
+        copy = lookup_drafts(ids, self.lookup, min_ngram=LOOKUP_MIN_NGRAM)
+        if copy.numel() or self.ngrams is None:
+            return copy
+        return torch.tensor(self.ngrams.draft(ids[-self.ngrams.max_n:].tolist(), self.lookup), dtype=torch.long)
 
     def after_forward(self, plan: StepPlan) -> None:
         self.stats.forwards += 1

@@ -80,6 +80,7 @@ class GenerationRequest(RequestModel):
     multi_block_threshold: float | None = None
     draft_all_outcomes: bool | None = None
     draft_lookup: int | None = None
+    draft_ngrams: bool | None = None
     greedy_filters: bool | None = None
     empty_steps: bool | None = None
     full_last_block: bool | None = None
@@ -108,7 +109,7 @@ class GenerationRequest(RequestModel):
         kw = dict(REASONING_EFFORT[EFFORT_ALIASES.get(effort, effort)]) if effort else {}
         for name in ("temperature", "top_p", "top_k", "policy", "threshold", "steps", "factor", "tokens_per_step",
                      *POLICY_FIELDS, "block_size", "small_block_size", "multi_block_threshold", "draft_all_outcomes",
-                     "draft_lookup", *REFERENCE_SWITCHES, *EDIT_FIELDS, "min_tokens", *UNIFORM_FIELDS):
+                     "draft_lookup", "draft_ngrams", *REFERENCE_SWITCHES, *EDIT_FIELDS, "min_tokens", *UNIFORM_FIELDS):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

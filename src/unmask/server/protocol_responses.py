@@ -17,7 +17,7 @@ from unmask.server.protocol import (DRY_FIELDS, EDIT_FIELDS, POLICY_FIELDS, REFE
 RESPONSES_PASSTHROUGH = ("seed", "stop", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
                          "top_k", *DRY_FIELDS, "policy", "threshold", "steps", "factor", "tokens_per_step", *POLICY_FIELDS,
                          "block_size", "small_block_size", "multi_block_threshold", "draft_all_outcomes", "draft_lookup",
-                         *REFERENCE_SWITCHES, *EDIT_FIELDS,
+                         "draft_ngrams", *REFERENCE_SWITCHES, *EDIT_FIELDS,
                          "ignore_eos", "min_tokens", *UNIFORM_FIELDS, "regex", "choice", "grammar", "diffusing")
 
 

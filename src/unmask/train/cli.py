@@ -274,3 +274,27 @@ def calibrate(
         json_out.write_text(json.dumps({**stats, "filter": flt.to_json()}, indent=2) + "\n")
     if not dry_run:
         typer.echo(f"wrote commit_filter to {write_filter(model, flt, stats)}")
+
+
+def ngram_drafts(
+    model: Path = typer.Option(..., "--model", "-m", help="Model whose tokenizer counts the text; the table is "
+                               "written beside its weights (ngram_drafts.safetensors)."),
+    text: Path = typer.Option(Path("data/corpus"), help="The model's training text: a corpus directory (its "
+                              "train.jsonl) or a JSONL file of {\"text\": ...} documents. Never held-out text."),
+    max_n: int = typer.Option(4, min=1, max=8, help="Longest context counted (at most what packs into 63 bits: 4 "
+                              "for the built-in vocabulary, 3 for ~150K tokens)."),
+    min_count: int = typer.Option(4, min=1, help="Keep a context only where its most frequent next token followed "
+                                  "it at least this often."),
+    out: Optional[Path] = typer.Option(None, help="Write here instead of beside the weights."),
+):
+    """Count a model's training text into the n-gram table that policy `speculative` drafts from (REST-style)."""
+    from unmask.errors import UnmaskError
+    from unmask.train.ngram_table import build_table
+
+    check_output_file(out, "--out")
+    try:
+        path, table, seconds = build_table(model, text, max_n, min_count, out)
+    except (UnmaskError, OSError) as e:
+        fail(str(e))
+    typer.echo(f"counted {table.source_tokens:,} tokens in {seconds:.1f} s: {len(table):,} contexts of 1-"
+               f"{table.max_n} tokens (min count {min_count}); wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
