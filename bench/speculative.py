@@ -4,7 +4,8 @@ and the AR twin, batch 1, interleaved, on the model card's held-out next-line an
 Variants per unmask model: `next_token_greedy` (block 1, one token per forward: the output `speculative` must
 reproduce), `threshold_0.9` (the default), `speculative` (one draft block a step), `speculative_all` (a draft
 block per outcome), `speculative_b4` (draft blocks of 4: a narrower forward, for CPUs) and
-`speculative_b4_lookup` (the built-in model's default: also prompt-lookup drafts), or the subset --variants names;
+`speculative_b4_lookup` (the built-in model's default: also prompt-lookup drafts, and n-gram table drafts where the
+model ships a table; `speculative_b4_lookup_no_ngrams` without the table), or the subset --variants names;
 with --distilled the same ones on a second model of the same tokenizer (e.g. one trained by `unmask distill --teacher-block-size 1
 --full-block-fraction F`); the AR twin through transformers `generate`, and each variant's tokens/s over the twin's ("x twin");
 with --twin-lookup N also the twin through `generate` with transformers' prompt lookup decoding (N-token drafts).
@@ -35,6 +36,8 @@ VARIANTS = [
     ("speculative_b4", "self-speculative, draft blocks of 4", dict(policy="speculative", block_size=4)),
     ("speculative_b4_lookup", "self-speculative, draft blocks of 4 and up to 8 prompt-lookup drafts",
      dict(policy="speculative", block_size=4, draft_lookup=8)),
+    ("speculative_b4_lookup_no_ngrams", "the same without the model's n-gram draft table",
+     dict(policy="speculative", block_size=4, draft_lookup=8, draft_ngrams=False)),
 ]
 
 
