@@ -124,8 +124,10 @@ def load_base(model, base_dir: Path) -> dict:
     if not (cfg.get("shift_logits") or "Qwen3ForCausalLM" in cfg.get("architectures", ())):
         sys.exit(f"{base_dir}: not a causal base (config.json lacks \"shift_logits\": true and is no "
                  "Qwen3ForCausalLM; train one with `unmask train --objective causal`)")
+    from unmask.models.loader import weight_files
+
     state = {}
-    for f in sorted(base_dir.glob("*.safetensors")):
+    for f in weight_files(base_dir):   # not every .safetensors is weights (the n-gram draft table)
         state.update(load_file(f))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:

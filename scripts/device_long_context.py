@@ -493,8 +493,10 @@ def main() -> None:
     if final != a.model:
         summary["losses"]["final"] = heldout_losses("final", final, a, logs, runs)
     with tarfile.open(a.out / "meta.tar.gz", "w:gz") as tar:  # again, now with the evaluations' logs
-        for f in sorted((runs / "export").iterdir()):
-            if not f.name.endswith(".safetensors"):
+        export = runs / "export"
+        shards = set(json.loads((export / "model.safetensors.index.json").read_text())["weight_map"].values())
+        for f in sorted(export.iterdir()):
+            if f.name not in shards:   # as dt.package: the shards come back beside it, other files (a table) in it
                 tar.add(f, arcname=f"model/{f.name}")
         for f in sorted(logs.glob("*.log")):
             tar.add(f, arcname=f"logs/{f.name}")

@@ -110,12 +110,15 @@ def export_bf16_shards(src: Path, dst: Path, prefix: str = "model") -> list[str]
     import torch
     from safetensors.torch import load_file, save_file
 
+    from unmask.models.loader import weight_files
+
     dst.mkdir(parents=True, exist_ok=True)
+    weights = weight_files(src)   # the loader's own list: other .safetensors (the n-gram draft table) are files
     for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+        if f.is_file() and f not in weights and f.name != "model.safetensors.index.json":
             shutil.copy2(f, dst / f.name)
     state = {}
-    for f in sorted(src.glob("*.safetensors")):
+    for f in weights:
         state.update(load_file(f))
     shards: list[dict] = [{}]
     size = 0
@@ -153,8 +156,10 @@ def package(model_dir: Path, logs: Path, out: Path, base_dir: Path | None = None
     names = []
     with tarfile.open(out / "meta.tar.gz", "w:gz") as tar:
         for arc, d in (("model", model_dir), ("base", base_dir)):
+            shards = set(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"].values()) \
+                if d is not None else set()
             for f in sorted(d.iterdir()) if d is not None else ():
-                if f.name.endswith(".safetensors"):
+                if f.name in shards:
                     shutil.copy2(f, out / f.name)
                     names.append(f.name)
                 else:

@@ -42,6 +42,9 @@ def test_shards_round_trip_to_one_bf16_model(tmp_path, monkeypatch):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert json.loads((dst / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert (dst / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    # the n-gram draft table is a file of the model, not a weight shard: it travels in meta.tar.gz as it is
+    assert "ngram_drafts.safetensors" not in names
+    assert (dst / "ngram_drafts.safetensors").read_bytes() == (src / "ngram_drafts.safetensors").read_bytes()
     assert not (dst / "model.safetensors.index.json").exists()
     assert (tmp_path / "model.meta" / "logs" / "base.log").read_text().startswith("step 10/10")
     model, spec = load_model(dst, dtype="float32")

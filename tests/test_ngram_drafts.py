@@ -193,3 +193,17 @@ def test_a_table_from_another_tokenizer_stops_the_load_in_one_line(tmp_path, wit
     with pytest.raises(ModelLoadError, match=r"ngram_drafts.safetensors was counted with another tokenizer "
                                              r"\(sha256 000000000000"):
         LLM(model, dtype="float32", device="cpu")
+
+
+def test_a_trained_export_keeps_the_table_only_with_the_tokenizer_it_was_counted_with(tmp_path, with_table):
+    from unmask.train.checkpoint import _keep_ngram_table
+
+    same, other = tmp_path / "same", tmp_path / "other"
+    for d in (same, other):
+        d.mkdir()
+    shutil.copy2(with_table / "tokenizer.json", same / "tokenizer.json")
+    (other / "tokenizer.json").write_text("{}")
+    _keep_ngram_table(with_table, same)
+    _keep_ngram_table(with_table, other)
+    assert (same / nd.FILE).read_bytes() == (with_table / nd.FILE).read_bytes()
+    assert not (other / nd.FILE).exists()   # a retrained tokenizer: the model would refuse the old table

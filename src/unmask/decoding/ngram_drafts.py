@@ -15,6 +15,7 @@ with the sha256 of the tokenizer it was counted with, so a table from another to
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -161,8 +162,23 @@ def save(table: NgramTable, path: Path) -> Path:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)   # safetensors writes 0600; the table is as public as the weights beside it
     tmp.replace(path)   # a reader never sees half a table
     return path
+
+
+def counted_with(path: Path) -> str | None:
+    """The tokenizer digest a table file records (None: not a table), read from its header alone."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "np") as f:
+            meta = f.metadata() or {}
+    except Exception:  # noqa: BLE001 - unreadable: not a table this code can use
+        return None
+    return meta.get("tokenizer_sha256") if meta.get("format") == FORMAT else None
 
 
 class TableMismatch(ValueError):

@@ -160,6 +160,7 @@ def export_model(tm: TrainableModel, out_dir: Path, tokenizer_dir: Path | None, 
                 if (f.is_file() and f.name not in _WEIGHT_FILES and f.name not in _PROVENANCE_FILES
                         and not f.name.endswith((".safetensors", ".bin", ".pt"))):
                     shutil.copy2(f, tmp / f.name)
+        _keep_ngram_table(tm.source, tmp)
         state = canonical_state(tm.model, tm.arch)
         named = tm.family.from_canonical(state, tm.arch)
         tensors = {k: v.to(_EXPORT_DTYPES[dtype]).contiguous().clone() for k, v in named.items()}
@@ -169,6 +170,19 @@ def export_model(tm: TrainableModel, out_dir: Path, tokenizer_dir: Path | None, 
         shutil.copymode(tmp / "config.json", tmp / "model.safetensors")  # safetensors writes it 0600
 
     return _write_dir(out_dir, fill)
+
+
+def _keep_ngram_table(source: Path | None, out: Path) -> None:
+    """The source checkpoint's n-gram draft table (decoding.ngram_drafts) goes with the export when the export's
+    tokenizer is the one it was counted with (else the model would refuse it at load): drafts from it never change
+    an answer, so a trained student keeps its base's."""
+    from unmask.decoding.ngram_drafts import FILE, counted_with, tokenizer_digest
+
+    table = Path(source) / FILE if source is not None else None
+    if table is None or not table.is_file() or not (out / "tokenizer.json").is_file():
+        return
+    if counted_with(table) == tokenizer_digest(out / "tokenizer.json"):
+        shutil.copy2(table, out / FILE)
 
 
 def save_adapter(tm: TrainableModel, out_dir: Path) -> Path:
