@@ -207,3 +207,32 @@ def test_a_trained_export_keeps_the_table_only_with_the_tokenizer_it_was_counted
     _keep_ngram_table(with_table, other)
     assert (same / nd.FILE).read_bytes() == (with_table / nd.FILE).read_bytes()
     assert not (other / nd.FILE).exists()   # a retrained tokenizer: the model would refuse the old table
+
+
+def test_over_http_draft_ngrams_reaches_the_engine_and_bad_values_are_400s(with_table, tmp_path):
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from unmask.server.app import ServerArgs, create_app
+
+    args = ServerArgs(model=with_table, served_model_name="m", dtype="float32", data_dir=tmp_path,
+                      embedding_model="off")
+    with TestClient(create_app(args)) as http:
+        for _ in range(600):
+            if http.get("/health").status_code == 200:
+                break
+            time.sleep(0.1)
+        body = {"model": "m", "prompt": "def add(a, b):\n", "max_tokens": 16, "temperature": 0,
+                "policy": "speculative", "block_size": 4, "draft_lookup": 8}
+        texts = []
+        for ngrams in (None, False, True):
+            r = http.post("/v1/completions", json={**body, "draft_ngrams": ngrams})
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        assert texts[0] == texts[1] == texts[2]   # the table changes forwards, never the answer
+        r = http.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 8,
+                                             "policy": "speculative", "draft_lookup": 8, "draft_ngrams": False})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/completions", json={**body, "draft_ngrams": "maybe"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "draft_ngrams", r.text
