@@ -12,7 +12,7 @@ does not declare must answer 405 with `Allow`.
 the built-in model, with the decoding a request asks for kept cheap: token budgets capped at 4, `n` at 2,
 `steps` at 16, so that what is exercised is the request handling. Not a server thread in this process: on
 CPython 3.11, two threads building `ast` objects at once can fail with a spurious "AST constructor recursion
-depth mismatch" (the race behind python/cpython#106905; CI hit it once), and Hypothesis parses source to
+depth mismatch" (python/cpython#106905 and reports from langchain and pytest; CI hit it once), and Hypothesis parses source to
 describe its strategies while the server's threads parse too (`inspect.signature` of builtins while torch
 imports in the embedding loader, traceback carets in 3.11's `format_exc`).
 

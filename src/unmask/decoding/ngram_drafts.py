@@ -1,8 +1,9 @@
 """Drafts from a table of the training text's n-grams, for the `speculative` policy.
 
 Retrieval-based speculative decoding (REST, He et al., NAACL 2024, arXiv 2311.08252; compacted to common short
-n-grams in CREST, arXiv 2408.04678) drafts from a datastore of text rather than from a draft model: code and prose repeat their idioms (`self.assertEqual(`, `def __init__(self,`,
-`if __name__ == "__main__":`), and a small model's own answers repeat them even more. Here the datastore is a table:
+n-grams in CREST, arXiv 2408.04678) drafts from a datastore of text rather than from a draft model: code and
+prose repeat their idioms (`self.assertEqual(`, `def __init__(self,`, `if __name__ == "__main__":`), and a small
+model's own answers repeat them even more. Here the datastore is a table:
 for every context of 1 to `max_n` tokens seen in the training text, the token that most often followed it
 (kept where it followed at least `min_count` times). A draft continues the text greedily, longest known context
 first. Like prompt lookup it costs no model compute, only the verifier rows of what it drafts, and the verifier
