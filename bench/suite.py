@@ -175,7 +175,8 @@ def main() -> None:
         tasks, task_info = policies.load_tasks(llm, args.corpus, args.sft_heldout, c["n_next_line"], c["n_infill"])
         bidir = spec.family.attention == "bidirectional"
         variants = policies.unmask_variants(spec.block_size, bidir, llm.engine.traits.commit_filter is not None,
-                                            speculative=policies.speculative_model(llm))
+                                            speculative=policies.speculative_model(llm),
+                                            ngrams=llm.engine.traits.ngram_drafts is not None)
         distilled = None
         if args.distilled is not None:
             other = LLM(args.distilled, dtype=args.dtype)

@@ -40,3 +40,11 @@ def test_a_second_model_runs_every_policy_in_the_same_rounds(tmp_path, tokdir):
                                                                        tokens_per_step=1)])[0] for t in tasks]
         want = sum(len(o.token_ids) for o in outs) / sum(o.forwards for o in outs)
         assert sec["variants"][name]["tokens_per_forward"]["median"] == want
+
+
+def test_a_model_with_an_ngram_table_is_also_measured_without_it():
+    names = lambda **kw: {v.name: v.engine for v in policies.unmask_variants(8, False, speculative=True, **kw)}
+    with_table = names(ngrams=True)
+    assert with_table["speculative_b4_lookup_no_ngrams"] == dict(policy="speculative", block_size=4, draft_lookup=8,
+                                                               draft_ngrams=False)
+    assert "speculative_b4_lookup_no_ngrams" not in names() and "speculative_b4_lookup" in names()

@@ -35,11 +35,12 @@ class Variant:
 
 
 def unmask_variants(block_size: int, bidirectional: bool, learned: bool = False,
-                    speculative: bool = False) -> list[Variant]:
+                    speculative: bool = False, ngrams: bool = False) -> list[Variant]:
     """Every policy; with `learned` (the model has a commit filter, `unmask calibrate`) the learned rule too; with
     `speculative` (a causal-context model, engine/speculative.py) self-speculative decoding, its output exactly
     the model's own next-token decoding (`next_token_greedy`, block size 1), with one draft block or one per
-    outcome, with draft blocks of 4, and with prompt-lookup drafts beside them."""
+    outcome, with draft blocks of 4, and with prompt-lookup drafts beside them; with `ngrams` (the model ships an
+    n-gram draft table) the last also without the table."""
     base = [
         ("one_token_per_forward", "one token per forward (AR-equivalent)", dict(policy="topk", tokens_per_step=1)),
         ("low_confidence_2", "low-confidence, 2 tokens/step", dict(policy="low_confidence", steps=max(1, block_size // 2))),
@@ -66,6 +67,9 @@ def unmask_variants(block_size: int, bidirectional: bool, learned: bool = False,
             ("speculative_b4_lookup", "self-speculative, draft blocks of 4 and up to 8 prompt-lookup drafts",
              dict(policy="speculative", block_size=4, draft_lookup=8)),
         ]
+        if ngrams:
+            base.append(("speculative_b4_lookup_no_ngrams", "the same without the model's n-gram draft table",
+                         dict(policy="speculative", block_size=4, draft_lookup=8, draft_ngrams=False)))
     if not bidirectional:  # block-causal: the exact cache is always on, there is no cache switch
         return [Variant(n, lbl, knobs) for n, lbl, knobs in base]
     out = []
@@ -85,7 +89,8 @@ def model_variants(llm, block_size: int, group: str) -> list[Variant]:
                         prefix_cache_bytes=0)
     learned = llm.engine.traits.commit_filter is not None
     return [Variant(f"{group}:{v.name}", f"{group}: {v.label}", v.engine, group=group, llm=llm)
-            for v in unmask_variants(block_size, False, learned, speculative=speculative_model(llm))]
+            for v in unmask_variants(block_size, False, learned, speculative=speculative_model(llm),
+                                     ngrams=llm.engine.traits.ngram_drafts is not None)]
 
 
 def speculative_model(llm) -> bool:
