@@ -299,6 +299,16 @@ def test_compare_interleaves_two_servers(servers, tmp_path):
         assert p["output_tokens"] == 12
 
 
+def test_compare_with_the_same_server_warns_of_its_prefix_cache(servers, tmp_path):
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["loadtest", "--json", str(out), "--url", servers[0].url, "--compare",
+                                 servers[0].url + "/v1", "-n", "2", "--output-len", "2", "--ignore-eos", "--dataset",
+                                 "jsonl", "--dataset-path", str(write_jsonl(tmp_path))])
+    assert r.exit_code == 0, r.output
+    assert "warning: --compare is the --url server: B's prompts reach a prefix cache" in r.output
+    assert [p["target"] for p in json.loads(out.read_text())["points"]] == ["A", "B"]
+
+
 def test_a_burst_against_a_short_queue(tmp_path):
     """A 2-slot server: --burst (raw sockets, bench/serve_load.py's) answers exactly 2 requests 200 and the rest 429
     with Retry-After and the envelope; --rate inf with --preconnect sees the same split and the server's /metrics

@@ -165,6 +165,9 @@ def loadtest(
                               if compare_extra_body else dict(targets[0].extra_body), **common))
     if burst:
         return _burst(targets[0], work, warmup, timeout, json_out, dataset)
+    if compare and targets[1].url == targets[0].url:
+        typer.echo("warning: --compare is the --url server: B's prompts reach a prefix cache that A's same prompts "
+                   "warmed, which flatters B's first token; compare two servers for latency", err=True)
     rounds = rounds or (2 if compare else 1)
     if rounds > num_requests:
         fail(f"--rounds {rounds} is more than --num-requests {num_requests}")
