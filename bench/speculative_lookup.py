@@ -17,7 +17,9 @@ CPU linears through oneDNN on packed weights (models/cpu_linear.py, what `LLM` d
 `F.linear` (a second copy of the model loaded with UNMASK_ONEDNN_LINEAR=0); `--policy threshold` runs that
 comparison under the threshold rule instead of `speculative`. `--baseline-no-ngrams` compares, at the same
 `--lookup`, drafts from the model's n-gram table where the copy finds nothing (`draft_ngrams`, the default where
-the model ships `ngram_drafts.safetensors`) against the same requests with `draft_ngrams: false`.
+the model ships `ngram_drafts.safetensors`) against the same requests with `draft_ngrams: false`;
+`--baseline-no-table-chain` compares the table's draft verified as a second chain in steps without diffusion
+drafts against the engine without that (the baseline patches `_second_chain` in this process).
 """
 from __future__ import annotations
 
@@ -41,6 +43,14 @@ def _no_second_chain(self, f, drafts):
     return drafts[:0]
 
 
+def _no_table_chain(self, f, drafts):
+    """The second chain as before 2026-12-06 evening: only beside diffusion drafts (no table chain in steps
+    without them)."""
+    if not min(int(self.drafts.numel()), int(drafts.numel())):
+        return drafts[:0]
+    return _SECOND_CHAIN[0](self, f, drafts)
+
+
 def run(llm, prompts, tasks, max_tokens: int, knobs: dict, outputs: list | None = None) -> tuple[int, int, float]:
     from unmask.engine.params import GenerationParams
     from unmask.engine.speculative import SpeculativeSequence
@@ -49,7 +59,8 @@ def run(llm, prompts, tasks, max_tokens: int, knobs: dict, outputs: list | None 
         _SECOND_CHAIN.append(SpeculativeSequence._second_chain)
     knobs = dict(knobs)
     # the baseline: the engine's own code with its second chain off (no copy verified beside the drafts)
-    SpeculativeSequence._second_chain = (_no_second_chain if knobs.pop("single_chain", False)
+    single, no_table = knobs.pop("single_chain", False), knobs.pop("no_table_chain", False)
+    SpeculativeSequence._second_chain = (_no_second_chain if single else _no_table_chain if no_table
                                          else _SECOND_CHAIN[0])
 
     cache = getattr(llm.engine, "prefix_cache", None)
@@ -87,6 +98,9 @@ def main() -> None:
     ap.add_argument("--baseline-plain-linear", action="store_true",
                     help="baseline: the same model and settings with torch's default F.linear instead of oneDNN "
                          "on packed weights")
+    ap.add_argument("--baseline-no-table-chain", action="store_true",
+                    help="baseline: the same settings with the n-gram table's draft not verified as a second chain "
+                         "in steps without diffusion drafts (the engine before that)")
     ap.add_argument("--baseline-no-ngrams", action="store_true",
                     help="baseline: the same --lookup with draft_ngrams false (the model's n-gram table unused)")
     ap.add_argument("--policy", choices=("speculative", "threshold"), default="speculative",
@@ -127,6 +141,9 @@ def main() -> None:
         if llm.engine.traits.ngram_drafts is None:
             raise SystemExit(f"--baseline-no-ngrams: {args.model} has no ngram_drafts.safetensors")
         variants = {"without": {**base, "draft_lookup": args.lookup, "draft_ngrams": False},
+                    "with": {**base, "draft_lookup": args.lookup}}
+    if args.baseline_no_table_chain:
+        variants = {"without": {**base, "draft_lookup": args.lookup, "no_table_chain": True},
                     "with": {**base, "draft_lookup": args.lookup}}
     if args.baseline_model or args.baseline_plain_linear:  # the same settings on both: weights or linears differ
         variants["without"] = dict(variants["with"])

@@ -236,3 +236,24 @@ def test_over_http_draft_ngrams_reaches_the_engine_and_bad_values_are_400s(with_
         assert r.status_code == 200, r.text
         r = http.post("/v1/completions", json={**body, "draft_ngrams": "maybe"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "draft_ngrams", r.text
+
+
+def test_in_steps_without_diffusion_drafts_the_table_is_verified_beside_a_lookup_copy(llm, prompts, monkeypatch):
+    """The second chain is idle where a step has no diffusion drafts; there the table's draft goes beside a
+    prompt-lookup copy and wins some steps, with the answers of next-token decoding."""
+    from unmask.engine.speculative import SpeculativeSequence
+
+    apply, steps = SpeculativeSequence.apply, []
+
+    def recording(self, plan, logits):
+        before, no_diffusion = self.copy_wins, not self.drafts.numel() and plan.targets.numel() > 0
+        out = apply(self, plan, logits)
+        if no_diffusion:
+            steps.append((int(self._alt.numel()) > 0, self.copy_wins > before))
+        return out
+
+    monkeypatch.setattr(SpeculativeSequence, "apply", recording)
+    got = one_by_one(llm, prompts, policy="speculative", block_size=4, draft_lookup=8)
+    assert [o.token_ids for o in got] == [o.token_ids for o in one_by_one(llm, prompts, **AR)]
+    offered = [won for alt, won in steps if alt]
+    assert offered and any(offered), (len(steps), len(offered))

@@ -21,7 +21,8 @@ committed text (decoding.speculative.lookup_drafts on the text alone) verifies b
 its own draft block, C token-causal over T, and the branch that keeps more drafts wins (the diffusion one on a
 tie). The output is still exactly next-token decoding; a won copy's K/V were not written, so its tokens are fed
 again next step as committed ones. Where the text has no earlier match, a model that ships an n-gram table of its
-training text (decoding.ngram_drafts; `draft_ngrams`) drafts from that instead, in both places a copy goes.
+training text (decoding.ngram_drafts; `draft_ngrams`) drafts from that instead, in both places a copy goes; and in a
+step without diffusion drafts whose drafts are a prompt-lookup copy, the table's draft is the second chain.
 """
 from __future__ import annotations
 
@@ -198,14 +199,21 @@ class SpeculativeSequence(Sequence):
 
     def _second_chain(self, f: int, drafts: Tensor) -> Tensor:
         """A copy of the committed text to verify beside diffusion drafts it disagrees with (module docstring);
-        empty where there is none or it cannot be weighed exactly (sampling, logit adjustments)."""
+        in a step without diffusion drafts, whose drafts are then a prompt-lookup copy, the n-gram table's draft
+        beside it. Empty where there is none, it drafts what the step already does, or it cannot be weighed
+        exactly (sampling, logit adjustments)."""
         empty = drafts[:0]
-        diffusion = min(int(self.drafts.numel()), int(drafts.numel()))
-        if not self.lookup or not diffusion or not self.sampling.greedy or self.adjuster is not None:
+        if not self.lookup or not drafts.numel() or not self.sampling.greedy or self.adjuster is not None:
             return empty
-        copy = self._copied(self.seq[:f])[:max(0, self.end - f - 1)]
+        if min(int(self.drafts.numel()), int(drafts.numel())):
+            copy = self._copied(self.seq[:f])
+        elif self.ngrams is not None:   # the second chain is idle in these steps; a table chain equal to the
+            copy = self._table_drafts(self.seq[:f])   # step's own drafts (no lookup match) is dropped below
+        else:
+            return empty
+        copy = copy[:max(0, self.end - f - 1)]
         n = min(int(copy.numel()), int(drafts.numel()))
-        if not n or torch.equal(copy[:n], drafts[:n]):  # the diffusion chain already drafts what the copy would
+        if not n or torch.equal(copy[:n], drafts[:n]):  # the step's chain already drafts what the copy would
             return empty
         return copy
 
@@ -224,6 +232,9 @@ class SpeculativeSequence(Sequence):
         copy = lookup_drafts(ids, self.lookup, min_ngram=LOOKUP_MIN_NGRAM)
         if copy.numel() or self.ngrams is None:
             return copy
+        return self._table_drafts(ids)
+
+    def _table_drafts(self, ids: Tensor) -> Tensor:
         return torch.tensor(self.ngrams.draft(ids[-self.ngrams.max_n:].tolist(), self.lookup), dtype=torch.long)
 
     def after_forward(self, plan: StepPlan) -> None:
