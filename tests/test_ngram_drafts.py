@@ -132,7 +132,7 @@ def test_the_command_says_in_one_line_what_is_wrong(tmp_path, with_table):
                         str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "t.safetensors")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
-    assert "missing.jsonl: not found" in r.stderr and "Traceback" not in r.stderr
+    assert "missing.jsonl: no corpus" in r.stderr and "Traceback" not in r.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"content": "x"}) + "\n")
     r = subprocess.run([sys.executable, "-m", "unmask.cli", "ngram-drafts", "-m", str(with_table), "--text",

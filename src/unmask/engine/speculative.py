@@ -132,6 +132,7 @@ class SpeculativeSequence(Sequence):
         self.lookup = int(self.params.draft_lookup or 0)
         # where the copy finds no match, the model's n-gram table drafts (draft_ngrams; None: on where there is one)
         self.ngrams: NgramTable | None = None if self.params.draft_ngrams is False else self.traits.ngram_drafts
+        self._from_table = False   # whether the last `_copied` drafted from the table (prompt lookup found nothing)
         self._step_drafts = self.drafts  # this step's: `drafts` (the diffusion rows'), then any copied ones
         self._alt = self.drafts          # this step's second chain: a copy of the committed text (module docstring)
         self._alt_rows = (0, 0)          # its verifier rows (first logit row, count) after T's last row
@@ -207,8 +208,8 @@ class SpeculativeSequence(Sequence):
             return empty
         if min(int(self.drafts.numel()), int(drafts.numel())):
             copy = self._copied(self.seq[:f])
-        elif self.ngrams is not None:   # the second chain is idle in these steps; a table chain equal to the
-            copy = self._table_drafts(self.seq[:f])   # step's own drafts (no lookup match) is dropped below
+        elif self.ngrams is not None and not self._from_table:   # the step's drafts are a prompt-lookup copy of
+            copy = self._table_drafts(self.seq[:f])               # this same text (`_drafts_for_step`, just before)
         else:
             return empty
         copy = copy[:max(0, self.end - f - 1)]
@@ -230,9 +231,8 @@ class SpeculativeSequence(Sequence):
         """Up to `lookup` drafts continuing `ids`: copied from an earlier occurrence of its last tokens (prompt
         lookup), else, with an n-gram table, what most often followed them in the model's training text."""
         copy = lookup_drafts(ids, self.lookup, min_ngram=LOOKUP_MIN_NGRAM)
-        if copy.numel() or self.ngrams is None:
-            return copy
-        return self._table_drafts(ids)
+        self._from_table = not copy.numel() and self.ngrams is not None
+        return self._table_drafts(ids) if self._from_table else copy
 
     def _table_drafts(self, ids: Tensor) -> Tensor:
         return torch.tensor(self.ngrams.draft(ids[-self.ngrams.max_n:].tolist(), self.lookup), dtype=torch.long)

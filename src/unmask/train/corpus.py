@@ -316,6 +316,19 @@ def write_documents(files: Iterable[CorpusFile], path: Path) -> str:
     return digest.hexdigest()
 
 
+def corpus_file(path: Path | str) -> Path:
+    """The JSONL that a text option names: a corpus directory's train.jsonl, or the file itself (DataError when
+    there is none)."""
+    path = Path(path)
+    file = path / "train.jsonl" if path.is_dir() else path
+    if not file.is_file():
+        from unmask.train.data import DataError  # here, not at the top: data.py pulls in torch
+
+        raise DataError(f"{path}: no corpus (a directory with train.jsonl, or a JSONL file of {{\"text\": ...}} "
+                        "documents)")
+    return file
+
+
 def read_jsonl_objects(path: Path | str) -> Iterator[tuple[int, dict]]:
     """(line number, object) per non-blank line; a line that is not UTF-8 JSON of an object raises a DataError
     naming file and line, so the CLI prints one line instead of a decoder traceback."""

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from unmask.tokenizer import Tokenizer
+from unmask.train.corpus import corpus_file
 from unmask.train.data import DataError, TokenRows, check_vocab, load_pretraining, mix_rows
 from unmask.train.model_init import count_params, load_trainable
 from unmask.train.sft import SFTEncoder
@@ -65,9 +66,7 @@ def _file_digest(path: Path | None) -> str | None:
     identical corpus keeps the cache and a changed one is refused."""
     if path is None:
         return None
-    file = path / "train.jsonl" if path.is_dir() else path
-    if not file.is_file():
-        raise DataError(f"{path}: not found (a corpus directory with train.jsonl, or a JSONL file)")
+    file = corpus_file(path)
     h = hashlib.sha256()
     with open(file, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):

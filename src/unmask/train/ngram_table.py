@@ -11,12 +11,9 @@ from unmask.train.data import DataError
 
 def text_documents(path: Path):
     """The `text` of each JSONL object in `path` (a corpus directory: its train.jsonl), one document each."""
-    from unmask.train.corpus import read_jsonl_objects
+    from unmask.train.corpus import corpus_file, read_jsonl_objects
 
-    file = path / "train.jsonl" if path.is_dir() else path
-    if not file.is_file():
-        raise DataError(f"{path}: not found (a corpus directory with train.jsonl, or a JSONL file of "
-                        "{\"text\": ...} documents)")
+    file = corpus_file(path)
     for n, row in read_jsonl_objects(file):
         if not isinstance(row.get("text"), str):
             raise DataError(f"{file}:{n}: no string 'text'")

@@ -26,7 +26,7 @@ import torch
 
 from unmask.engine.engine import Engine
 from unmask.engine.params import GenerationParams
-from unmask.train.corpus import read_jsonl_objects
+from unmask.train.corpus import corpus_file, read_jsonl_objects
 from unmask.train.data import DataError
 
 META = "meta.json"
@@ -123,9 +123,7 @@ def weights_digest(model: torch.nn.Module) -> str:
 def text_prompts(path: Path, tok, n: int, cfg: TrajectoryConfig, rng: random.Random) -> list[Prompt]:
     """`n` prefixes of documents ending just before a newline (as the next-line tasks cut them), each at most
     `context_chars` characters, from a corpus directory (train.jsonl) or a JSONL file of {"text": ...}."""
-    file = path / "train.jsonl" if path.is_dir() else path
-    if not file.is_file():
-        raise DataError(f"{path}: no corpus (a directory with train.jsonl, or a .jsonl file of documents)")
+    file = corpus_file(path)
     docs = [obj["text"] for _, obj in read_jsonl_objects(file) if isinstance(obj.get("text"), str)]
     ends = [(d, [i for i, ch in enumerate(text) if ch == "\n" and i >= cfg.min_context_chars])
             for d, text in enumerate(docs)]
