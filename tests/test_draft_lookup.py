@@ -33,10 +33,18 @@ def test_lookup_continues_a_period_and_is_empty_without_a_match():
     assert lookup_drafts(ids(7, 1, 8, 7), 2, min_ngram=2).numel() == 0
 
 
-def test_the_long_text_search_finds_what_the_window_search_finds():
-    """Past LONG_LOOKUP tokens the search extends last-token matches instead of comparing every window: the
-    same drafts on random texts of few symbols (many matches, periods, no match), at every n range."""
-    from unmask.decoding.speculative import _match_ends_long, _match_ends_short
+def window_match_ends(ids, top, bottom):
+    """The reference: every window of n tokens ending before the last token, compared with the last n."""
+    n_ids = int(ids.numel())
+    for n in range(top, bottom - 1, -1):
+        windows = ids[:n_ids - 1].unfold(0, n, 1)
+        yield n, (windows == ids[n_ids - n:]).all(1).nonzero().squeeze(1) + (n - 1)
+
+
+def test_the_one_pass_search_finds_what_comparing_every_window_finds():
+    """match_ends extends last-token matches instead of comparing every window: the same ends on random texts of
+    few symbols (many matches, periods, no match), at every n range."""
+    from unmask.decoding.speculative import match_ends
 
     g = torch.Generator().manual_seed(0)
     for _ in range(400):
@@ -44,9 +52,9 @@ def test_the_long_text_search_finds_what_the_window_search_finds():
                           generator=g)
         for top, bottom in ((3, 1), (3, 2), (2, 2), (1, 1)):
             top = min(top, x.numel() - 1)
-            short = [(n, e.tolist()) for n, e in _match_ends_short(x, top, bottom)]
-            assert short == [(n, e.tolist()) for n, e in _match_ends_long(x, top, bottom)]
-    # and through lookup_drafts on a text long enough to take the long path: "4 5 6" recurs at 5,000
+            want = [(n, e.tolist()) for n, e in window_match_ends(x, top, bottom)]
+            assert want == [(n, e.tolist()) for n, e in match_ends(x.numpy(), top, bottom)]
+    # and through lookup_drafts on a long text: "4 5 6" recurs at 5,000
     text = torch.arange(10, 8010) % 997 + 10
     text[5000:5003] = torch.tensor([4, 5, 6])
     text[-3:] = torch.tensor([4, 5, 6])

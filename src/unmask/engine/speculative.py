@@ -26,12 +26,15 @@ step without diffusion drafts whose drafts are a prompt-lookup copy, the table's
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from unmask.decoding import ngram_drafts
 from unmask.decoding.logit_adjust import ban_early_stops
 from unmask.decoding.ngram_drafts import FILE, NgramTable, TableMismatch, tokenizer_digest
+from unmask.decoding.sampling import row_argmax
 from unmask.decoding.speculative import draw, lookup_drafts, processed_probs, verify
 from unmask.engine.sequence import Sequence, StepPlan
 from unmask.errors import InvalidRequestError, ModelLoadError
@@ -114,6 +117,27 @@ def with_branch(attend: Tensor, n_committed: int, n_alt: int, block: int) -> Ten
     return out
 
 
+# a step's layout depends only on a few counts, which repeat from step to step: the small ones are kept (a decoding
+# step's; a prompt's first forward, with hundreds of committed tokens, is built each time)
+_LAYOUT_CACHE_MAX_COMMITTED = 64
+
+
+def step_layout(n_committed: int, n_drafts: int, block_lengths: tuple[int, ...], outcomes: tuple[int, ...],
+                branch: tuple[int, int] | None) -> Tensor:
+    """draft_layout, grown by `with_branch(*branch)` where a second chain is verified; shared, read-only."""
+    if n_committed > _LAYOUT_CACHE_MAX_COMMITTED:
+        return _build_layout(n_committed, n_drafts, block_lengths, outcomes, branch)
+    return _cached_layout(n_committed, n_drafts, block_lengths, outcomes, branch)
+
+
+def _build_layout(n_committed, n_drafts, block_lengths, outcomes, branch) -> Tensor:
+    attend = draft_layout(n_committed, n_drafts, list(block_lengths), list(outcomes))
+    return attend if branch is None else with_branch(attend, n_committed, *branch)
+
+
+_cached_layout = functools.lru_cache(maxsize=512)(_build_layout)
+
+
 class SpeculativeSequence(Sequence):
     """A request decoded by the `speculative` policy (module docstring). The canvas holds the committed text and
     masks after it; the drafts live beside it until the verifier keeps them."""
@@ -172,8 +196,8 @@ class SpeculativeSequence(Sequence):
             targets.append(torch.arange(f + j + 1, f + j + 1 + m))
             self._blocks[j] = (r, m)
             s, r = s + n, r + m
-        attend = draft_layout(pending, k, lengths, outcomes)
         self._alt = alt = self._second_chain(f, drafts)
+        branch = None
         if alt.numel():  # C at f.., then its block: rows for C's tokens and the block's first n - 1
             kb = int(alt.numel())
             n = min(self.K, self.end - (f + kb))
@@ -183,8 +207,9 @@ class SpeculativeSequence(Sequence):
             rows += [torch.arange(s, s + kb), torch.arange(s + kb, s + kb + m)]
             targets += [torch.arange(f + 1, f + kb + 1), torch.arange(f + kb + 1, f + kb + 1 + m)]
             self._alt_rows, self._alt_block = (r, kb), (r + kb, m)
-            attend = with_branch(attend, pending, kb, n)
+            branch = (kb, n)
             s += kb + n
+        attend = step_layout(pending, k, tuple(lengths), tuple(outcomes), branch)
         seg = Segment(start=c, length=s, write=n_clean, cache=self.cache, attend=attend)
         self._k = k
         return StepPlan(self, torch.cat(ids), torch.cat(pos), seg, torch.cat(rows), torch.cat(targets))
@@ -250,7 +275,8 @@ class SpeculativeSequence(Sequence):
         f, k = self.final_end, self._k
         drafts = self._step_drafts[:k]
         logits[:, self.traits.mask_id] = float("-inf")
-        ban_early_stops(logits, plan.targets - self.P, self.params.min_tokens, self.stops)
+        if f - self.P < self.params.min_tokens:  # every target is at f or later
+            ban_early_stops(logits, plan.targets - self.P, self.params.min_tokens, self.stops)
         if self.adjuster is not None:  # verifier row i follows drafts 0..i-1: counted as if committed
             self.adjuster.adjust_causal(logits[:k + 1], drafts)
             self.adjuster.adjust(logits[k + 1:])  # the draft rows: only what is committed (drafts need not be exact)
@@ -320,7 +346,7 @@ class SpeculativeSequence(Sequence):
             return
         r, m = block
         if self.sampling.greedy:
-            self.drafts, self.draft_probs = logits[r:r + m].argmax(-1).cpu(), None
+            self.drafts, self.draft_probs = row_argmax(logits[r:r + m].cpu()), None
             return
         q = processed_probs(logits[r:r + m], self.sampling)
         self.drafts, self.draft_probs = draw(q, self.generator).cpu(), q
