@@ -38,6 +38,12 @@ VARIANTS = [
      dict(policy="speculative", block_size=4, draft_lookup=8)),
     ("speculative_b4_lookup_no_ngrams", "the same without the model's n-gram draft table",
      dict(policy="speculative", block_size=4, draft_lookup=8, draft_ngrams=False)),
+    ("speculative_b4_lookup_all", "draft blocks of 4 and lookup drafts, a draft block per outcome",
+     dict(policy="speculative", block_size=4, draft_lookup=8, draft_all_outcomes=True)),
+    ("speculative_b8_lookup", "draft blocks of 8 and lookup drafts",
+     dict(policy="speculative", block_size=8, draft_lookup=8)),
+    ("speculative_b8_lookup_all", "draft blocks of 8 and lookup drafts, a draft block per outcome",
+     dict(policy="speculative", block_size=8, draft_lookup=8, draft_all_outcomes=True)),
 ]
 
 
