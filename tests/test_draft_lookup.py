@@ -131,8 +131,8 @@ def test_all_outcomes_places_blocks_after_each_count_of_diffusion_drafts_and_aft
 
     from unmask.engine.speculative import SpeculativeSequence
 
-    def outcomes(all_outcomes, n_diffusion, k):
-        seq = SimpleNamespace(all_outcomes=all_outcomes, drafts=torch.arange(n_diffusion))
+    def outcomes(all_outcomes, n_diffusion, k, from_table=False):
+        seq = SimpleNamespace(all_outcomes=all_outcomes, drafts=torch.arange(n_diffusion), _from_table=from_table)
         return SpeculativeSequence._outcomes(seq, k)
 
     assert outcomes(True, 3, 11) == [0, 1, 2, 3, 11]   # 8 copied drafts after 3 diffusion ones: no block each
@@ -141,6 +141,10 @@ def test_all_outcomes_places_blocks_after_each_count_of_diffusion_drafts_and_aft
     assert outcomes(True, 0, 8) == [0, 8]               # a copy alone: a refused first draft still has a block
     assert outcomes(True, 0, 0) == [0]
     assert outcomes(False, 3, 11) == [11]
+    assert outcomes(False, 0, 8) == [8]                 # a prompt-lookup copy alone: after all of it
+    assert outcomes(False, 0, 8, from_table=True) == [0]   # the n-gram table's draft alone: after none of it
+    assert outcomes(False, 3, 11, from_table=True) == [11]  # table drafts after diffusion ones: after all
+    assert outcomes(True, 0, 8, from_table=True) == [0, 8]
 
 
 def test_all_outcomes_with_lookup_needs_fewer_forwards(llm, prompts):

@@ -257,3 +257,38 @@ def test_in_steps_without_diffusion_drafts_the_table_is_verified_beside_a_lookup
     assert [o.token_ids for o in got] == [o.token_ids for o in one_by_one(llm, prompts, **AR)]
     offered = [won for alt, won in steps if alt]
     assert offered and any(offered), (len(steps), len(offered))
+
+
+def test_a_step_drafting_from_the_table_alone_places_its_draft_block_after_none_of_them(llm, prompts, monkeypatch):
+    """Where a step's only drafts are the table's, its one draft block goes after none of them (where the table is
+    refused, the next step then has diffusion drafts); elsewhere after all; the answers stay next-token decoding's."""
+    from unmask.engine.speculative import SpeculativeSequence
+
+    plan, apply, seen = SpeculativeSequence.plan, SpeculativeSequence.apply, []
+
+    def recording_plan(self, budget):
+        no_diffusion = not self.drafts.numel()
+        out = plan(self, budget)
+        if out.targets.numel():
+            seen.append(("table" if self._from_table and no_diffusion and self._k else "other", self._k,
+                         sorted(self._blocks)))
+        return out
+
+    refused_then_drafted = []
+
+    def recording_apply(self, p, logits):
+        table = bool(seen) and seen[-1][0] == "table"
+        kept = self.kept
+        out = apply(self, p, logits)
+        if table and self.kept == kept and not self.finish_reason:
+            refused_then_drafted.append(self.drafts.numel() > 0)
+        return out
+
+    monkeypatch.setattr(SpeculativeSequence, "plan", recording_plan)
+    monkeypatch.setattr(SpeculativeSequence, "apply", recording_apply)
+    got = one_by_one(llm, prompts, policy="speculative", block_size=4, draft_lookup=8)
+    assert [o.token_ids for o in got] == [o.token_ids for o in one_by_one(llm, prompts, **AR)]
+    table = [blocks for kind, k, blocks in seen if kind == "table"]
+    assert table and all(blocks == [0] for blocks in table)
+    assert all(blocks == [k] for kind, k, blocks in seen if kind == "other")
+    assert refused_then_drafted and all(refused_then_drafted)
