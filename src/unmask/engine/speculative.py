@@ -6,8 +6,8 @@ next-token predictor: the built-in family). Each forward feeds, after the exact 
     T  committed tokens not yet cached (the last one at least: its row predicts the next token)   token-causal
     D  the drafts of the last step, d_0..d_{k-1}, at the next k positions                           token-causal
     M  draft blocks of K masks: block j starts where the token after j kept drafts will go, sees
-       T and d_0..d_{j-1}, and itself bidirectionally (j = k only; with `all outcomes` also every j up to
-       the number of diffusion drafts)
+       T and d_0..d_{j-1}, and itself bidirectionally (j = k only, or j = 0 where the only drafts are the
+       n-gram table's; with `all outcomes` also every j up to the number of diffusion drafts)
 
 The rows of T's last token and of D are the verifier (decoding.speculative.verify): they keep a prefix of D and
 add one token of their own, so a step writes 1 to k + 1 tokens, exactly those one-token-per-forward next-token
