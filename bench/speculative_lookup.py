@@ -19,7 +19,9 @@ comparison under the threshold rule instead of `speculative`. `--baseline-no-ngr
 `--lookup`, drafts from the model's n-gram table where the copy finds nothing (`draft_ngrams`, the default where
 the model ships `ngram_drafts.safetensors`) against the same requests with `draft_ngrams: false`;
 `--baseline-no-table-chain` compares the table's draft verified as a second chain in steps without diffusion
-drafts against the engine without that (the baseline patches `_second_chain` in this process).
+drafts against the engine without that (the baseline patches `_second_chain` in this process);
+`--baseline-table-block-after-all` compares a table-only step's draft block placed after none of its drafts
+against the placement before it, after all of them (the baseline patches `_outcomes` in this process).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 _SECOND_CHAIN = []  # the engine's own method, kept on first use
+_OUTCOMES = []      # likewise
 
 
 def _no_second_chain(self, f, drafts):
@@ -51,17 +54,24 @@ def _no_table_chain(self, f, drafts):
     return _SECOND_CHAIN[0](self, f, drafts)
 
 
+def _block_after_all(self, k):
+    """The draft block's placement before 2026-12-06 evening: after all drafts, the table's too."""
+    return [k] if not self.all_outcomes else _OUTCOMES[0](self, k)
+
+
 def run(llm, prompts, tasks, max_tokens: int, knobs: dict, outputs: list | None = None) -> tuple[int, int, float]:
     from unmask.engine.params import GenerationParams
     from unmask.engine.speculative import SpeculativeSequence
 
     if not _SECOND_CHAIN:
         _SECOND_CHAIN.append(SpeculativeSequence._second_chain)
+        _OUTCOMES.append(SpeculativeSequence._outcomes)
     knobs = dict(knobs)
     # the baseline: the engine's own code with its second chain off (no copy verified beside the drafts)
     single, no_table = knobs.pop("single_chain", False), knobs.pop("no_table_chain", False)
     SpeculativeSequence._second_chain = (_no_second_chain if single else _no_table_chain if no_table
                                          else _SECOND_CHAIN[0])
+    SpeculativeSequence._outcomes = _block_after_all if knobs.pop("table_block_after_all", False) else _OUTCOMES[0]
 
     cache = getattr(llm.engine, "prefix_cache", None)
     if cache is not None:  # every run pays its own prefills (a cache warmed by the run before would flatter it)
@@ -101,6 +111,9 @@ def main() -> None:
     ap.add_argument("--baseline-no-table-chain", action="store_true",
                     help="baseline: the same settings with the n-gram table's draft not verified as a second chain "
                          "in steps without diffusion drafts (the engine before that)")
+    ap.add_argument("--baseline-table-block-after-all", action="store_true",
+                    help="baseline: the same settings with a table-only step's draft block after all its drafts "
+                         "(the engine before it went after none)")
     ap.add_argument("--baseline-no-ngrams", action="store_true",
                     help="baseline: the same --lookup with draft_ngrams false (the model's n-gram table unused)")
     ap.add_argument("--policy", choices=("speculative", "threshold"), default="speculative",
@@ -144,6 +157,9 @@ def main() -> None:
                     "with": {**base, "draft_lookup": args.lookup}}
     if args.baseline_no_table_chain:
         variants = {"without": {**base, "draft_lookup": args.lookup, "no_table_chain": True},
+                    "with": {**base, "draft_lookup": args.lookup}}
+    if args.baseline_table_block_after_all:
+        variants = {"without": {**base, "draft_lookup": args.lookup, "table_block_after_all": True},
                     "with": {**base, "draft_lookup": args.lookup}}
     if args.baseline_model or args.baseline_plain_linear:  # the same settings on both: weights or linears differ
         variants["without"] = dict(variants["with"])
