@@ -14,8 +14,8 @@ from torch import Tensor
 
 def row_argmax(x: Tensor) -> Tensor:
     """x.argmax(-1), the first maximum of each row (NaN counts as the maximum, as torch's), through NumPy for CPU
-    float32 rows: torch 2.13's CPU argmax took 88 us for 10 rows of 8,192 logits here, NumPy's 7 us (2-core Xeon,
-    2026-12-06), and a self-speculative step takes two or three of them."""
+    float32 rows: torch 2.13's CPU argmax took 64 us for 10 rows of 8,192 logits, NumPy's 5.5 us (2-core Xeon,
+    2026-12-06, `python -m timeit` in docs/benchmarks.md), and a self-speculative step takes two or three of them."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() > 0 and x.shape[-1] and not x.requires_grad:
         return torch.from_numpy(np.asarray(x.numpy().argmax(-1), dtype=np.int64))  # a 1-D x: a 0-D result
     return x.argmax(dim=-1)
