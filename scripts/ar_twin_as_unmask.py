@@ -3,7 +3,8 @@
 The twin (`scripts/train_ar_twin.py`) has the unmask reference's shape and parameter names (it starts from the
 reference's causal base, loaded unchanged), so the twin's weights under the reference's `config.json` (causal
 context, shifted logits) are an unmask model whose clean rows compute exactly the twin's causal forward: its
-next-token decoding writes the twin's greedy text (checked on held-out lines in tests/test_ar_twin_as_unmask.py).
+next-token decoding writes the twin's greedy text (tests/test_ar_twin_as_unmask.py compares it with transformers'
+`generate`).
 Its mask rows are untrained; `unmask distill` on its own answers then teaches them to draft, which is the
 AR-to-block-diffusion adaptation of SDAR and Fast-dLLM v2 at this size (docs/training.md, "From the AR twin").
 
