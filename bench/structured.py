@@ -1,6 +1,7 @@
 """Tokens per forward under a structured-output constraint vs unconstrained decoding.
 
     python bench/structured.py [--model DIR] [--oracle 0.5] [--max-tokens 160] [--policy threshold --threshold 0.9]
+    python bench/structured.py --policy speculative --block-size 4 --draft-lookup 8   # the built-in default
 
 Tasks: extraction to a JSON schema, json_object, and a required tool call. For each task the same
 prompts run unconstrained and constrained; reported per mode: tokens, forwards, tokens per forward,
@@ -143,8 +144,9 @@ def run(llm: LLM, items, constrained: bool, args, oracle: OracleRunner | None) -
     tokens = forwards = ok = forced = resampled = 0
     t0 = time.perf_counter()
     for ids, spec, ref in items:
-        params = GenerationParams(max_tokens=args.max_tokens, policy=args.policy, threshold=args.threshold,
-                                  block_size=args.block_size, structured=spec if constrained else None, seed=0)
+        knobs = dict(threshold=args.threshold) if args.policy != "speculative" else dict(draft_lookup=args.draft_lookup)
+        params = GenerationParams(max_tokens=args.max_tokens, policy=args.policy, block_size=args.block_size,
+                                  structured=spec if constrained else None, seed=0, **knobs)
         seq = eng.add_request(ids, params)
         if oracle is not None:
             stop = llm.spec.stop_ids[0]
@@ -226,6 +228,7 @@ def main() -> None:
     ap.add_argument("--oracle", type=float, default=None, metavar="Q")
     ap.add_argument("--policy", default="threshold")
     ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--draft-lookup", type=int, default=None, help="policy speculative: its draft_lookup")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
@@ -258,7 +261,8 @@ def main() -> None:
         for constrained in (False, True):
             r = run(llm, items, constrained, args, oracle)
             rows.append({"task": name, "mode": "constrained" if constrained else "free", **r})
-    print(f"model {model}  family {llm.spec.family.name}  policy {args.policy} {args.threshold}  "
+    knob = f"draft_lookup {args.draft_lookup}" if args.policy == "speculative" else args.threshold
+    print(f"model {model}  family {llm.spec.family.name}  policy {args.policy} {knob}  "
           f"oracle {args.oracle}  block {args.block_size or llm.spec.block_size}")
     print(f"{'task':12} {'mode':12} {'tokens':>6} {'fwd':>5} {'tok/fwd':>7} {'valid':>6} {'forced':>6} "
           f"{'resamp':>6} {'ms/fwd':>7}")  # ms/fwd: wall time per forward (engine step incl. the constraint)

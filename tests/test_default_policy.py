@@ -77,9 +77,11 @@ def test_where_the_default_cannot_run_the_threshold_rule_decodes(llm):
     for knobs in (dict(dry_multiplier=0.8), dict(threshold=0.7), dict(steps=4), dict(edit_threshold=0.9),
                   dict(multi_block_threshold=0.5)):
         assert tokens(run(llm, **knobs)) == tokens(run(llm, policy="threshold", **knobs)), knobs
+    # a grammar-constrained request is served by the default since 2026-12-06 (tests/test_speculative_structured.py)
     spec = StructuredSpec("choice", ("yes", "no"))
     out = run(llm, structured=spec)
     assert {o.text for o in out} <= {"yes", "no"}
+    assert tokens(out) == tokens(run(llm, structured=spec, **SPECULATIVE_B4))
     # named explicitly, the same combinations are refused, as before
     with pytest.raises(InvalidRequestError, match="cannot be combined with dry_multiplier"):
         run(llm, policy="speculative", dry_multiplier=0.8)

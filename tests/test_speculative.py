@@ -168,14 +168,6 @@ def test_refused_where_it_cannot_run(llm, prompts, family_dirs):
         other.engine.add_request([5, 6, 7], GenerationParams(policy="speculative"))
 
 
-def test_structured_output_is_refused(llm, prompts):
-    from unmask.structured.spec import StructuredSpec
-
-    spec = StructuredSpec("choice", ("yes", "no"))
-    with pytest.raises(InvalidRequestError, match="cannot be combined with response_format"):
-        llm.engine.add_request(prompts[0], GenerationParams(policy="speculative", structured=spec))
-
-
 def test_over_http_the_same_text_and_a_400_for_what_it_cannot_do():
     from fastapi.testclient import TestClient
 

@@ -391,6 +391,11 @@ class Sequence(RevisingSteps):
         if self.top is not None:  # the constrained distribution: the constraint masked these rows in place
             self.top.record(pos - self.P, logits[: len(tokens)], self.sampling.temperature)
         self.stats.denoise_steps += 1
+        return self._advance_constrained()
+
+    def _advance_constrained(self) -> list[int]:
+        """`_advance` after a constrained step: the finish reason the budget implies, and a schema's after-draft
+        check on the finished answer (another attempt, or the error), before anything is released."""
         cache, status = self.cache, self.status   # finish() drops the cache; another attempt reuses the prompt's
         new = self._advance()
         c = self.constraint

@@ -55,7 +55,6 @@ def speculative_refusal(params, traits, family_class) -> tuple[str, str] | None:
                 f"model with a causal context trained with a next-token loss (the built-in family), not "
                 f"{traits.family}", "policy")
     unsupported = [name for name, on in (
-        ("response_format", params.structured is not None),
         ("edit_threshold", params.edit_config().active),
         ("multi_block_threshold", params.multi_block_threshold is not None),
         ("small_block_size", params.small_block_size is not None),
@@ -87,6 +86,12 @@ def check_speculative(params, traits, family_class) -> None:
     refusal = speculative_refusal(params, traits, family_class)
     if refusal:
         raise InvalidRequestError(*refusal)
+
+
+def _common_prefix(a: Tensor, b: Tensor) -> int:
+    n = min(int(a.numel()), int(b.numel()))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n
 
 
 def draft_layout(n_committed: int, n_drafts: int, block_lengths: list[int], outcomes: list[int]) -> Tensor:
@@ -236,7 +241,8 @@ class SpeculativeSequence(Sequence):
         beside it. Empty where there is none, it drafts what the step already does, or it cannot be weighed
         exactly (sampling, logit adjustments)."""
         empty = drafts[:0]
-        if not self.lookup or not drafts.numel() or not self.sampling.greedy or self.adjuster is not None:
+        if (not self.lookup or not drafts.numel() or not self.sampling.greedy or self.adjuster is not None
+                or self.constraint is not None):  # its verifier rows are not masked by the grammar
             return empty
         if min(int(self.drafts.numel()), int(drafts.numel())):
             copy = self._copied(self.seq[:f])
@@ -289,6 +295,11 @@ class SpeculativeSequence(Sequence):
             self.adjuster.adjust(logits[k + 1:])  # the draft rows: only what is committed (drafts need not be exact)
         greedy = self.sampling.greedy
         verifier = logits[:k + 1]
+        if self.constraint is not None:  # each row masked as constrained next-token decoding masks it there
+            masks = self.constraint.chain_masks(drafts.tolist())
+            k = len(masks) - 1           # drafts past one the grammar refuses cannot be kept
+            drafts, verifier = drafts[:k], verifier[:k + 1]
+            verifier.masked_fill_(~torch.stack(masks).to(verifier.device), float("-inf"))
         # greedy: the argmax of the logits is the rule's whole input (no [k + 1, V] one-hot on the step's path)
         target = verifier if greedy else processed_probs(verifier, self.sampling)
         verdict = verify(drafts, None if greedy or k == 0 else self._step_draft_probs(k, logits), target, greedy,
@@ -306,20 +317,24 @@ class SpeculativeSequence(Sequence):
                 block = self._alt_block if other.accepted == kb else None
         a = verdict.accepted
         n = min(a + 1, self.end - f)
-        tokens = verdict.tokens[:n].cpu()
-        self.seq[f:f + n] = tokens
+        tokens = out = verdict.tokens[:n].cpu()
+        if self.constraint is not None:  # then the text the grammar forces, and the budget (may cut or replace)
+            out = torch.tensor(self.constraint.commit_chain(tokens.tolist(), self.end - f), dtype=torch.long)
+        m = int(out.numel())
+        same = _common_prefix(out, tokens)   # the verifier's own tokens that stay
+        self.seq[f:f + m] = out
         if self.adjuster is not None:
-            self.adjuster.commit(tokens)
-        self.drafted, self.kept = self.drafted + offered, self.kept + a
-        self._record_outputs(torch.arange(f, f + n), tokens, verifier[:n])
+            self.adjuster.commit(out)
+        self.drafted, self.kept = self.drafted + offered, self.kept + min(a, same)
+        self._record_outputs(torch.arange(f, f + m), out, verifier[:same])
         self.stats.denoise_steps += 1
         # exact K/V: the committed tokens fed and the drafts kept; the verifier's own token is fed next step (a won
-        # copy's K/V were not written: its tokens are fed again)
-        self.cached = f if won_copy else f + a
+        # copy's K/V were not written: its tokens are fed again; forced tokens are fed next step too)
+        self.cached = f if won_copy else f + min(a, same)
         if self.cache is not None:
             self.cache.length = min(self.cache.length, self.cached)
-        self._next_drafts(logits, block)
-        return self._advance()
+        self._next_drafts(logits, block if same == n else None, after=out[n:])
+        return self._advance() if self.constraint is None else self._advance_constrained()
 
     def _step_draft_probs(self, k: int, logits: Tensor) -> Tensor:
         """[k, V]: the law each draft was drawn from; a copied draft is certain (one-hot), so speculative sampling
@@ -333,9 +348,15 @@ class SpeculativeSequence(Sequence):
         return q
 
     def _record_outputs(self, pos: Tensor, tokens: Tensor, rows: Tensor) -> None:
-        """Logprobs and top alternatives of the written tokens under the verifier's distribution."""
+        """Logprobs and top alternatives of the written tokens under the verifier's distribution (rows: the
+        verifier's, for the first of them; a token the grammar forced or the budget wrote is certain: 0)."""
         if self.logprobs is None and self.top is None:
             return
+        if rows.shape[0] < tokens.numel():
+            certain = torch.full((tokens.numel() - rows.shape[0], rows.shape[1]), float("-inf"), device=rows.device,
+                                 dtype=rows.dtype)
+            certain[torch.arange(certain.shape[0]), tokens[rows.shape[0]:].to(rows.device)] = 0.0
+            rows = torch.cat([rows, certain])
         if self.logprobs is not None:
             if self.sampling.greedy:
                 lp = torch.log_softmax(rows.float(), dim=-1)
@@ -345,18 +366,35 @@ class SpeculativeSequence(Sequence):
         if self.top is not None:
             self.top.record(pos - self.P, rows, self.sampling.temperature)
 
-    def _next_drafts(self, logits: Tensor, block: tuple[int, int] | None) -> None:
+    def _next_drafts(self, logits: Tensor, block: tuple[int, int] | None, after: Tensor | None = None) -> None:
         """The next step's diffusion drafts: the rows of `block`, the draft block placed after exactly the
-        tokens this step kept (None: no block sits there)."""
+        tokens this step kept (None: no block sits there). `after`: tokens written past them this step (forced by
+        a grammar): the drafts then start after those, where they drafted the same tokens, else there are none."""
+        empty = torch.empty(0, dtype=torch.long)
         if block is None or block[1] == 0:
-            self.drafts, self.draft_probs = torch.empty(0, dtype=torch.long), None
+            self.drafts, self.draft_probs = empty, None
             return
         r, m = block
         if self.sampling.greedy:
             self.drafts, self.draft_probs = row_argmax(logits[r:r + m].cpu()), None
-            return
-        q = processed_probs(logits[r:r + m], self.sampling)
-        self.drafts, self.draft_probs = draw(q, self.generator).cpu(), q
+        else:
+            q = processed_probs(logits[r:r + m], self.sampling)
+            self.drafts, self.draft_probs = draw(q, self.generator).cpu(), q
+        e = 0 if after is None else int(after.numel())
+        if e:
+            if self.drafts.numel() > e and torch.equal(self.drafts[:e], after):
+                self.drafts = self.drafts[e:]
+                self.draft_probs = None if self.draft_probs is None else self.draft_probs[e:]
+            else:
+                self.drafts, self.draft_probs = empty, None
+
+    def _restart_constrained(self, cache, status) -> None:
+        """Another attempt at a constrained answer: as the base class, and the prompt's last token fed again (its
+        row predicts the answer's first token)."""
+        super()._restart_constrained(cache, status)
+        self.cached = min(self.cached, self.P - 1)
+        if self.cache is not None:
+            self.cache.truncate(self.cached)
 
     def snapshot(self) -> list[int]:
         """The committed output and the draft block's positions, masked: a draft is not committed until the

@@ -113,9 +113,7 @@ class Constraint:
         Token 0 is always taken (checked, and resampled under the mask if refused). Returns 1..M tokens,
         consumed by the matcher. Decoders with their own acceptance rule (uniform noise) call this directly."""
         m, rows = self.m, logits.shape[0]
-        if self.window is None:  # a grammar whose shortest output is long needs its budget checks earlier
-            shortest = self.closing_path(room)
-            self.window = max(CLOSE_WINDOW, 2 * len(shortest) + 8) if shortest is not None else CLOSE_WINDOW
+        self._ensure_window(room)
         run = [tokens[0]]
         for i in range(1, rows):
             if not commit[i] or run[-1] in self.stops:
@@ -140,6 +138,18 @@ class Constraint:
             p.append(float(prop.probs[0]))
             m.consume_token(out[-1])
             self.resampled += 1
+        return self._extend(out, p, base, room, rows)
+
+    def _ensure_window(self, room: int) -> None:
+        if self.window is None:  # a grammar whose shortest output is long needs its budget checks earlier
+            shortest = self.closing_path(room)
+            self.window = max(CLOSE_WINDOW, 2 * len(shortest) + 8) if shortest is not None else CLOSE_WINDOW
+
+    def _extend(self, out: list[int], p: list[float], base: JsonGuard | None, room: int,
+                rows: int) -> tuple[list[int], list[float]]:
+        """After `out` was consumed: the bytes the grammar forces (up to `rows` tokens in all), the end where
+        nothing may follow, the budget (steps 4-5); the guard brought level with what stays."""
+        m = self.m
         if not self._ended(out) and len(out) < rows:
             forced = m.compute_ff_tokens()[: rows - len(out)]
             if forced:
@@ -156,6 +166,44 @@ class Constraint:
         if base is not None:
             self.guard = self._guard_after(base, out)
         return out, p
+
+    # ------------------------------------------------------------------ a chain of drafts (policy speculative)
+    def chain_masks(self, drafts: list[int]) -> list[Tensor]:
+        """bool [V] masks of a draft chain's verifier rows: row i's is what the grammar (less what the guard bans)
+        allows after the committed text and drafts[:i]. One row per draft the grammar accepts in order, plus the
+        row after them: so len - 1 drafts can be kept (the chain ends before a stop token). The matcher and the
+        guard are left as they were. This is how `speculative` keeps its output the constrained next-token decoding: each
+        kept draft and the verifier's own token are the argmax (or a draw) of a row masked as that decoding would
+        have masked it."""
+        masks, guard, fed = [], self.guard.copy() if self.guard is not None else None, 0
+        try:
+            for t in drafts + [None]:
+                allowed = self.allowed()
+                if guard is not None:
+                    allowed = guard.restrict(allowed, self.facts)
+                masks.append(allowed)
+                if t is None or not bool(allowed[t]) or t in self.stops:
+                    break  # a refused draft cannot be kept; a stop draft needs no row after it: the row that
+                    # would keep it chooses its own token from the same masked row, the stop where it agrees
+                self.m.consume_token(t)
+                fed += 1
+                if guard is not None:
+                    guard.feed(self.facts.bytes[t])
+        finally:
+            if fed:
+                self.m.rollback(fed)
+        return masks
+
+    def commit_chain(self, tokens: list[int], room: int) -> list[int]:
+        """Commit the tokens a verifier chose from `chain_masks` rows (each allowed where it stands), then what
+        the grammar forces after them and the budget rule (steps 4-5), within `room` positions. Returns the
+        committed tokens: `tokens`, then forced ones, or a shorter prefix and a closing text where the budget
+        cut them."""
+        self._ensure_window(room)
+        base = self.guard
+        self.m.consume_tokens(tokens)
+        out, _ = self._extend(list(tokens), [1.0] * len(tokens), base, room, room)
+        return out
 
     def _guard_after(self, base: JsonGuard, tokens: list[int]) -> JsonGuard:
         g = base.copy()
