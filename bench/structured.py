@@ -2,6 +2,7 @@
 
     python bench/structured.py [--model DIR] [--oracle 0.5] [--max-tokens 160] [--policy threshold --threshold 0.9]
     python bench/structured.py --policy speculative --block-size 4 --draft-lookup 8   # the built-in default
+    python bench/structured.py --versus 5 --block-size 4 --draft-lookup 8 --json F    # the two timed, interleaved
 
 Tasks: extraction to a JSON schema, json_object, and a required tool call. For each task the same
 prompts run unconstrained and constrained; reported per mode: tokens, forwards, tokens per forward,
@@ -165,6 +166,47 @@ def run(llm: LLM, items, constrained: bool, args, oracle: OracleRunner | None) -
             "ms_per_forward": round(1e3 * wall / max(forwards, 1), 3), "wall_s": round(wall, 2)}
 
 
+def versus(llm: LLM, args) -> None:
+    """--versus ROUNDS: the constrained tasks under the threshold rule (args.threshold, the model's block) and
+    under `speculative` (--block-size, --draft-lookup), interleaved (A B, then B A), each run with an empty prefix
+    cache (each pays its own prefills); per task the median wall time and the ratio within each round."""
+    import statistics
+    from argparse import Namespace
+
+    sides = {"threshold": Namespace(**{**vars(args), "policy": "threshold", "block_size": None}),
+             "speculative": Namespace(**{**vars(args), "policy": "speculative"})}
+    walls = {(t, side): [] for t in tasks(llm) for side in sides}
+    counts = {}
+    for r in range(args.versus):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for name, items in tasks(llm).items():
+            for side in order:
+                cache = llm.engine.prefix_cache
+                if cache is not None:
+                    cache.clear()
+                res = run(llm, items, True, sides[side], None)
+                walls[(name, side)].append(res["wall_s"])
+                counts[(name, side)] = res
+    rows = []
+    for name in tasks(llm):
+        a, b = walls[(name, "threshold")], walls[(name, "speculative")]
+        ratios = [x / y for x, y in zip(a, b)]
+        row = {"task": name, "threshold_s": statistics.median(a), "speculative_s": statistics.median(b),
+               "speedup_median": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
+               "threshold": counts[(name, "threshold")], "speculative": counts[(name, "speculative")]}
+        rows.append(row)
+        print(f"{name:12} threshold {row['threshold_s']:.3f} s ({row['threshold']['forwards']} forwards, "
+              f"{row['threshold']['valid']} valid)  speculative {row['speculative_s']:.3f} s "
+              f"({row['speculative']['forwards']} forwards, {row['speculative']['valid']} valid)  "
+              f"{row['speedup_median']:.2f}x [{row['speedup_min']:.2f}-{row['speedup_max']:.2f}]")
+    out = {"model": str(llm.spec.path), "rounds": args.versus, "threads": args.threads, "block_size": args.block_size,
+           "draft_lookup": args.draft_lookup, "threshold": args.threshold, "max_tokens": args.max_tokens,
+           "rows": rows}
+    print(json.dumps(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "json_schemas.json"
 
 
@@ -237,6 +279,9 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="--corpus: only the schemas whose name contains one of these "
                                                   "comma-separated words")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--versus", type=int, default=0, metavar="ROUNDS",
+                    help="time the constrained tasks under threshold against speculative, interleaved")
+    ap.add_argument("--json", default=None, help="--versus: write the result here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = args.model
@@ -251,6 +296,9 @@ def main() -> None:
     llm = LLM(model, dtype="float32")  # the float32 of the committed figures
     if args.corpus:
         coverage(llm, args)
+        return
+    if args.versus:
+        versus(llm, args)
         return
     oracle = None
     if args.oracle is not None:
