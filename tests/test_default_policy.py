@@ -74,7 +74,7 @@ def test_a_request_block_size_wins_over_the_models(llm):
 def test_where_the_default_cannot_run_the_threshold_rule_decodes(llm):
     from unmask.structured.spec import StructuredSpec
 
-    for knobs in (dict(dry_multiplier=0.8), dict(threshold=0.7), dict(steps=4), dict(edit_threshold=0.9),
+    for knobs in (dict(threshold=0.7), dict(steps=4), dict(edit_threshold=0.9),
                   dict(multi_block_threshold=0.5)):
         assert tokens(run(llm, **knobs)) == tokens(run(llm, policy="threshold", **knobs)), knobs
     # a grammar-constrained request is served by the default since 2026-12-06 (tests/test_speculative_structured.py)
@@ -83,8 +83,10 @@ def test_where_the_default_cannot_run_the_threshold_rule_decodes(llm):
     assert {o.text for o in out} <= {"yes", "no"}
     assert tokens(out) == tokens(run(llm, structured=spec, **SPECULATIVE_B4))
     # named explicitly, the same combinations are refused, as before
-    with pytest.raises(InvalidRequestError, match="cannot be combined with dry_multiplier"):
-        run(llm, policy="speculative", dry_multiplier=0.8)
+    with pytest.raises(InvalidRequestError, match="cannot be combined with small_block_size"):
+        run(llm, policy="speculative", small_block_size=2)
+    # DRY is served by the default since 2026-12-06 (tests/test_speculative.py, penalties)
+    assert tokens(run(llm, dry_multiplier=0.8)) == tokens(run(llm, dry_multiplier=0.8, **SPECULATIVE_B4))
 
 
 def test_a_model_without_a_default_keeps_the_threshold_rule(plain):

@@ -144,7 +144,9 @@ def test_sampling_is_seeded_and_keeps_drafts(llm, prompts):
 
 
 @pytest.mark.parametrize("knobs", [dict(frequency_penalty=0.5), dict(presence_penalty=0.8, frequency_penalty=-0.3),
-                                   dict(repetition_penalty=1.3), dict(logit_bias={214: -4.0, 591: 2.0})])
+                                   dict(repetition_penalty=1.3), dict(logit_bias={214: -4.0, 591: 2.0}),
+                                   dict(dry_multiplier=0.8, dry_allowed_length=1),
+                                   dict(dry_multiplier=1.5, frequency_penalty=0.3)])
 def test_penalties_and_bias_as_next_token_decoding(llm, prompts, reference, knobs):
     """Verifier row i is penalised as if drafts 0..i-1 were committed: the output stays next-token decoding's
     under the same penalties, and the penalties do change it."""
@@ -158,7 +160,7 @@ def test_penalties_and_bias_as_next_token_decoding(llm, prompts, reference, knob
 
 def test_refused_where_it_cannot_run(llm, prompts, family_dirs):
     eng = llm.engine
-    for knobs, message in ((dict(dry_multiplier=0.8), "cannot be combined with dry_multiplier"),
+    for knobs, message in ((dict(edit_threshold=0.9), "cannot be combined with edit_threshold"),
                            (dict(multi_block_threshold=0.5), "multi_block_threshold needs a policy without a per-bl"),
                            (dict(small_block_size=4), "cannot be combined with small_block_size")):
         with pytest.raises(InvalidRequestError, match=message):
@@ -182,10 +184,10 @@ def test_over_http_the_same_text_and_a_400_for_what_it_cannot_do():
     got = http.post("/v1/completions", json={**body, "policy": "speculative", "draft_all_outcomes": True})
     assert got.status_code == 200, got.text
     assert got.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
-    bad = http.post("/v1/completions", json={**body, "policy": "speculative", "dry_multiplier": 0.8})
+    bad = http.post("/v1/completions", json={**body, "policy": "speculative", "small_block_size": 2})
     assert bad.status_code == 400
     err = bad.json()["error"]
-    assert err["param"] == "policy" and "cannot be combined with dry_multiplier" in err["message"]
+    assert err["param"] == "policy" and "cannot be combined with small_block_size" in err["message"]
 
 
 def test_snapshots_show_the_draft_block_masked_and_resolving(llm, prompts):

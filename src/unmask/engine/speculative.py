@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from unmask.decoding import ngram_drafts
+from unmask.decoding.dry import dry_penalty
 from unmask.decoding.logit_adjust import ban_early_stops
 from unmask.decoding.ngram_drafts import FILE, NgramTable, TableMismatch, tokenizer_digest
 from unmask.decoding.sampling import row_argmax
@@ -58,7 +59,6 @@ def speculative_refusal(params, traits, family_class) -> tuple[str, str] | None:
         ("edit_threshold", params.edit_config().active),
         ("multi_block_threshold", params.multi_block_threshold is not None),
         ("small_block_size", params.small_block_size is not None),
-        ("dry_multiplier", bool(params.dry_multiplier)),
     ) if on]
     if unsupported:
         return f"policy 'speculative' cannot be combined with {unsupported[0]} (use another policy)", "policy"
@@ -239,10 +239,10 @@ class SpeculativeSequence(Sequence):
         """A copy of the committed text to verify beside diffusion drafts it disagrees with (module docstring);
         in a step without diffusion drafts, whose drafts are then a prompt-lookup copy, the n-gram table's draft
         beside it. Empty where there is none, it drafts what the step already does, or it cannot be weighed
-        exactly (sampling, logit adjustments)."""
+        exactly (sampling, logit adjustments, DRY, a grammar)."""
         empty = drafts[:0]
         if (not self.lookup or not drafts.numel() or not self.sampling.greedy or self.adjuster is not None
-                or self.constraint is not None):  # its verifier rows are not masked by the grammar
+                or self.constraint is not None or self.dry is not None):  # its rows get no mask, no penalty
             return empty
         if min(int(self.drafts.numel()), int(drafts.numel())):
             copy = self._copied(self.seq[:f])
@@ -293,6 +293,12 @@ class SpeculativeSequence(Sequence):
         if self.adjuster is not None:  # verifier row i follows drafts 0..i-1: counted as if committed
             self.adjuster.adjust_causal(logits[:k + 1], drafts)
             self.adjuster.adjust(logits[k + 1:])  # the draft rows: only what is committed (drafts need not be exact)
+        if self.dry is not None:  # DRY the same way: row i's left context is the committed text and drafts 0..i-1
+            context = torch.cat([self.seq[:f], drafts])
+            for i in range(k + 1):
+                ids, penalty = dry_penalty(context[:f + i], self.dry, self.dry_breakers)
+                if ids.numel():
+                    logits[i, ids.to(logits.device)] -= penalty.to(logits.device, logits.dtype)
         greedy = self.sampling.greedy
         verifier = logits[:k + 1]
         if self.constraint is not None:  # each row masked as constrained next-token decoding masks it there
