@@ -204,7 +204,7 @@ def stream_through(handle, content: str, affinity: str | None = None, started: t
                 if started is not None:
                     started.set()
             else:
-                raw += item
+                raw += item["end"] if isinstance(item, dict) else item   # the replica marks its last body piece
     finally:
         if started is not None:
             started.set()

@@ -181,10 +181,16 @@ class Gateway:
             if first:
                 yield first
             async for chunk in stream:
+                last = isinstance(chunk, dict)   # the replica's marked end (replica.py): its body is complete
+                if last:
+                    chunk, finished = chunk["end"], True
                 if route == "/v1/responses":
                     numbers = _SEQUENCE.findall(chunk)
                     sequence = int(numbers[-1]) if numbers else sequence
-                yield chunk
+                if chunk:
+                    yield chunk
+                if last:   # end the response here: a client that goes after the last bytes cancels nothing, and
+                    break  # the replica's own wind-down (the app returning) is not on the client's clock
             finished = True
         except (RayServeException, ray.exceptions.RayError) as e:
             err = as_api_error(e)

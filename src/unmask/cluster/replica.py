@@ -3,7 +3,7 @@ metrics, the model) in a Ray Serve replica, answering the requests the ingress f
 
 `forward` runs one HTTP request through the app as ASGI in this process and streams the response back: first a
 head `{"status", "headers", "body", "more", "replica"}` holding the first body bytes, then the rest of the body
-in pieces as the app sends them (one SSE frame or more each). When the caller goes away (the client
+in pieces as the app sends them (one SSE frame or more each), the last one marked as `{"end": bytes}`. When the caller goes away (the client
 disconnected, the ingress dropped the stream), the app's `receive` answers `http.disconnect`, as uvicorn would,
 so the serving code cancels the engine requests.
 """
@@ -153,6 +153,8 @@ class EngineReplica:
                     head.update(body=body, more=more)
                     yield head
                     head = None
+                elif not more:   # the end, marked: the gateway ends the response now, not one Ray call later
+                    yield {"end": body}
                 elif body:
                     yield body
                 if not more:

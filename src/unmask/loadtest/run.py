@@ -56,6 +56,38 @@ async def server_counters(http: httpx.AsyncClient, target: Target) -> dict[str, 
         return {}
 
 
+# a server behind Ray publishes each replica's counters to its /metrics about once a second: read them until they
+# count every request the point completed, for at most this long (a plain server counts them at once)
+SETTLE_S = 3.0
+
+
+async def settled_counters(http: httpx.AsyncClient, target: Target, before: dict[str, float],
+                           completed: int) -> dict[str, float]:
+    """The server's counters once they include the point's `completed` requests (or SETTLE_S passed)."""
+    key = metrics.SERVER_COUNTERS["requests"]
+    deadline = time.perf_counter() + SETTLE_S
+    while True:
+        after = await server_counters(http, target)
+        if key not in after or after[key] - before.get(key, 0.0) >= completed or time.perf_counter() > deadline:
+            return after
+        await asyncio.sleep(0.2)
+
+
+async def steady_counters(http: httpx.AsyncClient, target: Target) -> dict[str, float]:
+    """The server's counters once two reads a publishing interval apart agree (or SETTLE_S passed): a point's
+    `before` must not miss requests that finished earlier (the warm-up's) and were not yet published."""
+    key = metrics.SERVER_COUNTERS["requests"]
+    deadline = time.perf_counter() + SETTLE_S
+    first = await server_counters(http, target)
+    while key in first and time.perf_counter() < deadline:
+        await asyncio.sleep(1.1)
+        again = await server_counters(http, target)
+        if again.get(key) == first.get(key):
+            return again
+        first = again
+    return first
+
+
 async def run(targets: list[Target], plan: Plan, timeout: float, advance: Callable[[], None] = lambda: None,
               count_tokens: Callable[[str], int] | None = None) -> list[dict]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -71,7 +103,7 @@ async def run(targets: list[Target], plan: Plan, timeout: float, advance: Callab
         for x in plan.values:
             records: dict[str, list[Record]] = {t.name: [] for t in targets}
             duration = dict.fromkeys(records, 0.0)
-            before = {t.name: await server_counters(http, t) for t in targets}
+            before = {t.name: await steady_counters(http, t) for t in targets}
             size = -(-len(plan.work) // plan.rounds)
             for r in range(plan.rounds):
                 chunk = plan.work[r * size:(r + 1) * size]
@@ -86,8 +118,8 @@ async def run(targets: list[Target], plan: Plan, timeout: float, advance: Callab
                     duration[t.name] += time.perf_counter() - t0
                     records[t.name] += got
             for t in targets:
-                after = await server_counters(http, t)
                 recs = records[t.name]
+                after = await settled_counters(http, t, before[t.name], sum(r.ok for r in recs))
                 check = metrics.token_check(recs, count_tokens) if count_tokens else None
                 if count_tokens:
                     metrics.fill_missing_tokens(recs, count_tokens)
