@@ -239,10 +239,10 @@ class SpeculativeSequence(Sequence):
         """A copy of the committed text to verify beside diffusion drafts it disagrees with (module docstring);
         in a step without diffusion drafts, whose drafts are then a prompt-lookup copy, the n-gram table's draft
         beside it. Empty where there is none, it drafts what the step already does, or it cannot be weighed
-        exactly (sampling, logit adjustments, DRY, a grammar)."""
+        exactly (sampling, logit adjustments, DRY); under a grammar its rows are masked as the step's are."""
         empty = drafts[:0]
         if (not self.lookup or not drafts.numel() or not self.sampling.greedy or self.adjuster is not None
-                or self.constraint is not None or self.dry is not None):  # its rows get no mask, no penalty
+                or self.dry is not None):  # its rows get no penalty
             return empty
         if min(int(self.drafts.numel()), int(drafts.numel())):
             copy = self._copied(self.seq[:f])
@@ -314,8 +314,12 @@ class SpeculativeSequence(Sequence):
         won_copy = False
         if self._alt.numel():  # greedy only: the copy's verifier rows are T's last one and its own
             r, kb = self._alt_rows
-            rows = torch.cat([verifier[:1], logits[r:r + kb]])
-            other = verify(self._alt, None, rows, True, None)
+            rows, alt = torch.cat([verifier[:1], logits[r:r + kb]]), self._alt
+            if self.constraint is not None:  # its rows masked as the diffusion chain's are (row 0 is shared)
+                masks = self.constraint.chain_masks(alt.tolist())
+                alt, rows = alt[:len(masks) - 1], rows[:len(masks)]
+                rows.masked_fill_(~torch.stack(masks).to(rows.device), float("-inf"))
+            other = verify(alt, None, rows, True, None)
             offered += kb
             if other.accepted > verdict.accepted:  # its block sits after the whole copy
                 won_copy, verdict, verifier = True, other, rows
