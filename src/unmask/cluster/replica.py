@@ -3,9 +3,9 @@ metrics, the model) in a Ray Serve replica, answering the requests the ingress f
 
 `forward` runs one HTTP request through the app as ASGI in this process and streams the response back: first a
 head `{"status", "headers", "body", "more", "replica"}` holding the first body bytes, then the rest of the body
-in pieces as the app sends them (one SSE frame or more each), the last one marked as `{"end": bytes}`. When the caller goes away (the client
-disconnected, the ingress dropped the stream), the app's `receive` answers `http.disconnect`, as uvicorn would,
-so the serving code cancels the engine requests.
+in pieces as the app sends them (one SSE frame or more each), the last one marked as `{"end": bytes}`. When
+the caller goes away (the client disconnected, the ingress dropped the stream), the app's `receive` answers
+`http.disconnect`, as uvicorn would, so the serving code cancels the engine requests.
 """
 from __future__ import annotations
 

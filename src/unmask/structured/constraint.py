@@ -172,9 +172,9 @@ class Constraint:
         """bool [V] masks of a draft chain's verifier rows: row i's is what the grammar (less what the guard bans)
         allows after the committed text and drafts[:i]. One row per draft the grammar accepts in order, plus the
         row after them: so len - 1 drafts can be kept (the chain ends before a stop token). The matcher and the
-        guard are left as they were. This is how `speculative` keeps its output the constrained next-token decoding: each
-        kept draft and the verifier's own token are the argmax (or a draw) of a row masked as that decoding would
-        have masked it."""
+        guard are left as they were. This is how `speculative` keeps its output the constrained next-token
+        decoding: each kept draft and the verifier's own token are the argmax (or a draw) of a row masked as that
+        decoding would have masked it."""
         masks, guard, fed = [], self.guard.copy() if self.guard is not None else None, 0
         try:
             for t in drafts + [None]:
