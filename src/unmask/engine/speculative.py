@@ -331,7 +331,7 @@ class SpeculativeSequence(Sequence):
         if self.constraint is not None:  # then the text the grammar forces, and the budget (may cut or replace)
             out = torch.tensor(self.constraint.commit_chain(tokens.tolist(), self.end - f), dtype=torch.long)
         m = int(out.numel())
-        same = _common_prefix(out, tokens)   # the verifier's own tokens that stay
+        same = n if out is tokens else _common_prefix(out, tokens)   # the verifier's own tokens that stay
         self.seq[f:f + m] = out
         if self.adjuster is not None:
             self.adjuster.commit(out)
