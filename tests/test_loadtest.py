@@ -182,6 +182,32 @@ def test_timeout_covers_the_whole_request():
     assert rec.error == "timeout" and not rec.ok and rec.e2e < 4
 
 
+def test_counters_are_read_until_a_lagging_server_has_published_them():
+    """A server behind Ray publishes its replicas' counters about once a second: the point's `after` waits until
+    they count its completed requests, its `before` until two reads agree (each at most SETTLE_S)."""
+    from unmask.loadtest.metrics import SERVER_COUNTERS
+    from unmask.loadtest.run import settled_counters, steady_counters
+
+    key = SERVER_COUNTERS["requests"]
+    start = time.perf_counter()
+
+    def handler(request: httpx.Request) -> httpx.Response:  # 10 requests published at once, 6 more after 0.5 s
+        n = 16 if time.perf_counter() - start > 0.5 else 10
+        return httpx.Response(200, text=f"{key} {n}\n")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            t = Target("A", "http://x", "m")
+            after = await settled_counters(http, t, {key: 0.0}, 16)
+            waited = time.perf_counter() - start
+            steady = await steady_counters(http, t)
+            return after, waited, steady
+
+    after, waited, steady = asyncio.run(go())
+    assert after[key] == 16 and 0.5 <= waited < 2.0
+    assert steady[key] == 16
+
+
 # ------------------------------------------------------------------------------ against real servers
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):

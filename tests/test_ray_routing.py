@@ -75,3 +75,46 @@ def test_a_retry_avoids_the_dead_replica_and_state_routes_stay_on_one():
     best = max("abc", key=lambda n: rendezvous(STATE_KEY, n))
     busy = {"a": 0, "b": 0, "c": 0, best: 9}          # full, and still the one: the state lives there
     assert choose(router(busy), REPLICAS, affinity=STATE_KEY) == [[best]]
+
+
+class _Stream:
+    """A replica's streamed answer as the gateway reads it: pieces, then the marked end; reading past the end or
+    cancelling is recorded (the real stream's next item would cost one more Ray call)."""
+
+    def __init__(self, pieces):
+        self.pieces, self.read_past_end, self.cancelled = list(pieces), False, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.pieces:
+            self.read_past_end = True
+            raise StopAsyncIteration
+        return self.pieces.pop(0)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_the_gateway_ends_a_response_on_the_replicas_marked_end():
+    from unmask.cluster.ingress import Gateway
+
+    async def read(stream, take=None):
+        out, gen = [], Gateway._rest(SimpleNamespace(metrics=None), "/v1/chat/completions", b"head", stream)
+        async for chunk in gen:
+            out.append(chunk)
+            if take is not None and len(out) == take:
+                await gen.aclose()   # the client went away
+                break
+        return out
+
+    done = _Stream([b"data: 1\n\n", {"end": b"data: [DONE]\n\n"}])
+    assert asyncio.run(read(done)) == [b"head", b"data: 1\n\n", b"data: [DONE]\n\n"]
+    assert not done.read_past_end and not done.cancelled
+    left = _Stream([b"data: 1\n\n", {"end": b"data: [DONE]\n\n"}])   # a client that leaves after [DONE]
+    asyncio.run(read(left, take=3))
+    assert not left.cancelled
+    cut = _Stream([b"data: 1\n\n", b"data: 2\n\n", {"end": b""}])      # one that leaves mid-stream
+    asyncio.run(read(cut, take=2))
+    assert cut.cancelled

@@ -302,10 +302,8 @@ class SpeculativeSequence(Sequence):
         greedy = self.sampling.greedy
         verifier = logits[:k + 1]
         if self.constraint is not None:  # each row masked as constrained next-token decoding masks it there
-            masks = self.constraint.chain_masks(drafts.tolist())
-            k = len(masks) - 1           # drafts past one the grammar refuses cannot be kept
-            drafts, verifier = drafts[:k], verifier[:k + 1]
-            verifier.masked_fill_(~torch.stack(masks).to(verifier.device), float("-inf"))
+            drafts, verifier = self._grammar_chain(drafts, verifier)
+            k = int(drafts.numel())
         # greedy: the argmax of the logits is the rule's whole input (no [k + 1, V] one-hot on the step's path)
         target = verifier if greedy else processed_probs(verifier, self.sampling)
         verdict = verify(drafts, None if greedy or k == 0 else self._step_draft_probs(k, logits), target, greedy,
@@ -316,9 +314,7 @@ class SpeculativeSequence(Sequence):
             r, kb = self._alt_rows
             rows, alt = torch.cat([verifier[:1], logits[r:r + kb]]), self._alt
             if self.constraint is not None:  # its rows masked as the diffusion chain's are (row 0 is shared)
-                masks = self.constraint.chain_masks(alt.tolist())
-                alt, rows = alt[:len(masks) - 1], rows[:len(masks)]
-                rows.masked_fill_(~torch.stack(masks).to(rows.device), float("-inf"))
+                alt, rows = self._grammar_chain(alt, rows)
             other = verify(alt, None, rows, True, None)
             offered += kb
             if other.accepted > verdict.accepted:  # its block sits after the whole copy
@@ -345,6 +341,14 @@ class SpeculativeSequence(Sequence):
             self.cache.length = min(self.cache.length, self.cached)
         self._next_drafts(logits, block if same == n else None, after=out[n:])
         return self._advance() if self.constraint is None else self._advance_constrained()
+
+    def _grammar_chain(self, drafts: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """A chain's drafts and verifier rows under the grammar: cut after the last draft it accepts in order (a
+        later one cannot be kept), the rows masked in place (Constraint.chain_masks)."""
+        masks = self.constraint.chain_masks(drafts.tolist())
+        rows = rows[:len(masks)]
+        rows.masked_fill_(~torch.stack(masks).to(rows.device), float("-inf"))
+        return drafts[:len(masks) - 1], rows
 
     def _step_draft_probs(self, k: int, logits: Tensor) -> Tensor:
         """[k, V]: the law each draft was drawn from; a copied draft is certain (one-hot), so speculative sampling
