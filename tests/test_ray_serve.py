@@ -6,6 +6,7 @@ back with a stream in flight on the replica it stops, which ends whole.
 """
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -32,8 +33,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
-    # The autoscaling test's handle keeps pushing metrics from a thread of this process after ray.shutdown(), and
-    # its next ray.wait would start a new local cluster through Ray's auto-init (seen: one started by this process
+    # A handle left unclosed keeps pushing metrics from a thread of this process after ray.shutdown(), and its
+    # next ray.wait would start a new local cluster through Ray's auto-init (seen: one started by this process
     # after the module, which a later in-process `unmask batch --ray --address` test then ran on). This module
     # starts its cluster itself: no implicit ones, here or after it.
     from ray._private import auto_init_hook
@@ -49,6 +50,16 @@ def cluster():
         yield f"http://127.0.0.1:{port}"
     finally:   # the cluster is this process's: shutting it down stops every replica (undeploy's drain is
         ray.shutdown()   # tested through `unmask serve --ray`'s Ctrl-C in test_ray_cluster)
+    # and nothing of the module keeps running in this process: a router left pushing load reports would log a
+    # failure every 0.5 s for the rest of this pytest worker's life
+    seen: list[logging.LogRecord] = []
+    catcher = logging.Handler()
+    catcher.emit = seen.append
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.addHandler(catcher)
+    time.sleep(1.5)
+    serve_logger.removeHandler(catcher)
+    assert not seen, [r.getMessage() for r in seen]
 
 
 @pytest.fixture
@@ -302,6 +313,10 @@ def test_autoscale_grows_under_load_and_shrinks_without_cutting_a_stream(cluster
         for t in [watcher, *loaders, *holders]:
             if t.is_alive():
                 t.join(120)
+        # the handle's router pushes load reports from this process every 0.5 s; left running it outlives the
+        # cluster and logs a traceback each time, and 3.11's traceback carets parse source (`ast`) in that thread,
+        # which broke a later test's Hypothesis on this worker (CPython's ast is not thread-safe: gh-106905)
+        handle.shutdown()
         launch.undeploy("scaling")
     assert not failures, failures
     # every stream whole: all its tokens, finish_reason length, [DONE]
