@@ -55,6 +55,9 @@ CORRUPT_HELP = ("Share of the noised positions that hold a random token instead 
                 "them and the other filled positions, so the model learns to replace wrong tokens, as the edit rules "
                 "(--edit-threshold) ask of it (docs/training.md).")
 NEXT_TOKEN_HELP = "With a causal context: weight of the next-token loss on the clean rows (0: off)."
+ANCHOR_HELP = ("With a causal context: weight of the KL divergence from the starting model's next-token predictions "
+               "to the model's on the clean rows, which holds policy speculative's output near the starting model's "
+               "(0: off; docs/training.md, 'Holding the verifier').")
 LONG_DOCUMENTS_HELP = ("Long-context training: pack the corpus one document per package (its files in path order under "
                        "'# file: PATH' lines) instead of one per file (docs/training.md, 'Long context').")
 PASSKEY_HELP = ("Long-context training: share of rows that bury a PASSKEY = \"NNNNN\" line in training text and end "
@@ -144,6 +147,7 @@ def finetune(
     suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
     full_block_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=FULL_BLOCK_HELP),
     corrupt_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=CORRUPT_HELP),
+    anchor_weight: float = typer.Option(0.0, min=0.0, help=ANCHOR_HELP),
 ):
     """Supervised fine-tuning on chat JSONL (loss on assistant tokens only)."""
     from unmask.errors import UnmaskError
@@ -157,6 +161,7 @@ def finetune(
         cfg.compile, cfg.bf16 = compile, bf16
         cfg.next_token_weight, cfg.suffix_fraction = next_token_weight, suffix_fraction
         cfg.full_block_fraction, cfg.corrupt_fraction = full_block_fraction, corrupt_fraction
+        cfg.anchor_weight = anchor_weight
         cfg.mix_fraction = _mix_fraction(mix_text, mix_fraction)
         with plain_warnings():
             res = run_finetune(cfg, model, data, eval_path=eval_data, mix_text=mix_text)
@@ -207,6 +212,7 @@ def distill(
     suffix_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=SUFFIX_HELP),
     full_block_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=FULL_BLOCK_HELP),
     corrupt_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=CORRUPT_HELP),
+    anchor_weight: float = typer.Option(0.0, min=0.0, help=ANCHOR_HELP),
 ):
     """Distil a model for parallel decoding: train it on a teacher's answers (self-distillation by default) with
     certainty forcing, so it commits more tokens per forward (docs/training.md, "Distillation")."""
@@ -230,7 +236,7 @@ def distill(
         cfg.compile, cfg.bf16 = compile, bf16
         cfg.confidence_weight, cfg.next_token_weight = confidence_weight, next_token_weight
         cfg.suffix_fraction, cfg.full_block_fraction = suffix_fraction, full_block_fraction
-        cfg.corrupt_fraction = corrupt_fraction
+        cfg.corrupt_fraction, cfg.anchor_weight = corrupt_fraction, anchor_weight
         cfg.mix_fraction = _mix_fraction(mix_text, mix_fraction)
         with plain_warnings():
             res = run_distill(cfg, model, traj, text=text, chat=chat, teacher_dir=teacher, teacher_dtype=teacher_dtype,

@@ -67,6 +67,9 @@ class TrainConfig:
     full_block_fraction: float = 0.0   # block diffusion: share of blocks masked whole (objectives.py)
     confidence_weight: float = 0.0     # certainty forcing: entropy of right masked predictions (objectives.py)
     corrupt_fraction: float = 0.0      # share of noised positions holding a random token, not the mask (corruption.py)
+    # with a causal context: weight of KL(starting model || this one) on the clean stream's next-token rows, which
+    # holds the verifier of speculative decoding (its output) near the model the run started from (objectives.py)
+    anchor_weight: float = 0.0
     # long-context continued pre-training (long_context.py): rows packed one document per package, a share of
     # passkey retrieval rows, RoPE scaling "linear:F" / "yarn:F" written to the exported config.json
     long_documents: bool = False
@@ -109,8 +112,12 @@ class TrainConfig:
                 raise TrainConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.next_token_weight < 0:
             raise TrainConfigError(f"next_token_weight must be >= 0, got {self.next_token_weight}")
-        if not (math.isfinite(self.confidence_weight) and self.confidence_weight >= 0):
-            raise TrainConfigError(f"confidence_weight must be a finite number >= 0, got {self.confidence_weight}")
+        for name in ("confidence_weight", "anchor_weight"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise TrainConfigError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.anchor_weight and self.draft_adapter_rank:
+            raise TrainConfigError("anchor_weight holds the clean rows to the starting model; a draft adapter "
+                                   "never changes them: set one")
         for name in ("confidence_weight", "corrupt_fraction"):
             if getattr(self, name) and self.objective == "causal":
                 raise TrainConfigError(f"{name} acts on masked positions; objective 'causal' masks nothing")

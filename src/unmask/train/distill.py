@@ -154,16 +154,20 @@ def distill(cfg: TrainConfig, model_dir: str | Path, traj: TrajectoryConfig, *, 
 def write_report(out: Path, cfg: TrainConfig, teacher: Path, cost: TeacherCost, teacher_params: int, n_params: int,
                  res: TrainResult, two_stream: bool) -> dict:
     """distill.json: what the teacher's answers and the student's training cost, in tokens and estimated FLOPs
-    (2 N per position of a forward, 6 N per trained position: the usual dense-transformer estimate)."""
+    (2 N per position of a forward, 6 N per trained position: the usual dense-transformer estimate; the student's
+    figure includes its anchor's forwards)."""
     positions = res.steps * cfg.batch_size * cfg.seq_len * (2 if two_stream else 1)  # [x_t ; x_0] rows
+    # the anchor (anchor_weight): one forward of the starting model over each row's clean tokens
+    anchor_flops = 2 * n_params * res.steps * cfg.batch_size * cfg.seq_len if cfg.anchor_weight else 0
     report = {
         "teacher": {"model": str(teacher), "parameters": teacher_params, **asdict(cost),
                     "tokens_per_forward": cost.answer_tokens / max(cost.forwards, 1),
                     "flops": 2 * teacher_params * cost.tokens_fed},
         "student": {"steps": res.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-                    "trained_positions": positions, "flops": 6 * n_params * positions,
+                    "trained_positions": positions, "flops": 6 * n_params * positions + anchor_flops,
                     "confidence_weight": cfg.confidence_weight, "lr": cfg.lr, "lora_rank": cfg.lora_rank,
-                    "draft_adapter_rank": cfg.draft_adapter_rank},
+                    "draft_adapter_rank": cfg.draft_adapter_rank, "anchor_weight": cfg.anchor_weight,
+                    "anchor_flops": anchor_flops},
         "parameters": n_params,
     }
     report["total_flops"] = report["teacher"]["flops"] + report["student"]["flops"]

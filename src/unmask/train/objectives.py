@@ -70,6 +70,11 @@ class Objective:
     # masks, with the other filled positions of the noisy stream scored too (corruption.py): edits learn to replace
     corrupt_fraction: float = 0.0
     vocab_size: int = 0
+    # keeping the verifier: plus this weight times KL(anchor || model) on the clean rows' next-token predictions,
+    # the anchor being a frozen copy of the starting model. With a causal context those rows are what policy
+    # speculative's output is read from; a drafter trained on its own answers otherwise sharpens them and loses
+    # held-out score (docs/training.md). Medusa-2 holds its backbone the same way (arXiv 2401.10774, self-distillation).
+    anchor_weight: float = 0.0
 
     def __post_init__(self):
         if self.causal_context and (self.block_sizes is None or not self.shift or self.causal):
@@ -82,8 +87,9 @@ class Objective:
             raise ValueError(f"full_block_fraction must be in [0, 1], got {self.full_block_fraction}")
         if self.full_block_fraction and (self.block_sizes is None or not self.t_per_block):
             raise ValueError("full_block_fraction masks whole blocks: it needs block_sizes and t_per_block")
-        if self.next_token_weight and not self.causal_context:
-            raise ValueError("next_token_weight scores the clean stream's next-token rows: it needs causal_context")
+        for name in ("next_token_weight", "anchor_weight"):
+            if getattr(self, name) and not self.causal_context:
+                raise ValueError(f"{name} scores the clean stream's next-token rows: it needs causal_context")
         if self.causal and (not self.shift or self.block_sizes is not None):
             raise ValueError("a causal objective reads row i for token i+1 (shift=True) and has no blocks")
         if not self.confidence_weight >= 0.0:
@@ -113,8 +119,10 @@ class Objective:
             kind += f", {share:.0%} {what}" if share else ""
         if self.confidence_weight:
             kind += f", certainty forcing x{self.confidence_weight:g}"
+        if self.anchor_weight:
+            kind += f", next-token rows held to the starting model (KL x{self.anchor_weight:g})"
         if (self.next_token_weight or self.suffix_fraction or self.confidence_weight or self.full_block_fraction
-                or self.corrupt_fraction):
+                or self.corrupt_fraction or self.anchor_weight):
             kind += " (eval: diffusion loss, independent masks)"
         return kind
 
@@ -270,10 +278,11 @@ def source_rows(j: Tensor, obj: Objective, block_size: int | None, length: int) 
 
 
 def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, obj: Objective,
-                       eligible: Tensor | None = None) -> Tensor:
+                       eligible: Tensor | None = None, anchor: DiffusionTransformer | None = None) -> Tensor:
     """Sum over masked positions of CE(x0) / p (causal: over scored positions, p = 1), plus with corruption the
     CE of the other filled positions of the noisy stream (`noise.keep`). Only those rows go through the LM head. With `obj.next_token_weight` > 0, plus that weight times the next-token CE of
-    every `eligible` token ([B, L] bool, shifted: j >= 1) read from the clean row before it."""
+    every `eligible` token ([B, L] bool, shifted: j >= 1) read from the clean row before it; with
+    `obj.anchor_weight` > 0 and an `anchor` model, plus that weight times KL(anchor || model) on those rows."""
     L = x0.shape[1]
     dev = x0.device
     masked, p = noise.masked.to(dev), noise.p.to(dev)
@@ -289,9 +298,23 @@ def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, ob
         if kb.numel():
             ksrc = source_rows(kj, obj, noise.block_size, L)
             total = total + F.cross_entropy(model.logits(hidden[kb, ksrc]), x0[kb, kj], reduction="sum")
-    if obj.next_token_weight and eligible is not None:
+    anchored = bool(obj.anchor_weight) and anchor is not None
+    if (obj.next_token_weight or anchored) and eligible is not None:
         eb, ej = eligible.to(dev).nonzero(as_tuple=True)
         if eb.numel():
-            ce = F.cross_entropy(model.logits(hidden[eb, L + ej - 1]), x0[eb, ej], reduction="sum")
-            total = total + obj.next_token_weight * ce
+            logits = model.logits(hidden[eb, L + ej - 1])
+            if obj.next_token_weight:
+                total = total + obj.next_token_weight * F.cross_entropy(logits, x0[eb, ej], reduction="sum")
+            if anchored:
+                total = total + obj.anchor_weight * anchor_kl_sum(anchor, x0, eb, ej - 1, logits)
     return total
+
+
+def anchor_kl_sum(anchor: DiffusionTransformer, x0: Tensor, b: Tensor, row: Tensor, logits: Tensor) -> Tensor:
+    """Sum over the rows (b, row) of KL(anchor || model), `logits` being the model's there ([N, V]). With a causal
+    context the clean stream reads only clean tokens, token-causally, so the anchor's rows are one causal pass
+    over x0 alone (half the positions of the two-stream pass), without gradients."""
+    with torch.no_grad():
+        pos = torch.arange(x0.shape[1], device=x0.device).expand_as(x0)
+        target = F.log_softmax(anchor.logits(anchor.forward_dense(x0, pos, CAUSAL)[b, row]).float(), dim=-1)
+    return F.kl_div(F.log_softmax(logits.float(), dim=-1), target, log_target=True, reduction="sum")

@@ -9,6 +9,7 @@ each rank's loss is scaled by the world size.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import time
@@ -43,14 +44,23 @@ from unmask.train.sft import SFTEncoder, load_sft
 class _LossModule(nn.Module):
     """The model plus the objective, so DDP wraps one forward that returns the loss."""
 
-    def __init__(self, model: DiffusionTransformer, obj: Objective):
+    def __init__(self, model: DiffusionTransformer, obj: Objective, anchor: DiffusionTransformer | None = None):
         super().__init__()
         self.model, self.obj = model, obj
+        self._anchor = [anchor]   # in a list: not a submodule, so DDP and state dicts see the trained model alone
 
     def forward(self, x0: Tensor, masked: Tensor, p: Tensor, block_size: int, eligible: Tensor,
                 corrupt: Tensor | None = None, tokens: Tensor | None = None, keep: Tensor | None = None) -> Tensor:
         noise = Noise(block_size or None, masked, p, corrupt, tokens, keep)
-        return diffusion_loss_sum(self.model, x0, noise, self.obj, eligible)
+        return diffusion_loss_sum(self.model, x0, noise, self.obj, eligible, self._anchor[0])
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """The model as it is now, in eval mode and without gradients: the anchor of `anchor_weight`."""
+    anchor = copy.deepcopy(model).eval()
+    for param in anchor.parameters():
+        param.requires_grad_(False)
+    return anchor
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -129,6 +139,8 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
                       f"{max_pos}): positions past it are trained, but serving still stops at {max_pos}", stacklevel=2)
     model = tm.model.to(ctx.device)
     model.train()
+    # the starting weights, taken before a resumed run loads its checkpoint's
+    anchor = frozen_copy(model) if obj.anchor_weight else None
     if cfg.compile:
         compile_blocks(model)
     opt = _optimizer(model, cfg)
@@ -171,7 +183,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
             group["weight_decay"], group["betas"] = decay, tuple(cfg.betas)
     first_step, first_time = step, train_time
 
-    loss_module: nn.Module = _LossModule(model, obj)
+    loss_module: nn.Module = _LossModule(model, obj, anchor)
     if W > 1:
         loss_module = nn.parallel.DistributedDataParallel(loss_module)
     bf16 = use_bf16(cfg.bf16, ctx.device)
@@ -195,7 +207,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
 
     # the diffusion loss alone, under independent masks: comparable across recipes
     eval_obj = replace(obj, next_token_weight=0.0, suffix_fraction=0.0, confidence_weight=0.0, full_block_fraction=0.0,
-                       corrupt_fraction=0.0)
+                       corrupt_fraction=0.0, anchor_weight=0.0)
 
     def evaluate() -> float:
         model.eval()
@@ -388,6 +400,9 @@ def _objective(tm: TrainableModel, sizes: tuple[int, ...], cfg: TrainConfig) -> 
                                    f"(unmask, from a causal base); {tm.family.name} "
                                    f"{'is not shifted' if tm.family.context_key and not shift else 'has no such form'}")
         tm.config[tm.family.context_key] = causal_context = True
+    if cfg.anchor_weight and not causal_context:
+        raise TrainConfigError(f"anchor_weight holds the next-token rows of a model with a causal context (what "
+                               f"policy speculative reads); this {tm.family.name} model has none")
     for name in ("suffix_fraction", "full_block_fraction"):
         if getattr(cfg, name) and block is None:
             raise TrainConfigError(f"{name} shapes the masks of blocks; {tm.family.name} is not block-causal")
@@ -395,7 +410,7 @@ def _objective(tm: TrainableModel, sizes: tuple[int, ...], cfg: TrainConfig) -> 
                      next_token_weight=cfg.next_token_weight if causal_context else 0.0,
                      suffix_fraction=cfg.suffix_fraction, confidence_weight=cfg.confidence_weight,
                      full_block_fraction=cfg.full_block_fraction, corrupt_fraction=cfg.corrupt_fraction,
-                     vocab_size=tm.arch.vocab_size)
+                     vocab_size=tm.arch.vocab_size, anchor_weight=cfg.anchor_weight)
 
 
 def _maybe_lora(tm: TrainableModel, cfg: TrainConfig) -> TrainableModel:
