@@ -143,6 +143,20 @@ def test_distill_caches_trajectories_counts_compute_and_exports_a_loadable_model
     assert torch.allclose(logits_all(res.model, ids), logits_all(loaded, ids), atol=1e-5)
 
 
+class Killed(Exception):
+    pass
+
+
+def distill_killed_at_2(cfg, model: Path, corpus: Path) -> None:
+    """A distillation killed after its second step (its checkpoint saved there when cfg.save_every is 2)."""
+    def kill_at_2(step, _metrics):
+        if step == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        distill(cfg, model, TRAJ, text=corpus, on_step=kill_at_2)
+
+
 @pytest.mark.parametrize("draft_adapter_rank", [0, 4])  # 4: only a draft adapter trains (models/draft_adapter.py)
 def test_resume_reuses_the_cache_and_continues_exactly(tmp_path, base, corpus, monkeypatch, draft_adapter_rank):
     import unmask.train.distill as distill_mod
@@ -150,15 +164,7 @@ def test_resume_reuses_the_cache_and_continues_exactly(tmp_path, base, corpus, m
     _cfg = functools.partial(_base_cfg, draft_adapter_rank=draft_adapter_rank)
     full = distill(_cfg(tmp_path / "full", total_steps=4), base, TRAJ, text=corpus)
 
-    class Killed(Exception):
-        pass
-
-    def kill_at_2(step, _metrics):
-        if step == 2:
-            raise Killed
-
-    with pytest.raises(Killed):
-        distill(_cfg(tmp_path / "cut", total_steps=4, save_every=2), base, TRAJ, text=corpus, on_step=kill_at_2)
+    distill_killed_at_2(_cfg(tmp_path / "cut", total_steps=4, save_every=2), base, corpus)
     before = {p.name: p.read_bytes() for p in (tmp_path / "cut" / "trajectories").iterdir()}
 
     def no_teacher(*_a, **_k):

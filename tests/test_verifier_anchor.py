@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_distill import TRAJ, _cfg, chat_file, corpus  # noqa: F401 (fixtures)
+from test_distill import TRAJ, _cfg, chat_file, corpus, distill_killed_at_2  # noqa: F401 (fixtures)
 from test_train import _cli, _one_line_error, tiny_cfg, tokdir  # noqa: F401 (tokdir: a fixture)
 from unmask.models.loader import load_model
 from unmask.models.transformer import CAUSAL
@@ -107,15 +107,7 @@ def test_resume_holds_to_the_starting_weights_not_the_checkpoints(tmp_path, caus
     cfg = functools.partial(_cfg, total_steps=4, block_sizes=(4,), next_token_weight=0.0, anchor_weight=3.0)
     full = distill(cfg(tmp_path / "full"), causal_base, TRAJ, text=corpus)
 
-    class Killed(Exception):
-        pass
-
-    def kill_at_2(step, _metrics):
-        if step == 2:
-            raise Killed
-
-    with pytest.raises(Killed):
-        distill(cfg(tmp_path / "cut", save_every=2), causal_base, TRAJ, text=corpus, on_step=kill_at_2)
+    distill_killed_at_2(cfg(tmp_path / "cut", save_every=2), causal_base, corpus)
     resumed = distill(cfg(tmp_path / "cut", save_every=2, resume=True), causal_base, TRAJ, text=corpus)
     assert resumed.losses == pytest.approx(full.losses, abs=1e-6)
     assert full.losses[2] != full.losses[1]   # the steps after the cut train on
