@@ -21,6 +21,7 @@ from unmask.decoding.commit_filter import CONFIG_KEY, CommitFilter
 from unmask.decoding.dry import dry_penalty
 from unmask.decoding.policies import LEARNED, Decision
 from unmask.decoding.logit_adjust import Adjuster, ban_early_stops
+from unmask.decoding.ngram_drafts import NgramTable
 from unmask.decoding.sampling import Proposal, top_logprobs
 from unmask.decoding.targets import decode_window, defer_late_stops, first_stop, masked_in
 from unmask.engine.params import GenerationParams, model_defaults
@@ -54,7 +55,7 @@ class ModelTraits:
     generation_config: dict = field(default_factory=dict, compare=False)
     family: str = ""  # the registry's family name: its reference sampler's defaults (params.FAMILY_DEFAULTS)
     # the checkpoint's n-gram draft table (decoding.ngram_drafts), for policy speculative; None: it has none
-    ngram_drafts: object = field(default=None, compare=False, repr=False)
+    ngram_drafts: NgramTable | None = field(default=None, compare=False, repr=False)
 
     @property
     def defaults(self) -> dict:
