@@ -1,6 +1,6 @@
 """Holding the verifier (`anchor_weight`): KL(starting model || model) on the clean next-token rows of a
 causal-context model, the rows policy speculative's output is read from. The term against a plain causal pass,
-what it does to a distillation, exact resume with it, its compute in distill.json, and its errors."""
+what it does to a distillation, exact resume with it, its compute in distill.json, finetune's flag, errors."""
 from __future__ import annotations
 
 import functools
@@ -137,3 +137,19 @@ def test_errors(tmp_path, shifted_base, corpus):
                          "--anchor-weight", 1, "--prompts", 4, "--answer-tokens", 4, "--seq-len", 48, "--steps", 1,
                          "--no-bf16"),
                     "anchor_weight holds the next-token rows of a model with a causal context", "has none")
+
+
+def test_finetune_holds_from_its_first_step(tmp_path, causal_base, chat_file):
+    """`unmask finetune --anchor-weight`: the term is 0 at the first step (the same loss as without it) and
+    shapes every step after (the losses part)."""
+    runs = {}
+    for w in (0.0, 2.0):
+        r = _cli("finetune", "--model", causal_base, "--data", chat_file, "--out", tmp_path / f"w{w}", "--steps", 3,
+                 "--batch-size", 4, "--seq-len", 64, "--warmup", 0, "--eval-every", 0, "--no-bf16", "--lr", "1e-2",
+                 "--anchor-weight", w)
+        assert r.exit_code == 0, r.output
+        state = torch.load(tmp_path / f"w{w}" / "checkpoint.pt", weights_only=False)
+        runs[w] = state["losses"]
+        assert state["config"]["anchor_weight"] == w
+    assert runs[2.0][0] == pytest.approx(runs[0.0][0], abs=1e-5)
+    assert runs[2.0][2] != pytest.approx(runs[0.0][2], abs=1e-4)
