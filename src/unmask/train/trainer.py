@@ -29,6 +29,7 @@ from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, clear_leftover
 from unmask.train.config import DEFAULT_BLOCK_SIZES, TrainConfig, TrainDivergedError, TrainResult
 from unmask.train.data import (BatchIterator, DataError, TokenRows, check_same_tokenizer, check_vocab, eval_batches,
                                load_pretraining, mix_rows)
+from unmask.train.heap import trim
 from unmask.train.model_init import (TrainableModel, TrainConfigError, apply_draft_adapter, apply_lora, count_params,
                                      fresh_model, frozen_fingerprint, load_trainable, shape_config, trainable_state)
 from unmask.train.objectives import Noise, Objective, diffusion_loss_sum, draw_noise, loss_eligible
@@ -229,6 +230,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
             x0, lm = rows.batch(next(batches))
             noise = draw_noise(obj, lm, _noise_gen(cfg.seed, step), x0)
             loss = _train_step(cfg, ctx, loss_module, obj, x0, lm, noise, autocast)
+            trim()   # the step's freed tensors leave heap holes glibc keeps resident (heap.py)
             if not math.isfinite(loss):  # the same value on every rank: all stop together
                 raise TrainDivergedError(_diverged(step + 1, f"the training loss is {loss}", sched))
             if cfg.grad_clip:
