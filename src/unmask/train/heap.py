@@ -14,21 +14,20 @@ from __future__ import annotations
 import ctypes
 import sys
 
-_LIBC: ctypes.CDLL | None = None
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None (not Linux, or a libc without it: musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL("libc.so.6"), "malloc_trim", None)
+    except OSError:
+        return None
 
 
-def _libc() -> ctypes.CDLL | None:
-    global _LIBC
-    if _LIBC is None and sys.platform.startswith("linux"):
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6")
-        except OSError:   # not glibc (musl names it otherwise)
-            return None
-    return _LIBC
+_MALLOC_TRIM = _malloc_trim()   # resolved once: trim runs after every training step
 
 
 def trim() -> bool:
     """Return the heap's free pages to the system; False where there is no glibc malloc_trim."""
-    libc = _libc()
-    fn = getattr(libc, "malloc_trim", None) if libc is not None else None
-    return bool(fn is not None and fn(0) >= 0)
+    return _MALLOC_TRIM is not None and _MALLOC_TRIM(0) >= 0
