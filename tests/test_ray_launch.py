@@ -96,3 +96,39 @@ def test_replicas_and_routers_run_on_one_event_loop_unless_the_user_says_otherwi
     launch.use_serve_loops()   # the gateway's own process: set where unset, kept where set
     assert os.environ["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
     assert os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+
+
+LEAN_PROBE = """
+import json, os
+import ray
+from unmask.cluster import launch
+launch.connect(None, 1)
+
+@ray.remote(num_cpus=0)
+def seen():
+    return {k: os.environ.get(k) for k in launch.LEAN_CLUSTER_ENV}
+
+print(json.dumps(ray.get(seen.remote())))
+ray.shutdown()
+"""
+
+
+def test_a_local_cluster_it_starts_is_lean_and_a_users_value_wins():
+    """The processes of a local cluster that `unmask serve --ray` starts (here a task's worker: Serve's controller
+    and the replicas are workers too) see launch.LEAN_CLUSTER_ENV, except what the user set."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in launch.LEAN_CLUSTER_ENV}
+    env["RAY_event_stats"] = "1"   # the user's
+    out = subprocess.run([sys.executable, "-c", LEAN_PROBE], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {**launch.LEAN_CLUSTER_ENV, "RAY_event_stats": "1"}
+
+
+def test_the_engine_replicas_leave_the_access_log_to_the_gateway():
+    args, scale = launch.builder_args({"embedding_model": "off"})
+    engine = launch.build(args, scale, ingress=False)._bound_deployment
+    assert engine._deployment_config.logging_config["enable_access_log"] is False

@@ -191,6 +191,46 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_503_retries_the_rest_a
     assert victim not in replicas and len(replicas) == 2
 
 
+def test_a_streamed_body_comes_over_the_replicas_pipe_and_the_call_then_ends():
+    """The engine replica's side of the direct path (cluster/pipe.py) on the running app: asked for it, the head
+    names the pipe, the body comes over it whole (the same frames a Ray-carried stream has), and the call ends."""
+    import asyncio
+    import json
+
+    from unmask.cluster import pipe
+
+    body = {"model": "unmask-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "temperature": 0, "stream": True}
+    request = {"method": "POST", "path": "/v1/chat/completions", "root_path": "", "query": b"",
+               "headers": [(b"content-type", b"application/json")], "body": json.dumps(body).encode()}
+    handle = serve.get_deployment_handle("Engine", app_name="unmask").options(stream=True)
+
+    async def piped():
+        call = handle.forward.remote(request, direct=True)
+        head = await call.__anext__()
+        reader, writer = await pipe.connect(head["pipe"][:2], head["pipe"][2])
+        pieces = [piece async for piece in pipe.read_body(reader)]
+        writer.close()
+        left = [item async for item in call]   # nothing more over Ray: the call just ends
+        return head, b"".join([head["body"], *pieces]), left
+
+    def carried():
+        items = list(handle.forward.remote(request))
+        return items[0], b"".join([items[0]["body"]] + [i["end"] if isinstance(i, dict) else i for i in items[1:]])
+
+    try:
+        head, raw, left = asyncio.run(piped())
+        plain_head, plain_raw = carried()
+    finally:
+        handle.shutdown()
+    assert head["status"] == 200 and head["more"] and left == []
+    assert "pipe" not in plain_head
+    texts = [[json.loads(line[6:])["choices"][0]["delta"].get("content") for line in r.decode().splitlines()
+              if line.startswith("data: {")] for r in (raw, plain_raw)]
+    assert texts[0] == texts[1] and len(texts[0]) >= 3   # greedy: the same deltas either way
+    assert raw.endswith(b"data: [DONE]\n\n") and plain_raw.endswith(b"data: [DONE]\n\n")
+
+
 # ---------------------------------------------------------------------------------------- autoscaling
 STREAM_TOKENS = 32
 

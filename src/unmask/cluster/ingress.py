@@ -14,6 +14,7 @@ and completions), never a hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -28,6 +29,7 @@ from ray import serve
 from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError, RayServeException,
                                   ReplicaUnavailableError)
 
+from unmask.cluster import pipe as pipe_path
 from unmask.cluster import routing
 from unmask.cluster.replica import board_name
 from unmask.server.metrics import Metrics
@@ -109,10 +111,12 @@ def merged_metrics(texts: dict[str, bytes], own: Metrics) -> bytes:
 class Gateway:
     """Forwards HTTP requests to the engine deployment through `engine` (a DeploymentHandle)."""
 
-    def __init__(self, engine, args, app_name: str):
+    def __init__(self, engine, args, app_name: str, direct: bool = True):
         self.engine, self.args, self.app_name = engine, args, app_name
+        self.direct = direct   # streamed bodies over the replicas' body pipes (pipe.py) rather than as Ray objects
         self.metrics = Metrics()
         self._board = None
+        self._ending: set[asyncio.Task] = set()
 
     async def board_texts(self) -> dict[str, bytes]:
         try:
@@ -125,7 +129,8 @@ class Gateway:
 
     async def _head(self, message: dict, affinity: str | None, avoid: str | None):
         """Send the request to a replica; its stream and first item (the status, headers and first body bytes)."""
-        stream = self.engine.options(stream=True).forward.remote(message, affinity=affinity, avoid=avoid)
+        stream = self.engine.options(stream=True).forward.remote(message, affinity=affinity, avoid=avoid,
+                                                                 direct=self.direct)
         path = message["path"]
         try:
             if avoid is not None:   # a retry: the router waits for a live replica, but not for ever
@@ -151,7 +156,6 @@ class Gateway:
         while True:
             try:
                 stream, head = await self._head(message, affinity, avoid)
-                break
             except asyncio.TimeoutError:
                 if route == "/health":
                     return JSONResponse({"status": "loading"}, status_code=503)
@@ -165,14 +169,72 @@ class Gateway:
                 raise as_api_error(e) from None
             except StopAsyncIteration:   # the app ended without a response (a bug): an error, not a hang
                 raise APIError(500, "internal server error") from None
+            if "pipe" not in head:
+                break
+            try:
+                pipe = await pipe_path.connect(head["pipe"][:2], head["pipe"][2])
+                break
+            except (OSError, asyncio.TimeoutError) as e:   # the replica's port is not reachable from here
+                stream.cancel()
+                self.direct = False
+                logger.warning("cannot reach engine replica %s's body pipe at %s:%s (%s); streamed bodies go "
+                               "through Ray from now on", head["replica"], *head["pipe"][:2], e)
+                if not retryable(request.method, route):
+                    raise APIError(503, "the engine replica could not be reached; retry the request",
+                                   code="replica_unavailable") from None
         headers = [(k, v) for k, v in head["headers"] if k.lower() not in HOP_HEADERS]
         headers.append((b"x-unmask-replica", head["replica"].encode()))
         if not head["more"]:
             response = Response(head["body"], status_code=head["status"])
+        elif "pipe" in head:
+            response = StreamingResponse(self._piped(route, head["body"], stream, *pipe), status_code=head["status"])
         else:
             response = StreamingResponse(self._rest(route, head["body"], stream), status_code=head["status"])
         response.raw_headers = [h for h in response.raw_headers if h[0] in (b"content-length",)] + headers
         return response
+
+    async def _piped(self, route: str, first: bytes, stream, reader, writer) -> AsyncIterator[bytes]:
+        """The rest of a body over the replica's pipe; the Ray call ends by itself once the replica has written it."""
+        sequence = -1
+        finished = False
+        try:
+            if first:
+                yield first
+            async for chunk in pipe_path.read_body(reader):
+                if route == "/v1/responses":
+                    numbers = _SEQUENCE.findall(chunk)
+                    sequence = int(numbers[-1]) if numbers else sequence
+                yield chunk
+            finished = True
+            self._end_later(stream)
+        except pipe_path.PipeBroken:   # the replica went away mid-body: its call says how
+            err = await self._why(stream)
+            self.metrics.error(err.status)
+            finished = True
+            yield error_frames(route, err, sequence + 1)
+        finally:
+            writer.close()
+            if not finished:   # the client went away: the replica sees the disconnect and cancels the work
+                stream.cancel()
+
+    async def _why(self, stream) -> APIError:
+        try:
+            async for _ in stream:
+                pass
+        except (RayServeException, ray.exceptions.RayError) as e:
+            return as_api_error(e)
+        return as_api_error(ray.exceptions.RayActorError())
+
+    def _end_later(self, stream) -> None:
+        """Read the call's end off the client's clock (Ray Serve counts the request as running until then)."""
+        async def end():
+            with contextlib.suppress(Exception):
+                async for _ in stream:
+                    pass
+
+        task = asyncio.ensure_future(end())
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
 
     async def _rest(self, route: str, first: bytes, stream) -> AsyncIterator[bytes]:
         sequence = -1
@@ -236,7 +298,7 @@ class Ingress:
     """The gateway as a Ray Serve deployment, behind Serve's HTTP proxy (Serve config files, KubeRay)."""
 
     def __init__(self, engine, args):
-        self.gateway = Gateway(engine, args, serve.get_replica_context().app_name)
+        self.gateway = Gateway(engine, args, serve.get_replica_context().app_name, direct=pipe_path.wanted())
 
     def __serve_build_asgi_app__(self):
         return build_app(self.gateway)

@@ -11,13 +11,19 @@ from unmask.cluster import ClusterError, require_ray
 
 APP_NAME = "unmask"
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")
-PASSED_ENV = ("OMP_WAIT_POLICY",)   # passed on when set
+PASSED_ENV = ("OMP_WAIT_POLICY", "UNMASK_RAY_PIPE")   # passed on when set
 # Ray Serve runs a replica's code, and a caller's router, on event loops of their own threads by default; on the
 # same loop (Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED mode sets both) each streamed piece skips two thread hand-offs.
 # Measured on 2 cores, one replica against plain `unmask serve` (docs/scale-out.md): the replica's CPU for the same
 # requests 1.14-1.15x -> 1.02-1.05x plain's; at 4 streams 0.78-0.92x -> 0.85-0.96x the throughput (medians 0.83x and
 # 0.90x). A value the user sets wins.
 SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+# A local cluster that `unmask serve --ray` starts for itself (no dashboard) is lean: Serve's controller loop at 2 Hz
+# rather than 10 and no Ray metrics, task events or event-loop statistics, which have nowhere to go there. On the
+# 2-core machine of docs/scale-out.md Ray's processes took 26% of a core with no request in flight, 10% lean. A
+# cluster joined with --address keeps its own settings; a value the user sets wins.
+LEAN_CLUSTER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_enable_metrics_collection": "0",
+                    "RAY_event_stats": "0", "RAY_task_events_report_interval_ms": "0"}
 
 
 @dataclass
@@ -136,7 +142,10 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
         if address:
             ray.init(address=address, runtime_env=runtime_env(), logging_level="WARNING")
             return False
-        # address "local": a new cluster, never one that an earlier `ray start` recorded in /tmp/ray
+        # address "local": a new cluster, never one that an earlier `ray start` recorded in /tmp/ray; its processes
+        # inherit this one's environment
+        for k, v in LEAN_CLUSTER_ENV.items():
+            os.environ.setdefault(k, v)
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env(), logging_level="WARNING")
         return True
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -160,7 +169,10 @@ def build(args, scale: Scale, ingress: bool = True):
                "max_ongoing_requests": args.max_num_seqs + args.max_queue + 1,
                "request_router_config": RequestRouterConfig(request_router_class=AffinityRouter,
                                                              request_router_kwargs={"slots": args.max_num_seqs}),
-               "graceful_shutdown_timeout_s": args.drain_timeout + 5, "health_check_period_s": 2.0}
+               "graceful_shutdown_timeout_s": args.drain_timeout + 5, "health_check_period_s": 2.0,
+               # the gateway's access log has every request already; the replica's copy of each line was written,
+               # read back by Ray's log monitor and sent to the driver to print, on the engine's cores
+               "logging_config": {"enable_access_log": False}}
     if scale.autoscale is not None:
         options["autoscaling_config"] = autoscaling_config(scale, args.max_num_seqs)
     else:
@@ -181,13 +193,14 @@ def deploy(args, scale: Scale, app_name: str = APP_NAME):
     from ray import serve
 
     from unmask.cluster.ingress import Gateway
+    from unmask.cluster.pipe import wanted as pipe_wanted
 
     serve.start(proxy_location="Disabled")
     try:
         handle = serve.run(build(args, scale, ingress=False), name=app_name, route_prefix=None)
     except RuntimeError as e:
         raise ClusterError(f"the application did not start: {str(e).splitlines()[0]}") from None
-    return Gateway(handle, args, app_name)
+    return Gateway(handle, args, app_name, direct=pipe_wanted())
 
 
 def undeploy(app_name: str = APP_NAME, stop_serve: bool = False) -> None:

@@ -3,7 +3,8 @@ metrics, the model) in a Ray Serve replica, answering the requests the ingress f
 
 `forward` runs one HTTP request through the app as ASGI in this process and streams the response back: first a
 head `{"status", "headers", "body", "more", "replica"}` holding the first body bytes, then the rest of the body
-in pieces as the app sends them (one SSE frame or more each), the last one marked as `{"end": bytes}`. When
+in pieces as the app sends them (one SSE frame or more each), the last one marked as `{"end": bytes}`; or, when
+the gateway asks for it, the rest over a socket of its own (pipe.py), the call ending once it is written. When
 the caller goes away (the client disconnected, the ingress dropped the stream), the app's `receive` answers
 `http.disconnect`, as uvicorn would, so the serving code cancels the engine requests.
 """
@@ -17,6 +18,8 @@ from typing import Any
 
 import ray
 from ray import serve
+
+from unmask.cluster.pipe import CONNECT_TIMEOUT_S, PipeServer
 
 logger = logging.getLogger("unmask.cluster")
 
@@ -39,6 +42,38 @@ class MetricsBoard:
     def read(self, max_age_s: float) -> dict[str, bytes]:
         now = time.time()
         return {r: text for r, (t, text) in self.texts.items() if now - t <= max_age_s}
+
+
+async def _body_pieces(messages: asyncio.Queue):
+    """The app's ASGI messages as the response's head `{"status", "headers", "body", "more"}` and then its body as
+    `(bytes, more)` pieces; frames the app sent while the last piece was on its way travel as one."""
+    head = None
+    while True:
+        message = await messages.get()
+        if message is None:
+            return
+        if message["type"] == "http.response.start":
+            head = {"status": message["status"], "headers": message.get("headers", [])}
+            continue
+        if message["type"] != "http.response.body":
+            continue
+        body, more = message.get("body", b""), message.get("more_body", False)
+        while more and not messages.empty():
+            following = messages.get_nowait()
+            if following is None:   # the app returned without ending its body
+                more = False
+                break
+            if following["type"] == "http.response.body":
+                body += following.get("body", b"")
+                more = following.get("more_body", False)
+        if head is not None:
+            head.update(body=body, more=more)
+            yield head
+            head = None
+        else:
+            yield body, more
+        if not more:
+            return
 
 
 def board_name(app_name: str) -> str:
@@ -86,6 +121,11 @@ class EngineReplica:
         self._board = MetricsBoard.options(name=board_name(ctx.app_name), namespace="unmask", get_if_exists=True,
                                            lifetime="detached").remote()
         self._publisher = asyncio.create_task(self._publish())
+        self._pipes = PipeServer()
+        try:
+            await self._pipes.start(ray.util.get_node_ip_address())
+        except OSError as e:   # no direct path: the bodies go through Ray
+            logger.warning("engine replica %s: no body pipe (%s); streamed bodies go through Ray", self.replica_id, e)
         logger.info("engine replica %s (rank %s) ready", self.replica_id, rank)
 
     async def _publish(self) -> None:
@@ -101,9 +141,11 @@ class EngineReplica:
         if not self.app.state.serving.engine.is_alive:
             raise RuntimeError("the engine loop has stopped")
 
-    async def forward(self, request: dict[str, Any], affinity: str | None = None, avoid: str | None = None):
+    async def forward(self, request: dict[str, Any], affinity: str | None = None, avoid: str | None = None,
+                      direct: bool = False):
         """One HTTP request (`method`, `path`, `root_path`, `query`, `headers` as byte pairs, `body`) through the
-        app. (`affinity` and `avoid` are for the router, routing.py.)"""
+        app. With `direct`, the rest of a streamed body goes over this replica's body pipe (pipe.py), the head
+        naming it as `pipe`: (host, port, token). (`affinity` and `avoid` are for the router, routing.py.)"""
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
                  "method": request["method"], "scheme": "http", "path": request["path"],
                  "raw_path": request["path"].encode(), "root_path": request.get("root_path", ""),
@@ -128,44 +170,51 @@ class EngineReplica:
                 messages.put_nowait(None)
 
         task = asyncio.create_task(run())
+        pipe = None
         try:
-            head = None
-            while True:
-                message = await messages.get()
-                if message is None:
-                    break
-                if message["type"] == "http.response.start":
-                    head = {"status": message["status"], "headers": message.get("headers", []),
-                            "replica": self.replica_id}
-                    continue
-                if message["type"] != "http.response.body":
-                    continue
-                body, more = message.get("body", b""), message.get("more_body", False)
-                while more and not messages.empty():   # frames the app sent meanwhile travel as one item
-                    following = messages.get_nowait()
-                    if following is None:   # the app returned without ending its body
-                        more = False
-                        break
-                    if following["type"] == "http.response.body":
-                        body += following.get("body", b"")
-                        more = following.get("more_body", False)
-                if head is not None:
-                    head.update(body=body, more=more)
-                    yield head
-                    head = None
-                elif not more:   # the end, marked: the gateway ends the response now, not one Ray call later
-                    yield {"end": body}
-                elif body:
-                    yield body
+            pieces = _body_pieces(messages)
+            try:
+                head = await pieces.__anext__()
+            except StopAsyncIteration:   # the app ended without a response: the gateway answers 500
+                return
+            head["replica"] = self.replica_id
+            if not (head["more"] and direct and self._pipes.address):
+                yield head
+                async for body, more in pieces:
+                    if not more:   # the end, marked: the gateway ends the response now, not one Ray call later
+                        yield {"end": body}
+                    elif body:
+                        yield body
+                return
+            pipe = self._pipes.open()
+            pipe.closed_task = asyncio.ensure_future(pipe.closed.wait())
+            pipe.closed_task.add_done_callback(lambda _: gone.set())   # the gateway left: the app sees the client go
+            head["pipe"] = (*self._pipes.address, pipe.token)
+            yield head
+            try:
+                await asyncio.wait_for(pipe.connected.wait(), CONNECT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("the gateway did not collect a streamed body within %.0f s; dropping it",
+                               CONNECT_TIMEOUT_S)
+                return
+            async for body, more in pieces:
+                if body:
+                    pipe.pieces.put_nowait(body)
                 if not more:
                     break
+            pipe.pieces.put_nowait(None)
+            await pipe.closed.wait()   # written, or the gateway left: the call (Serve's count of it) ends after
         finally:
+            if pipe is not None:
+                self._pipes.close(pipe)
+                pipe.closed_task.cancel()
             gone.set()   # the app sees the client go (a no-op once it has answered)
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(task, 5.0)
 
     async def __del__(self):
         self._publisher.cancel()
+        await self._pipes.stop()
         with contextlib.suppress(Exception):
             self._board.drop.remote(self.replica_id)
         await self._lifespan.aclose()   # drains the engine (--drain-timeout), as unmask serve does on shutdown

@@ -1,0 +1,128 @@
+"""A streamed body's direct path from an engine replica to the gateway: one TCP connection per response, beside the
+Ray call that still carries the request, the head and the end of the work.
+
+Why: through Ray Serve every streamed piece (one SSE frame per decoding step) is a Ray object of its own,
+serialized and reported by the replica and fetched by the gateway, and on a machine whose cores the engine uses
+all of, that CPU comes out of decoding (docs/scale-out.md, "The body's direct path"). Here a piece is four bytes
+of length and the bytes, written to a socket.
+
+The replica listens on its node's Ray address (the one the cluster's nodes already reach each other on) at a
+port of the kernel's choosing, and answers a connection only with the body its one-use token names. The frames
+are `length (4 bytes, big-endian) + bytes`; a zero length ends the body. A connection that ends without it means
+the replica went away: the gateway asks the Ray call why.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("unmask.cluster")
+
+CONNECT_TIMEOUT_S = 10.0    # the gateway connects at once after the head; past this the replica gives the body up
+END = b"\0\0\0\0"
+ENV = "UNMASK_RAY_PIPE"     # "0": every streamed piece as a Ray object, as before the pipes
+
+
+def wanted() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+@dataclass
+class Pipe:
+    token: str
+    pieces: asyncio.Queue = field(default_factory=asyncio.Queue)   # bytes, then None at the end
+    connected: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)    # the body was written, or the reader left
+    closed_task: asyncio.Future | None = None
+
+
+class PipeServer:
+    """The replica's side: bodies waiting for their reader, by token."""
+
+    def __init__(self):
+        self.pipes: dict[str, Pipe] = {}
+        self.address: tuple[str, int] | None = None
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self, host: str) -> None:
+        self._server = await asyncio.start_server(self._serve, host, 0)
+        self.address = (host, self._server.sockets[0].getsockname()[1])
+
+    def open(self) -> Pipe:
+        pipe = Pipe(secrets.token_hex(16))
+        self.pipes[pipe.token] = pipe
+        return pipe
+
+    def close(self, pipe: Pipe) -> None:
+        self.pipes.pop(pipe.token, None)
+        pipe.closed.set()
+
+    async def stop(self) -> None:
+        """No more connections, and the open ones end where they are (their readers see a broken pipe)."""
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pipe = None
+        self._writers.add(writer)
+        try:
+            token = (await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT_S)).strip().decode("ascii", "replace")
+            pipe = self.pipes.pop(token, None)
+            if pipe is None:   # a stale or unknown token: nothing to read here
+                return
+            pipe.connected.set()
+            left = asyncio.ensure_future(reader.read(1))   # the reader closing its end: it wants no more
+            while True:
+                getting = asyncio.ensure_future(pipe.pieces.get())
+                await asyncio.wait({getting, left}, return_when=asyncio.FIRST_COMPLETED)
+                if not getting.done():
+                    getting.cancel()
+                    break
+                piece = getting.result()
+                if piece is None:
+                    writer.write(END)
+                    await writer.drain()
+                    break
+                writer.write(len(piece).to_bytes(4, "big") + piece)
+                await writer.drain()
+            left.cancel()
+        except (asyncio.TimeoutError, ConnectionError, OSError) as e:
+            logger.debug("body pipe: %s", e)
+        finally:
+            if pipe is not None:
+                pipe.closed.set()
+            self._writers.discard(writer)
+            writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+
+
+class PipeBroken(Exception):
+    """The connection ended before the body did: the replica went away."""
+
+
+async def connect(address, token: str, timeout: float = CONNECT_TIMEOUT_S):
+    host, port = address
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+    writer.write(token.encode("ascii") + b"\n")
+    return reader, writer
+
+
+async def read_body(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The pieces of one body, in order, until its end; PipeBroken if the connection ends first."""
+    try:
+        while True:
+            size = int.from_bytes(await reader.readexactly(4), "big")
+            if size == 0:
+                return
+            yield await reader.readexactly(size)
+    except (asyncio.IncompleteReadError, ConnectionError) as e:
+        raise PipeBroken(str(e) or type(e).__name__) from None

@@ -1,0 +1,146 @@
+"""The body pipe between an engine replica and the gateway (src/unmask/cluster/pipe.py), and the gateway's side of a
+piped response (ingress.Gateway._piped), over real loopback sockets without a cluster: the frames arrive in order
+and end on the end frame, a token is good once, a connection that ends early is a broken pipe that the gateway
+turns into the replica's error, and a client that leaves closes the pipe and cancels the call."""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="Ray is optional: pip install 'unmask[ray]'")
+
+import ray  # noqa: E402
+
+from unmask.cluster import pipe  # noqa: E402
+from unmask.cluster.ingress import Gateway  # noqa: E402
+
+
+async def _served():
+    server = pipe.PipeServer()
+    await server.start("127.0.0.1")
+    return server
+
+
+async def _read_all(address, token) -> list[bytes]:
+    reader, writer = await pipe.connect(address, token)
+    try:
+        return [piece async for piece in pipe.read_body(reader)]
+    finally:
+        writer.close()
+
+
+def test_pieces_arrive_in_order_and_end_on_the_end_frame():
+    async def main():
+        server = await _served()
+        p = server.open()
+        for piece in (b"data: 1\n\n", b"x" * 70_000, b"data: [DONE]\n\n"):
+            p.pieces.put_nowait(piece)
+        p.pieces.put_nowait(None)
+        got = await _read_all(server.address, p.token)
+        await asyncio.wait_for(p.closed.wait(), 2)
+        assert p.connected.is_set() and p.token not in server.pipes
+        with pytest.raises(pipe.PipeBroken):   # a token is good once: the second reader gets no body
+            await _read_all(server.address, p.token)
+        await server.stop()
+        return got
+
+    assert asyncio.run(main()) == [b"data: 1\n\n", b"x" * 70_000, b"data: [DONE]\n\n"]
+
+
+def test_an_unknown_token_or_a_connection_cut_short_is_a_broken_pipe():
+    async def main():
+        server = await _served()
+        reader, writer = await pipe.connect(server.address, "not-a-token")
+        with pytest.raises(pipe.PipeBroken):
+            async for _ in pipe.read_body(reader):
+                pass
+        writer.close()
+        p = server.open()
+        p.pieces.put_nowait(b"data: 1\n\n")
+        reader, writer = await pipe.connect(server.address, p.token)
+        got = []
+        with pytest.raises(pipe.PipeBroken):
+            async for piece in pipe.read_body(reader):
+                got.append(piece)
+                await server.stop()   # the replica goes away mid-body
+        writer.close()
+        return got
+
+    assert asyncio.run(main()) == [b"data: 1\n\n"]
+
+
+def test_a_reader_that_leaves_closes_the_pipe():
+    async def main():
+        server = await _served()
+        p = server.open()
+        p.pieces.put_nowait(b"data: 1\n\n")
+        reader, writer = await pipe.connect(server.address, p.token)
+        assert await reader.readexactly(4 + 9)
+        writer.close()   # the gateway's client went away
+        await asyncio.wait_for(p.closed.wait(), 2)
+        await server.stop()
+
+    asyncio.run(main())
+
+
+class _Call:
+    """The Ray call beside a piped body: its end, or the error a dead replica's call raises."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.error, self.cancelled, self.read_to_end = error, False, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.error is not None:
+            raise self.error
+        self.read_to_end = True
+        raise StopAsyncIteration
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _gateway():
+    return SimpleNamespace(metrics=SimpleNamespace(errors=[], error=lambda status: None), _ending=set(),
+                           _why=lambda call: Gateway._why(None, call),
+                           _end_later=lambda call: Gateway._end_later(SimpleNamespace(_ending=set()), call))
+
+
+def test_the_gateway_streams_a_piped_body_and_lets_the_call_end_by_itself():
+    async def main(take=None, cut=False, error=None):
+        server = await _served()
+        p = server.open()
+        for piece in (b"data: 1\n\n", b"data: 2\n\n") + (() if cut else (b"data: [DONE]\n\n", None)):
+            p.pieces.put_nowait(piece)
+        reader, writer = await pipe.connect(server.address, p.token)
+        call = _Call(error)
+        gen = Gateway._piped(_gateway(), "/v1/chat/completions", b"head", call, reader, writer)
+        out = []
+        async for chunk in gen:
+            out.append(chunk)
+            if cut and len(out) == 3:   # the replica dies after its second frame
+                await server.stop()
+            if take is not None and len(out) == take:
+                await gen.aclose()   # the client went away
+                break
+        await asyncio.sleep(0.05)   # the call's end is read off the client's clock
+        await asyncio.wait_for(p.closed.wait(), 2)
+        await server.stop()
+        return out, call
+
+    out, call = asyncio.run(main())
+    assert out == [b"head", b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
+    assert call.read_to_end and not call.cancelled
+    out, call = asyncio.run(main(take=2))
+    assert out == [b"head", b"data: 1\n\n"] and call.cancelled
+    dead = ray.exceptions.RayActorError()
+    out, call = asyncio.run(main(cut=True, error=dead))
+    assert out[:3] == [b"head", b"data: 1\n\n", b"data: 2\n\n"] and len(out) == 4
+    error = json.loads(out[3].split(b"\n\n")[0].removeprefix(b"data: "))["error"]
+    assert error["code"] == "replica_unavailable" and "died" in error["message"]
+    assert out[3].endswith(b"data: [DONE]\n\n") and not call.cancelled   # the call had ended: nothing to cancel
