@@ -1,19 +1,39 @@
-"""Per-process CPU ticks (utime + stime, 100 a second) between two moments: `cpu_snap.py save F`, later `cpu_snap.py diff F` (bench/ray_overhead_cpu.sh)."""
-import os, sys, json, time
-def snap():
+"""CPU ticks (utime + stime, 100 a second) per process, or per thread with --threads, between two moments:
+`cpu_snap.py save F`, later `cpu_snap.py diff F [--threads]` (bench/ray_overhead_cpu.sh, docs/scale-out.md)."""
+import json
+import os
+import sys
+
+
+def snap() -> dict:
+    """{"pid/tid": [ticks, process command line, thread name]} for every thread on the machine."""
     out = {}
-    for pid in os.listdir('/proc'):
-        if not pid.isdigit(): continue
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            st = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
-            cmd = open(f'/proc/{pid}/cmdline').read().replace('\0', ' ')[:100]
-        except OSError: continue
-        out[pid] = (int(st[11]) + int(st[12]), cmd)
+            cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:100]
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+                fields = stat.rsplit(")", 1)[1].split()
+                out[f"{pid}/{tid}"] = [int(fields[11]) + int(fields[12]), cmd, stat[stat.index("(") + 1:stat.rindex(")")]]
+        except OSError:
+            continue
     return out
-if sys.argv[1] == 'save':
-    json.dump(snap(), open(sys.argv[2], 'w'))
-else:
-    a = json.load(open(sys.argv[2])); b = snap()
-    rows = sorted(((b[p][0] - a[p][0], b[p][1]) for p in b if p in a), reverse=True)
-    for d, c in rows[:18]:
-        if d > 0: print(f"{d:6d} {c}")
+
+
+def main() -> None:
+    if sys.argv[1] == "save":
+        json.dump(snap(), open(sys.argv[2], "w"))
+        return
+    before, now = json.load(open(sys.argv[2])), snap()
+    rows: dict = {}
+    for key, (ticks, cmd, name) in now.items():
+        spent = ticks - before.get(key, [0])[0]
+        group = (key, f"{name:16s} {cmd[:60]}") if "--threads" in sys.argv else (key.split("/")[0], cmd)
+        rows[group] = rows.get(group, 0) + spent
+    for (_, label), spent in sorted(rows.items(), key=lambda r: -r[1])[:24]:
+        if spent > 0:
+            print(f"{spent:6d} {label}")
+
+
+if __name__ == "__main__":
+    main()

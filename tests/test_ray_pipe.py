@@ -144,3 +144,81 @@ def test_the_gateway_streams_a_piped_body_and_lets_the_call_end_by_itself():
     error = json.loads(out[3].split(b"\n\n")[0].removeprefix(b"data: "))["error"]
     assert error["code"] == "replica_unavailable" and "died" in error["message"]
     assert out[3].endswith(b"data: [DONE]\n\n") and not call.cancelled   # the call had ended: nothing to cancel
+
+
+class _Handle:
+    """Ray Serve's deployment handle as the gateway calls it; each call answers with the next of `heads`."""
+
+    def __init__(self, heads):
+        self.heads, self.calls, self.streams = list(heads), [], []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def forward(self):
+        return self
+
+    def remote(self, message, **kwargs):
+        self.calls.append(kwargs)
+        stream = _Items([self.heads.pop(0), {"end": b"data: [DONE]\n\n"}])
+        self.streams.append(stream)
+        return stream
+
+
+class _Items(_Call):
+    def __init__(self, items):
+        super().__init__()
+        self.items = list(items)
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+
+def test_a_gateway_that_cannot_reach_a_pipe_runs_the_request_again_through_ray(caplog):
+    from starlette.requests import Request
+
+    with socket_closed() as port:
+        head = {"status": 200, "headers": [(b"content-type", b"text/event-stream")], "body": b"data: 1\n\n",
+                "more": True, "replica": "r1"}
+        handle = _Handle([dict(head, pipe=("127.0.0.1", port, "t")), head])
+        gateway = Gateway(handle, SimpleNamespace(database_url=None), "unmask")
+
+        async def main():
+            body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+            sent = iter([{"type": "http.request", "body": body, "more_body": False}])
+            scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "",
+                     "query_string": b"", "headers": [], "client": None}
+            response = await gateway.forward(Request(scope, lambda: _next(sent)))
+            return [chunk async for chunk in response.body_iterator]
+
+        chunks = asyncio.run(main())
+    assert [c["direct"] for c in handle.calls] == [True, False]   # the second call asks for no pipe
+    assert handle.streams[0].cancelled and not handle.streams[1].cancelled
+    assert chunks == [b"data: 1\n\n", b"data: [DONE]\n\n"] and gateway.direct is False
+    assert "cannot reach engine replica r1's body pipe" in caplog.text
+    with pytest.MonkeyPatch.context() as mp:   # UNMASK_RAY_PIPE=0: no pipes from the start
+        mp.setenv(pipe.ENV, "0")
+        assert not pipe.wanted()
+        mp.delenv(pipe.ENV)
+        assert pipe.wanted()
+
+
+async def _next(items):
+    return next(items)
+
+
+class socket_closed:
+    """A loopback port with nothing listening on it."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def __exit__(self, *exc):
+        return False
