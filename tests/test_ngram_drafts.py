@@ -220,9 +220,11 @@ def test_over_http_draft_ngrams_reaches_the_engine_and_bad_values_are_400s(with_
                       embedding_model="off")
     with TestClient(create_app(args)) as http:
         for _ in range(600):
-            if http.get("/health").status_code == 200:
+            health = http.get("/health")
+            if health.status_code == 200:
                 break
             time.sleep(0.1)
+        assert health.status_code == 200, f"the model did not load in 60 s: {health.text}"
         body = {"model": "m", "prompt": "def add(a, b):\n", "max_tokens": 16, "temperature": 0,
                 "policy": "speculative", "block_size": 4, "draft_lookup": 8}
         texts = []
