@@ -3,7 +3,7 @@ Ray call that still carries the request, the head and the end of the work.
 
 Why: through Ray Serve every streamed piece (one SSE frame per decoding step) is a Ray object of its own,
 serialized and reported by the replica and fetched by the gateway, and on a machine whose cores the engine uses
-all of, that CPU comes out of decoding (docs/scale-out.md, "The body's direct path"). Here a piece is four bytes
+all of, that CPU comes out of decoding (docs/scale-out.md, "The response's direct path"). Here a piece is four bytes
 of length and the bytes, written to a socket.
 
 The replica listens on its node's Ray address (the one the cluster's nodes already reach each other on) at a

@@ -214,7 +214,7 @@ class EngineReplica:
 
     async def __del__(self):
         self._publisher.cancel()
-        await self._pipes.stop()
         with contextlib.suppress(Exception):
             self._board.drop.remote(self.replica_id)
         await self._lifespan.aclose()   # drains the engine (--drain-timeout), as unmask serve does on shutdown
+        await self._pipes.stop()   # after the drain: the bodies it finished are written out first
