@@ -91,7 +91,10 @@ class _Stream:
         if not self.pieces:
             self.read_past_end = True
             raise StopAsyncIteration
-        return self.pieces.pop(0)
+        piece = self.pieces.pop(0)
+        if isinstance(piece, BaseException):
+            raise piece
+        return piece
 
     def cancel(self):
         self.cancelled = True
@@ -101,7 +104,8 @@ def test_the_gateway_ends_a_response_on_the_replicas_marked_end():
     from unmask.cluster.ingress import Gateway
 
     async def read(stream, take=None):
-        out, gen = [], Gateway._rest(SimpleNamespace(metrics=None), "/v1/chat/completions", b"head", stream)
+        gateway = Gateway(None, SimpleNamespace(database_url=None), "unmask")
+        out, gen = [], gateway._rest("/v1/chat/completions", b"head", stream)
         async for chunk in gen:
             out.append(chunk)
             if take is not None and len(out) == take:
@@ -118,3 +122,11 @@ def test_the_gateway_ends_a_response_on_the_replicas_marked_end():
     cut = _Stream([b"data: 1\n\n", b"data: 2\n\n", {"end": b""}])      # one that leaves mid-stream
     asyncio.run(read(cut, take=2))
     assert cut.cancelled
+    import json
+
+    import ray
+
+    lost = _Stream([b"data: 1\n\n", ray.exceptions.RayActorError()])    # the replica dies mid-body
+    out = asyncio.run(read(lost))
+    assert out[:2] == [b"head", b"data: 1\n\n"] and out[2].endswith(b"data: [DONE]\n\n") and not lost.cancelled
+    assert json.loads(out[2].split(b"\n\n")[0].removeprefix(b"data: "))["error"]["code"] == "replica_unavailable"

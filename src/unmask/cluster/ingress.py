@@ -193,29 +193,51 @@ class Gateway:
         response.raw_headers = [h for h in response.raw_headers if h[0] in (b"content-length",)] + headers
         return response
 
-    async def _piped(self, route: str, first: bytes, stream, reader, writer) -> AsyncIterator[bytes]:
+    def _rest(self, route: str, first: bytes, stream) -> AsyncIterator[bytes]:
+        """The rest of a body as Ray items, the last one marked (replica.py)."""
+        return self._relay(route, first, stream, _ray_pieces(stream))
+
+    def _piped(self, route: str, first: bytes, stream, reader, writer) -> AsyncIterator[bytes]:
         """The rest of a body over the replica's pipe; the Ray call ends by itself once the replica has written it."""
+        return self._relay(route, first, stream, self._pipe_pieces(stream, reader, writer))
+
+    async def _relay(self, route: str, first: bytes, stream, pieces) -> AsyncIterator[bytes]:
+        """The response body from `pieces` (`(bytes, last)`); a replica lost mid-body ends it with an error frame,
+        a client that leaves before the end cancels the call (the replica sees the disconnect, the work stops)."""
         sequence = -1
         finished = False
         try:
-            if first:
-                yield first
-            async for chunk in pipe_path.read_body(reader):
-                if route == "/v1/responses":
-                    numbers = _SEQUENCE.findall(chunk)
-                    sequence = int(numbers[-1]) if numbers else sequence
-                yield chunk
+            async with contextlib.aclosing(pieces):
+                if first:
+                    yield first
+                async for chunk, last in pieces:
+                    finished = last   # a client that goes after the last bytes cancels nothing
+                    if route == "/v1/responses":
+                        numbers = _SEQUENCE.findall(chunk)
+                        sequence = int(numbers[-1]) if numbers else sequence
+                    if chunk:
+                        yield chunk
+                    if last:   # end the response here: the replica's own wind-down (the app returning) is not on
+                        break  # the client's clock
+                finished = True
+        except _Lost as lost:
+            self.metrics.error(lost.err.status)
             finished = True
+            yield error_frames(route, lost.err, sequence + 1)
+        finally:
+            if not finished:
+                stream.cancel()
+
+    async def _pipe_pieces(self, stream, reader, writer):
+        try:
+            async for piece in pipe_path.read_body(reader):
+                yield piece, False
             self._end_later(stream)
+            yield b"", True
         except pipe_path.PipeBroken:   # the replica went away mid-body: its call says how
-            err = await self._why(stream)
-            self.metrics.error(err.status)
-            finished = True
-            yield error_frames(route, err, sequence + 1)
+            raise _Lost(await self._why(stream)) from None
         finally:
             writer.close()
-            if not finished:   # the client went away: the replica sees the disconnect and cancels the work
-                stream.cancel()
 
     async def _why(self, stream) -> APIError:
         try:
@@ -236,32 +258,24 @@ class Gateway:
         self._ending.add(task)
         task.add_done_callback(self._ending.discard)
 
-    async def _rest(self, route: str, first: bytes, stream) -> AsyncIterator[bytes]:
-        sequence = -1
-        finished = False
-        try:
-            if first:
-                yield first
-            async for chunk in stream:
-                last = isinstance(chunk, dict)   # the replica's marked end (replica.py): its body is complete
-                if last:
-                    chunk, finished = chunk["end"], True
-                if route == "/v1/responses":
-                    numbers = _SEQUENCE.findall(chunk)
-                    sequence = int(numbers[-1]) if numbers else sequence
-                if chunk:
-                    yield chunk
-                if last:   # end the response here: a client that goes after the last bytes cancels nothing, and
-                    break  # the replica's own wind-down (the app returning) is not on the client's clock
-            finished = True
-        except (RayServeException, ray.exceptions.RayError) as e:
-            err = as_api_error(e)
-            self.metrics.error(err.status)
-            finished = True
-            yield error_frames(route, err, sequence + 1)
-        finally:
-            if not finished:   # the client went away: the replica sees the disconnect and cancels the work
-                stream.cancel()
+
+class _Lost(Exception):
+    """The replica went away mid-body; `err` is what the client is told."""
+
+    def __init__(self, err: APIError):
+        super().__init__(err.message)
+        self.err = err
+
+
+async def _ray_pieces(stream):
+    try:
+        async for item in stream:
+            if isinstance(item, dict):   # the replica's marked end: its body is complete
+                yield item["end"], True
+                return
+            yield item, False
+    except (RayServeException, ray.exceptions.RayError) as e:
+        raise _Lost(as_api_error(e)) from None
 
 
 def build_app(gateway: Gateway) -> FastAPI:

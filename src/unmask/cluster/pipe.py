@@ -38,7 +38,6 @@ class Pipe:
     pieces: asyncio.Queue = field(default_factory=asyncio.Queue)   # bytes, then None at the end
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Event = field(default_factory=asyncio.Event)    # the body was written, or the reader left
-    closed_task: asyncio.Future | None = None
 
 
 class PipeServer:
@@ -71,7 +70,7 @@ class PipeServer:
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        pipe = None
+        pipe = left = None
         self._writers.add(writer)
         try:
             token = (await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT_S)).strip().decode("ascii", "replace")
@@ -93,10 +92,11 @@ class PipeServer:
                     break
                 writer.write(len(piece).to_bytes(4, "big") + piece)
                 await writer.drain()
-            left.cancel()
         except (asyncio.TimeoutError, ConnectionError, OSError) as e:
             logger.debug("body pipe: %s", e)
         finally:
+            if left is not None:
+                left.cancel()
             if pipe is not None:
                 pipe.closed.set()
             self._writers.discard(writer)

@@ -187,8 +187,8 @@ class EngineReplica:
                         yield body
                 return
             pipe = self._pipes.open()
-            pipe.closed_task = asyncio.ensure_future(pipe.closed.wait())
-            pipe.closed_task.add_done_callback(lambda _: gone.set())   # the gateway left: the app sees the client go
+            left = asyncio.ensure_future(pipe.closed.wait())
+            left.add_done_callback(lambda _: gone.set())   # the gateway left: the app sees the client go
             head["pipe"] = (*self._pipes.address, pipe.token)
             yield head
             try:
@@ -207,7 +207,7 @@ class EngineReplica:
         finally:
             if pipe is not None:
                 self._pipes.close(pipe)
-                pipe.closed_task.cancel()
+                left.cancel()
             gone.set()   # the app sees the client go (a no-op once it has answered)
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(task, 5.0)
