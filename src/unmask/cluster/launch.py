@@ -16,8 +16,12 @@ PASSED_ENV = ("OMP_WAIT_POLICY", "UNMASK_RAY_PIPE")   # passed on when set
 # same loop (Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED mode sets both) each streamed piece skips two thread hand-offs.
 # Measured on 2 cores, one replica against plain `unmask serve` (docs/scale-out.md): the replica's CPU for the same
 # requests 1.14-1.15x -> 1.02-1.05x plain's; at 4 streams 0.78-0.92x -> 0.85-0.96x the throughput (medians 0.83x and
-# 0.90x). A value the user sets wins.
-SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+# 0.90x). The same mode's gRPC data path carries each handle call to the replica's own gRPC server instead of as a
+# Ray actor task: with it (and replica.run_at on every thread), the first token's lead over plain serving went from
+# +9.1-9.5 to +6.0-6.6 ms at one stream and from +24-27 to +6-12 ms at four (docs/scale-out.md, "Ray's own
+# priorities and its gRPC path"). A value the user sets wins.
+SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+                  "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
 # A local cluster that `unmask serve --ray` starts for itself (no dashboard) is lean: Serve's controller loop at 2 Hz
 # rather than 10 and no Ray metrics, task events or event-loop statistics, which have nowhere to go there. On the
 # 2-core machine of docs/scale-out.md Ray's processes took 26% of a core with no request in flight, 10% lean. A
