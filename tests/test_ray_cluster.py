@@ -229,6 +229,41 @@ def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path
             server.kill()
             rc = None
     assert rc == 0, "".join(log)[-3000:]
+    # taken down on the gateway's loop (front.py): no error from its Serve router, no traceback
+    assert not [x for x in log if "ERROR" in x or "Traceback" in x], "".join(log)[-3000:]
+
+
+def test_serve_on_a_cluster_of_its_own_stops_on_ctrl_c_without_errors(tmp_path):
+    """The default path: `unmask serve --ray` starts a local cluster, and Ctrl-C takes the replicas, Serve and the
+    cluster down on the gateway's loop (front.py); it used to end in a traceback (its Serve router shut down after
+    that loop had closed) and an ERROR from the router's update client."""
+    server = subprocess.Popen([str(BIN / "unmask"), "serve", "--ray", "--port", "0", "--num-cpus", "1",
+                               "--embedding-model", "off", "--data-dir", str(tmp_path / "data")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    log = []
+    reader = threading.Thread(target=lambda: log.extend(server.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.time() + 150
+        while not (ready := [x for x in log if "unmask: serving unmask-tiny on" in x]):
+            assert server.poll() is None and time.time() < deadline, "".join(log)[-3000:]
+            time.sleep(0.5)
+        base = re.search(r"on (http://127\.0\.0\.1:\d+) with 1 engine replica\(s\) on Ray \(a local cluster\)",
+                         ready[0]).group(1)
+        with httpx.stream("POST", base + "/v1/chat/completions", timeout=30, json={
+                "model": "unmask-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                "stream": True}) as r:
+            assert r.status_code == 200 and "data: [DONE]" in r.read().decode()
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            rc = server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            rc = None
+        reader.join(5)
+    assert rc == 0, "".join(log)[-3000:]
+    assert not [x for x in log if "ERROR" in x or "Traceback" in x], "".join(log)[-3000:]
 
 
 @pytest.mark.parametrize("command", [["serve", "--ray"], ["batch", "IN", "OUT", "--ray"]])

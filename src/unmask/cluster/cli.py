@@ -1,6 +1,7 @@
 """The `--ray` halves of `unmask serve` and `unmask batch` (the flags live in server/cli.py and batch/cli.py)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
@@ -37,6 +38,7 @@ def serve_on_ray(args, host: str, port: int, root_path: str, address: str | None
     except ClusterError as e:
         _fail(str(e))
     import ray
+    import ray.serve
 
     from unmask.cluster.front import serve_http
 
@@ -49,16 +51,25 @@ def serve_on_ray(args, host: str, port: int, root_path: str, address: str | None
     def interrupt(*_) -> None:   # SIGTERM while the replicas load: stop as Ctrl-C does, through the `finally`
         raise KeyboardInterrupt
 
+    taken_down = []
+
+    async def take_down() -> None:   # on the gateway's loop, which its Serve router needs running (front.py)
+        await asyncio.to_thread(launch.undeploy)
+        if started:
+            await ray.serve.shutdown_async()
+        taken_down.append(True)
+
     signal.signal(signal.SIGTERM, interrupt)
     try:
         gateway = launch.deploy(args, scale)
-        serve_http(gateway, host, port, root_path, log_level, args.drain_timeout, ready)
+        serve_http(gateway, host, port, root_path, log_level, args.drain_timeout, ready, on_stopped=take_down)
     except ClusterError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1)
     finally:
         try:
-            launch.undeploy(stop_serve=started)
+            if not taken_down:   # stopped before serving, or interrupted while taking down
+                launch.undeploy(stop_serve=started)
         finally:
             if started:
                 ray.shutdown()
