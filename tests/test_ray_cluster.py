@@ -107,6 +107,16 @@ def address():
             current.unlink()
 
 
+def interrupt(server: subprocess.Popen) -> int | None:
+    """Ctrl-C, as a user stops `unmask serve`: its exit status, or None if it had to be killed after 60 s."""
+    server.send_signal(signal.SIGINT)
+    try:
+        return server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        return None
+
+
 def unmask(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "unmask"), *args], capture_output=True, text=True, timeout=timeout,
                           env=ENV)
@@ -222,12 +232,7 @@ def test_serve_joins_the_cluster_and_answers_the_openai_client(address, tmp_path
         assert httpx.get(base + "/openapi.json", timeout=30).json()["servers"] == [{"url": "/u"}]
         assert httpx.get(base + "/health", timeout=30).json() == {"status": "ok"}
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            rc = server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            rc = None
+        rc = interrupt(server)
     assert rc == 0, "".join(log)[-3000:]
     # taken down on the gateway's loop (front.py): no error from its Serve router, no traceback
     assert not [x for x in log if "ERROR" in x or "Traceback" in x], "".join(log)[-3000:]
@@ -255,12 +260,7 @@ def test_serve_on_a_cluster_of_its_own_stops_on_ctrl_c_without_errors(tmp_path):
                 "stream": True}) as r:
             assert r.status_code == 200 and "data: [DONE]" in r.read().decode()
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            rc = server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            rc = None
+        rc = interrupt(server)
         reader.join(5)
     assert rc == 0, "".join(log)[-3000:]
     assert not [x for x in log if "ERROR" in x or "Traceback" in x], "".join(log)[-3000:]
