@@ -85,9 +85,10 @@ def run_at(niceness: int) -> None:
     the 2-core machine of docs/scale-out.md, 0.79x plain `unmask serve`'s throughput against 0.90x at nice 0).
     Linux keeps a niceness per thread and new threads inherit it, so every thread the worker has is set, not only
     this one: Ray's own (its main thread sends each streamed item back to the gateway) as well as the engine's,
-    which start after this. Left at 15 beside an engine at 0, the main thread got the CPU only between the
-    engine's steps, which put the response's head 36-43 ms behind plain serving's 6 ms with three streams
-    decoding. Lowering it needs the privilege to (CAP_SYS_NICE); without, the replica keeps Ray's."""
+    which start after this. Left at 15 beside an engine at 0, that main thread waited for the engine's steps: at
+    four streams the first token through Ray came 24-31 ms after plain serving's, 15-20 ms with every thread
+    set (docs/scale-out.md, "Ray's own priorities and its gRPC path"). Lowering it needs the privilege to
+    (CAP_SYS_NICE); without, the replica keeps Ray's."""
     import os
 
     threads = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
