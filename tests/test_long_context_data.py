@@ -77,14 +77,13 @@ def test_rope_scaling_written_to_config_json_and_loaded_back(kind, tmp_path):
     assert torch.allclose(model.rope.inv_freq, tm.model.rope.inv_freq)  # training and serving agree
 
 
-def test_train_cli_long_context_options(tmp_path, monkeypatch):
-    """`unmask train --long-documents --passkey-fraction --rope-scaling` on a tiny model: the passkey rows join the
-    package rows, and the exported config.json holds the scaling the loader reads."""
+def _package_corpus(tmp_path, monkeypatch):
+    """A char tokenizer that spells PASSKEY lines and paths, a corpus of two packages of three files, and
+    `train`'s tiny flags at rows of 128."""
     import json
 
     import test_train
-    from test_train import TINY_FLAGS, _cli, _one_line_error, write_char_tokenizer
-    from unmask.models.loader import load_model
+    from test_train import TINY_FLAGS, write_char_tokenizer
 
     monkeypatch.setattr(test_train, "CHARS", test_train.CHARS + "0123456789ACEKPSY/")  # PASSKEY, digits, paths
     tok = write_char_tokenizer(tmp_path / "tok")
@@ -93,8 +92,20 @@ def test_train_cli_long_context_options(tmp_path, monkeypatch):
     data = tmp_path / "corpus"
     data.mkdir()
     (data / "train.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    flags = [f for f in TINY_FLAGS]
+    flags = list(TINY_FLAGS)
     flags[flags.index("--seq-len") + 1] = 128
+    return tok, data, flags
+
+
+def test_train_cli_long_context_options(tmp_path, monkeypatch):
+    """`unmask train --long-documents --passkey-fraction --rope-scaling` on a tiny model: the passkey rows join the
+    package rows, and the exported config.json holds the scaling the loader reads."""
+    import json
+
+    from test_train import _cli, _one_line_error
+    from unmask.models.loader import load_model
+
+    tok, data, flags = _package_corpus(tmp_path, monkeypatch)
     r = _cli("train", "--data", data, "--tokenizer", tok, "--out", tmp_path / "run", *flags, "--long-documents",
              "--passkey-fraction", 0.25, "--rope-scaling", "linear:2")
     assert r.exit_code == 0, r.output
@@ -107,3 +118,42 @@ def test_train_cli_long_context_options(tmp_path, monkeypatch):
     assert spec.max_context == 4096 and model.cfg.rope_scaling["factor"] == 2.0
     _one_line_error(_cli("train", "--data", data, "--tokenizer", tok, "--out", tmp_path / "bad", *flags,
                          "--rope-scaling", "ntk:4"), "--rope-scaling must be TYPE:FACTOR")
+
+
+def test_mixed_text_rows_keep_their_loss_mask():
+    """Passkey rows replayed among SFT rows keep the loss on the value only, plain rows stay loss-eligible."""
+    from unmask.train.data import TokenRows, mix_rows
+
+    sft = TokenRows(torch.zeros(4, 6, dtype=torch.int32), torch.tensor([[False] * 3 + [True] * 3] * 4))
+    value_only = torch.tensor([[False] * 5 + [True]] * 4)
+    text = TokenRows(torch.arange(24, dtype=torch.int32).view(4, 6) + 100, value_only)
+    mixed = mix_rows(sft, text, 0.5, seed=0)
+    assert mixed.ids.shape == (8, 6)
+    assert torch.equal(mixed.loss_mask[:4], sft.loss_mask) and torch.equal(mixed.loss_mask[4:], value_only)
+
+
+def test_finetune_replays_long_context_rows(tmp_path, monkeypatch):
+    """`unmask finetune --mix-text --long-documents --passkey-fraction`: the replayed rows are train's package rows
+    and passkey rows (so a long-context model's SFT keeps its retrieval), the rope scaling of the model is kept,
+    and the flags without --mix-text are a one-line error."""
+    import json
+
+    from test_train import CHAT, _cli, _one_line_error
+
+    tok, data, flags = _package_corpus(tmp_path, monkeypatch)
+    r = _cli("train", "--data", data, "--tokenizer", tok, "--out", tmp_path / "base", *flags, "--rope-scaling",
+             "yarn:2")
+    assert r.exit_code == 0, r.output
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text((json.dumps(CHAT) + "\n") * 8)
+    tune = ["finetune", "-m", tmp_path / "base/model", "--data", sft, "--seq-len", 128, "--batch-size", 4,
+            "--steps", 2, "--warmup", 0, "--eval-every", 0, "--no-bf16", "--pack"]
+    r = _cli(*tune, "--out", tmp_path / "tuned", "--mix-text", data, "--mix-fraction", 0.5, "--long-documents",
+             "--passkey-fraction", 0.5)
+    assert r.exit_code == 0, r.output
+    assert "long documents: 2 packages" in r.output and "passkey rows:" in r.output and "(50%)" in r.output
+    cfg = json.loads((tmp_path / "tuned/model/config.json").read_text())
+    assert cfg["rope_scaling"]["rope_type"] == "yarn" and cfg["rope_scaling"]["factor"] == 2.0
+    _one_line_error(_cli(*tune, "--out", tmp_path / "bad", "--passkey-fraction", 0.5),
+                    "--long-documents and --passkey-fraction shape the rows --mix-text replays")
+    assert not (tmp_path / "bad").exists()

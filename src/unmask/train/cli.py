@@ -148,6 +148,11 @@ def finetune(
     full_block_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=FULL_BLOCK_HELP),
     corrupt_fraction: float = typer.Option(0.0, min=0.0, max=1.0, help=CORRUPT_HELP),
     anchor_weight: float = typer.Option(0.0, min=0.0, help=ANCHOR_HELP),
+    long_documents: bool = typer.Option(False, "--long-documents", help="With --mix-text: the replayed rows are "
+                                        "whole packages, as in `train --long-documents`, so a long-context model "
+                                        "keeps its context (docs/training.md, 'Long context')."),
+    passkey_fraction: float = typer.Option(0.0, min=0.0, max=0.99, help="With --mix-text: share of the replayed "
+                                           "rows that are passkey retrieval rows, as in `train --passkey-fraction`."),
 ):
     """Supervised fine-tuning on chat JSONL (loss on assistant tokens only)."""
     from unmask.errors import UnmaskError
@@ -163,6 +168,9 @@ def finetune(
         cfg.full_block_fraction, cfg.corrupt_fraction = full_block_fraction, corrupt_fraction
         cfg.anchor_weight = anchor_weight
         cfg.mix_fraction = _mix_fraction(mix_text, mix_fraction)
+        if (long_documents or passkey_fraction) and mix_text is None:
+            fail("--long-documents and --passkey-fraction shape the rows --mix-text replays: give --mix-text too")
+        cfg.long_documents, cfg.passkey_fraction = long_documents, passkey_fraction
         with plain_warnings():
             res = run_finetune(cfg, model, data, eval_path=eval_data, mix_text=mix_text)
     except UnmaskError as e:

@@ -194,13 +194,15 @@ def load_pretraining(data: Path, tokenizer, seq_len: int, sep_id: int, cache_dir
 
 def mix_rows(sft: TokenRows, text: TokenRows, fraction: float, seed: int) -> TokenRows:
     """SFT rows plus enough plain-text rows (drawn without replacement, seeded) that they make up
-    `fraction` of the result; text rows are loss-eligible everywhere. Capped by the text available."""
+    `fraction` of the result; text rows keep their own loss mask (passkey rows: the value only), else are
+    loss-eligible everywhere. Capped by the text available."""
     want = round(len(sft) * fraction / (1.0 - fraction))
     take = torch.randperm(len(text), generator=torch.Generator().manual_seed(seed))[: min(want, len(text))]
     ids = torch.cat([sft.ids, text.ids[take].to(sft.ids.dtype)])
     sft_mask = sft.loss_mask if sft.loss_mask is not None else torch.ones_like(sft.ids, dtype=torch.bool)
-    mask = torch.cat([sft_mask, torch.ones(len(take), text.seq_len, dtype=torch.bool)])
-    return TokenRows(ids, mask)
+    text_mask = text.loss_mask[take] if text.loss_mask is not None else torch.ones(len(take), text.seq_len,
+                                                                                   dtype=torch.bool)
+    return TokenRows(ids, torch.cat([sft_mask, text_mask]))
 
 
 def check_same_tokenizer(tok, tokenizer_dir: Path, model_dir: Path) -> None:

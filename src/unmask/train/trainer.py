@@ -354,8 +354,12 @@ def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *,
     Loss on assistant turns (and FIM middles) plus the EOS padding after them; prompts are never
     noised. The export in out_dir/model keeps the family's own format and tokenizer files.
     `mix_text` (a corpus as `train` takes it) with `cfg.mix_fraction` > 0 replays plain text rows
-    among the chat rows, so that fine-tuning does not erase raw-text completion.
+    among the chat rows, so that fine-tuning does not erase raw-text completion; with `cfg.long_documents` /
+    `cfg.passkey_fraction` those rows are `train`'s long-context rows (whole packages, passkey retrieval).
     """
+    if (cfg.long_documents or cfg.passkey_fraction) and not (mix_text is not None and cfg.mix_fraction > 0):
+        raise TrainConfigError("long_documents and passkey_fraction shape the replayed text rows of fine-tuning: "
+                               "give them with mix_text")
     if cfg.objective != "diffusion":
         raise TrainConfigError("fine-tuning trains the diffusion objective; objective 'causal' is for `train`")
     ctx = prepare_run(cfg)
@@ -368,8 +372,13 @@ def finetune(cfg: TrainConfig, model_dir: str | Path, jsonl_path: str | Path, *,
         if mix_text is not None and cfg.mix_fraction > 0:
             ids = _special_ids(tok)
             sep = ids["endoftext"] if ids["endoftext"] is not None else tm.eos_id
-            text, _ = load_pretraining(Path(mix_text), tok, cfg.seq_len, sep, Path(cfg.out_dir) / "tokens",
-                                       log=print if ctx.main else (lambda _: None))
+            log = print if ctx.main else (lambda _: None)
+            text, _ = load_pretraining(Path(mix_text), tok, cfg.seq_len, sep, Path(cfg.out_dir) / "tokens", log=log)
+            if cfg.long_documents or cfg.passkey_fraction:  # a long-context model keeps what it learnt of distance
+                from unmask.train.long_context import long_context_rows
+
+                text = long_context_rows(Path(mix_text), tok, len(tok.hf), cfg.seq_len, sep, text,
+                                         cfg.long_documents, cfg.passkey_fraction, cfg.seed, log)
             rows = mix_rows(rows, text, cfg.mix_fraction, cfg.seed)
         check_vocab(tm, rows)
         sizes = cfg.block_sizes or tuple(tm.config.get("train_block_sizes") or [tm.block_size])
