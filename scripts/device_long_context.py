@@ -49,11 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import device_train as dt  # noqa: E402  (the shared run / shard / package helpers)
 
 ROOT = dt.ROOT
+if str(ROOT / "src") not in sys.path:
+    sys.path.append(str(ROOT / "src"))  # the device machine has no install (an installed unmask comes first)
 BUILT_IN = ROOT / "src" / "unmask" / "assets" / "unmask-tiny"
 LOSS_RESERVE_S = 40.0   # the two held-out loss evaluations at the end (CPU, 512-token rows)
 MIN_STEPS = 5
-# the boolean [2L, 2L] mask (4.3 GB at 32K) is built on the GPU each step since 15c37b6 (it used to cross from the
-# CPU's cache); its few elementwise kernels are left out of the prediction, as a copy no longer happens
+# the boolean [2L, 2L] mask (4.3 GB at 32K) was built on the GPU each step since 15c37b6 (it used to cross from the
+# CPU's cache); rows past two_stream.CHUNK have no such mask since 2026-12-07, so no copy is charged
 MASK_COPY_BYTES_PER_S = float("inf")
 
 
@@ -100,15 +102,21 @@ def stage_factors(lengths: list[int], original: int, ratio: float, longest_needl
 
 def cost_per_token(config: dict, length: int) -> float:
     """Training FLOPs per corpus token at a row length (the planning model, not a measurement). The built-in
-    model trains block diffusion with a causal context: every row runs as [x_t ; x_0], 2L positions, under a
-    boolean [2L, 2L] mask, so SDPA computes the whole square (no causal skipping). Linear part: 6 FLOPs per
-    weight and position (forward and backward) over both streams, the LM head over one; attention: QK^T and AV
-    at 2 FLOPs per multiply-add over 2L keys for 2L queries, backward ~2.5x forward (the kernel recomputes)."""
+    model trains block diffusion with a causal context: every row runs as [x_t ; x_0], 2L positions. Rows of up
+    to two_stream.CHUNK tokens go under one boolean [2L, 2L] mask, whose whole square SDPA computes: 2 queries x
+    2L keys a corpus token. Longer rows are split (models/two_stream.py): a clean query reads L/2 keys on average
+    (causal, the kernel skips the rest), a noisy one the clean keys before its chunk's end and its chunk, L/2 +
+    1.5 CHUNK on average. Linear part: 6 FLOPs per weight and position (forward and backward) over both streams,
+    the LM head over one; attention: QK^T and AV at 2 FLOPs per multiply-add, backward ~2.5x forward (the kernel
+    recomputes)."""
+    from unmask.models.two_stream import CHUNK
+
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     per_layer = 2 * h * heads * d + 2 * h * kv * d + 3 * h * config["intermediate_size"]
     linear = 2 * 6 * layers * per_layer + 6 * h * config["vocab_size"]
-    attention = 3.5 * 2 * 2 * 2 * (2 * length) * heads * d * layers  # per corpus token: 2 queries x 2L keys
+    keys = 2 * (2 * length) if length <= CHUNK else length + 1.5 * CHUNK
+    attention = 3.5 * 2 * 2 * keys * heads * d * layers
     return float(linear + attention)
 
 
@@ -298,7 +306,6 @@ def needle_only(model: Path, out: Path, a) -> dict:
     --needle-seconds at the previous length's time per prompt scaled by (length ratio)^1.6 (the CPU prefill's
     measured log-log slope was 1.55, docs/benchmarks.md); needle.json and needle.png rewritten after each."""
     sys.path.insert(0, str(ROOT / "bench"))
-    sys.path.append(str(ROOT / "src"))  # the device machine has no install (an installed unmask comes first)
     from needle import heatmap  # bench/needle.py's heat-map
 
     from unmask.engine.llm import LLM

@@ -17,6 +17,7 @@ from unmask.models.attention import AttentionBatch, KVCache, ragged_attention
 from unmask.models.draft_adapter import DraftAdapterConfig, DraftGate, add_draft_adapter
 from unmask.models.kv_int8 import Int8KVCache
 from unmask.models.layers import GatedMLP, GroupLimitedMoE, RMSNorm, Rotary
+from unmask.models.two_stream import TwoStreamLayout, two_stream_attention
 
 CAUSAL = "causal"  # forward_dense mask for left-to-right training (the AR base of an AR-initialised model)
 
@@ -111,6 +112,8 @@ class Attention(nn.Module):
                 hv = hv.repeat_interleave(self.h // self.kv, dim=1)
             if isinstance(ctx, str):  # CAUSAL: the kernel skips the upper triangle instead of reading a mask
                 out = F.scaled_dot_product_attention(hq, hk, hv, is_causal=True).transpose(1, 2)
+            elif isinstance(ctx, TwoStreamLayout):  # long block-diffusion rows: [x_t ; x_0] split by what rows see
+                out = two_stream_attention(hq, hk, hv, ctx).transpose(1, 2)
             else:
                 out = F.scaled_dot_product_attention(hq, hk, hv, attn_mask=ctx).transpose(1, 2)
         return self.o_proj(out.reshape(*lead, self.h * self.d))
@@ -182,8 +185,9 @@ class DiffusionTransformer(nn.Module):
         return self._run(input_ids, positions, batch)
 
     def forward_dense(self, input_ids: Tensor, positions: Tensor, mask: Tensor | str | None) -> Tensor:
-        """Training: [B, L] ids/positions, mask [B|1, 1, L, L] bool (True = may attend), None (bidirectional)
-        or CAUSAL (plain left-to-right attention) -> hidden [B, L, D]."""
+        """Training: [B, L] ids/positions, mask [B|1, 1, L, L] bool (True = may attend), None (bidirectional),
+        CAUSAL (plain left-to-right attention) or a TwoStreamLayout (block diffusion's [x_t ; x_0] without the
+        dense mask) -> hidden [B, L, D]."""
         return self._run(input_ids, positions, mask)
 
     def logits(self, hidden: Tensor) -> Tensor:

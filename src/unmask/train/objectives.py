@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unmask.models.transformer import CAUSAL, DiffusionTransformer
+from unmask.models.two_stream import TwoStreamLayout, use_two_stream
 from unmask.train.corruption import draw_corruption, keep_positions
 
 EPS = 1e-3
@@ -259,7 +260,10 @@ def masked_rows(model: DiffusionTransformer, x0: Tensor, masked: Tensor, obj: Ob
     elif block_size is None:
         hidden = model.forward_dense(xt, pos, None)  # [B, L, D], bidirectional
     else:
-        attn = _mask_on(dev, L, block_size, obj.causal_context)[None, None]
+        if use_two_stream(L, block_size):  # the same attention without the [2L, 2L] mask (models/two_stream.py)
+            attn = TwoStreamLayout(L, block_size, obj.causal_context)
+        else:
+            attn = _mask_on(dev, L, block_size, obj.causal_context)[None, None]
         hidden = model.forward_dense(torch.cat([xt, x0], 1), torch.cat([pos, pos], 1), attn)  # [B, 2L, D]
     b, j = masked.nonzero(as_tuple=True)
     return hidden, b, j, source_rows(j, obj, block_size, L)
