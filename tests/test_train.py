@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -465,6 +466,21 @@ def test_compiled_blocks_train_like_eager_and_export_the_same_names(tmp_path, to
     with safe_open(str(comp.model_dir / "model.safetensors"), "pt") as f, \
             safe_open(str(eager.model_dir / "model.safetensors"), "pt") as g:
         assert sorted(f.keys()) == sorted(g.keys())
+
+
+def test_checkpointed_activations_train_like_the_plain_run(tmp_path, tokdir, corpus):
+    """--checkpoint-activations recomputes each block in the backward: the same losses (float32, to rounding),
+    the same exported names; with --compile on top, the same again."""
+    plain = train(tiny_cfg(tmp_path / "a", total_steps=3), corpus, tokdir)
+    ckpt = train(tiny_cfg(tmp_path / "b", total_steps=3, checkpoint_activations=True), corpus, tokdir)
+    assert ckpt.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert list(ckpt.model.state_dict()) == list(plain.model.state_dict())
+    blocks = ckpt.model.model.layers
+    assert all(isinstance(b.forward, functools.partial) for b in blocks)   # the recomputing wrapper is in place
+    if shutil.which("g++") or shutil.which("c++"):
+        both = train(tiny_cfg(tmp_path / "c", total_steps=3, checkpoint_activations=True, compile=True), corpus,
+                     tokdir)
+        assert both.losses == pytest.approx(plain.losses, rel=1e-4)
 
 
 def test_grad_accum_matches_one_batch(tmp_path, tokdir, corpus):

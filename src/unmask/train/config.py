@@ -55,6 +55,7 @@ class TrainConfig:
     mix_fraction: float = 0.0          # fine-tuning: share of rows that are plain corpus text (loss on all tokens)
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
     compile: bool = False              # torch.compile each transformer block (see compile_blocks)
+    checkpoint_activations: bool = False  # recompute each block's forward in the backward (see checkpoint_blocks)
     # "causal": next-token pre-training under causal attention, exported with shift_logits so that
     # block-diffusion training continues from it (objectives.py); pre-training (`train`) only
     objective: Literal["diffusion", "causal"] = "diffusion"

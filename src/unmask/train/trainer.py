@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -117,13 +118,35 @@ def compile_blocks(model: nn.Module) -> int:
     are unchanged). Inductor fuses the norms, rotary, casts and residual adds that dominate a CPU step
     after the matmuls and attention: 1.2-1.5x faster steps for unmask-tiny at 16 x 512 on 2 busy CPU cores,
     after ~45 s of compiling (bench/train_step.py; docs/training.md). On CPU it needs a C++ compiler."""
-    blocks = next((m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)),
-                  None)
-    if blocks is None:
-        raise TrainConfigError("compile: no transformer block list (`layers`) in this model")
+    blocks = _blocks(model, "compile")
     for block in blocks:
         block.compile()
     return len(blocks)
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Activation checkpointing: each transformer block keeps only its input for the backward pass and runs its
+    forward again there (torch.utils.checkpoint, non-reentrant), so a step holds one block's activations instead
+    of every block's, for one more forward of each block (one 8K row of the built-in model: peak growth 1.6 GB
+    instead of 4.4 GB, the step ~1.05x as long; one 32K row was OOM-killed at 24 GB without it; docs/training.md)."""
+    blocks = _blocks(model, "checkpoint_activations")
+    for block in blocks:
+        block.forward = functools.partial(_recomputed, block.forward)  # an instance attribute: names unchanged
+    return len(blocks)
+
+
+def _recomputed(forward, *args):
+    if not torch.is_grad_enabled():   # evaluation: nothing to keep
+        return forward(*args)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False)
+
+
+def _blocks(model: nn.Module, what: str) -> nn.ModuleList:
+    blocks = next((m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)),
+                  None)
+    if blocks is None:
+        raise TrainConfigError(f"{what}: no transformer block list (`layers`) in this model")
+    return blocks
 
 
 def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, eval_rows: TokenRows | None,
@@ -142,6 +165,8 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
     model.train()
     # the starting weights, taken before a resumed run loads its checkpoint's
     anchor = frozen_copy(model) if obj.anchor_weight else None
+    if cfg.checkpoint_activations:
+        checkpoint_blocks(model)
     if cfg.compile:
         compile_blocks(model)
     opt = _optimizer(model, cfg)
