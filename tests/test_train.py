@@ -483,6 +483,36 @@ def test_checkpointed_activations_train_like_the_plain_run(tmp_path, tokdir, cor
         assert both.losses == pytest.approx(plain.losses, rel=1e-4)
 
 
+def test_checkpointed_blocks_run_their_forward_again_in_the_backward():
+    """What saves the memory: with gradients each block's forward runs twice a step (the pass, then the recompute
+    in the backward), without gradients once; the gradients are the plain model's."""
+    from unmask.models.transformer import CAUSAL, ArchConfig
+    from unmask.train.trainer import checkpoint_blocks
+
+    torch.manual_seed(0)
+    cfg = ArchConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     intermediate_size=64, max_position=64)
+    plain, ckpt = DiffusionTransformer(cfg), DiffusionTransformer(cfg)
+    ckpt.load_state_dict(plain.state_dict())
+    calls = [0] * cfg.num_layers
+    for i, block in enumerate(ckpt.model.layers):
+        def counted(*args, _forward=block.forward, _i=i):
+            calls[_i] += 1
+            return _forward(*args)
+        block.forward = counted
+    assert checkpoint_blocks(ckpt) == cfg.num_layers
+    ids = torch.randint(0, 64, (2, 16))
+    pos = torch.arange(16).expand(2, 16)
+    for model in (plain, ckpt):
+        model.logits(model.forward_dense(ids, pos, CAUSAL)).sum().backward()
+    assert calls == [2] * cfg.num_layers
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    with torch.no_grad():
+        ckpt.forward_dense(ids, pos, CAUSAL)
+    assert calls == [3] * cfg.num_layers
+
+
 def test_grad_accum_matches_one_batch(tmp_path, tokdir, corpus):
     one = train(tiny_cfg(tmp_path / "a", total_steps=2), corpus, tokdir)
     acc = train(tiny_cfg(tmp_path / "b", total_steps=2, grad_accum=2), corpus, tokdir)

@@ -65,8 +65,8 @@ PASSKEY_HELP = ("Long-context training: share of rows that bury a PASSKEY = \"NN
 ROPE_SCALING_HELP = ("Long-context training: linear:F (position interpolation) or yarn:F, written to config.json as "
                      "rope_scaling; the context becomes F x the one trained without scaling.")
 CHECKPOINT_HELP = ("Activation checkpointing: each transformer block's forward runs again in the backward instead of "
-                   "keeping its activations, for long rows that would not fit in memory (one 8K row of the built-in model: peak "
-                   "memory 1.6 GB instead of 4.4 GB, the step ~1.05x as long; docs/training.md).")
+                   "keeping its activations, for long rows that would not fit in memory (one 8K row of the built-in "
+                   "model: peak memory 1.6 GB instead of 4.4 GB, the step ~1.05x as long; docs/training.md).")
 COMPILE_HELP = ("torch.compile each transformer block: 1.2-1.5x faster steps measured on CPU, after ~45 s of "
                 "compiling (needs a C++ compiler).")
 
