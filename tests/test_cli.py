@@ -253,6 +253,29 @@ def test_train_and_finetune_pass_the_bf16_choice(monkeypatch, tmp_path, flag, ex
     assert [c.bf16 for c in seen] == [expect, expect]
 
 
+def test_eval_batches_reach_every_training_command(monkeypatch, tmp_path):
+    """--eval-batches sets how many held-out batches an evaluation reads (default 8) in train, finetune and
+    distill; zero is a one-line error before anything runs."""
+    from unmask.train import distill, trainer
+
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda cfg, *a, **k: seen.append(cfg) or _Done())
+    monkeypatch.setattr(trainer, "finetune", lambda cfg, *a, **k: seen.append(cfg) or _Done())
+    monkeypatch.setattr(distill, "distill", lambda cfg, *a, **k: seen.append(cfg) or _Done())
+    base = {"train": ("train", "--out", str(tmp_path / "a"), "--tokenizer", str(tmp_path)),
+            "finetune": ("finetune", "--model", str(tmp_path), "--data", str(tmp_path / "x.jsonl")),
+            "distill": ("distill", "--model", str(tmp_path), "--text", str(tmp_path), "--out", str(tmp_path / "d"))}
+    for args in base.values():
+        assert invoke(*args).exit_code == 0
+        r = invoke(*args, "--eval-batches", "2")
+        assert r.exit_code == 0, r.output
+    assert [c.eval_batches for c in seen] == [8, 2] * 3
+    for args in base.values():
+        r = invoke(*args, "--eval-batches", "0")
+        assert r.exit_code == 1 and r.output.strip() == "error: eval_batches must be positive, got 0"
+    assert len(seen) == 6
+
+
 class _Done:
     steps, model_dir = 0, "nowhere"
 

@@ -15,7 +15,8 @@ from unmask.defaults import DEVICE_HELP, DTYPE_HELP
 
 def _train_config(out: Path, steps: int, batch_size: int, seq_len: int, lr: float, warmup: int, resume: bool,
                   eval_every: int, save_every: int, seed: int, lora_rank: int = 0, block_sizes: str | None = None,
-                  on_error: str = "raise", overwrite: bool = False, draft_adapter_rank: int = 0, **model):
+                  on_error: str = "raise", overwrite: bool = False, draft_adapter_rank: int = 0, eval_batches: int = 8,
+                  **model):
     from unmask.train.model_init import ModelShape
     from unmask.train.trainer import TrainConfig
 
@@ -29,7 +30,8 @@ def _train_config(out: Path, steps: int, batch_size: int, seq_len: int, lr: floa
             fail(f"--block-sizes must be comma-separated positive integers, got {block_sizes!r}")
     return TrainConfig(out_dir=str(out), total_steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
                        warmup_steps=warmup, resume=resume, overwrite=overwrite, eval_every=eval_every,
-                       save_every=save_every, seed=seed, lora_rank=lora_rank, block_sizes=sizes, on_error=on_error,
+                       save_every=save_every, eval_batches=eval_batches, seed=seed, lora_rank=lora_rank,
+                       block_sizes=sizes, on_error=on_error,
                        draft_adapter_rank=draft_adapter_rank, model=ModelShape(**model) if model else ModelShape())
 
 
@@ -54,6 +56,8 @@ FULL_BLOCK_HELP = ("Share of blocks masked whole: the draft block of policy spec
 CORRUPT_HELP = ("Share of the noised positions that hold a random token instead of the mask; the loss also covers "
                 "them and the other filled positions, so the model learns to replace wrong tokens, as the edit rules "
                 "(--edit-threshold) ask of it (docs/training.md).")
+EVAL_BATCHES_HELP = ("Held-out batches per evaluation (--eval-every and the last step); fewer keep evaluations of "
+                     "long rows short.")
 NEXT_TOKEN_HELP = "With a causal context: weight of the next-token loss on the clean rows (0: off)."
 ANCHOR_HELP = ("With a causal context: weight of the KL divergence from the starting model's next-token predictions "
                "to the model's on the clean rows, which holds policy speculative's output near the starting model's "
@@ -82,6 +86,7 @@ def train(
     kv_heads: int = typer.Option(4), head_dim: int = typer.Option(32), intermediate: int = typer.Option(768),
     tie_embeddings: bool = typer.Option(True), block_sizes: Optional[str] = typer.Option(None, help="e.g. 4,8,16,32"),
     eval_every: int = typer.Option(200), save_every: int = typer.Option(100),
+    eval_batches: int = typer.Option(8, help=EVAL_BATCHES_HELP),
     init_from: Optional[Path] = typer.Option(None, help="Continue pre-training from a model directory."),
     resume: bool = typer.Option(False, help="Continue a killed run from out/checkpoint.pt."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over in an --out that holds an earlier run "
@@ -106,6 +111,7 @@ def train(
 
     try:
         cfg = _train_config(out, steps, batch_size, seq_len, lr, warmup, resume, eval_every, save_every, seed,
+                            eval_batches=eval_batches,
                             block_sizes=block_sizes, overwrite=overwrite, hidden=hidden, layers=layers, heads=heads,
                             kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate,
                             tie_embeddings=tie_embeddings)
@@ -139,6 +145,7 @@ def finetune(
                                       "by masked rows alone, so speculative decoding keeps the base's output "
                                       "(docs/training.md, \"A draft adapter\")."),
     block_sizes: Optional[str] = typer.Option(None), eval_every: int = typer.Option(100),
+    eval_batches: int = typer.Option(8, help=EVAL_BATCHES_HELP),
     save_every: int = typer.Option(100), on_error: str = typer.Option("raise", help="Malformed JSONL lines: raise | skip."),
     pack: bool = typer.Option(False, help="Pack several short records per row instead of padding each."),
     mix_text: Optional[Path] = typer.Option(None, help="Corpus of plain text to replay among the chat rows."),
@@ -166,6 +173,7 @@ def finetune(
 
     try:
         cfg = _train_config(out, steps, batch_size, seq_len, lr, warmup, resume, eval_every, save_every, seed,
+                            eval_batches=eval_batches,
                             lora_rank=lora_rank, block_sizes=block_sizes, on_error=on_error, overwrite=overwrite,
                             draft_adapter_rank=draft_adapter)
         cfg.sft_pack = pack
@@ -216,6 +224,7 @@ def distill(
                                       "by masked rows alone, so speculative decoding keeps the base's output "
                                       "(docs/training.md, \"A draft adapter\")."),
     block_sizes: Optional[str] = typer.Option(None), eval_every: int = typer.Option(100),
+    eval_batches: int = typer.Option(8, help=EVAL_BATCHES_HELP),
     save_every: int = typer.Option(100),
     mix_text: Optional[Path] = typer.Option(None, help="Corpus of plain text to replay among the trajectory rows."),
     mix_fraction: float = typer.Option(0.25, help="Share of rows taken from --mix-text."),
@@ -247,6 +256,7 @@ def distill(
         fail(str(e))
     try:
         cfg = _train_config(out, steps, batch_size, seq_len, lr, warmup, resume, eval_every, save_every, seed,
+                            eval_batches=eval_batches,
                             lora_rank=lora_rank, block_sizes=block_sizes, overwrite=overwrite,
                             draft_adapter_rank=draft_adapter)
         cfg.compile, cfg.bf16 = compile, bf16
