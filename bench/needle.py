@@ -64,7 +64,8 @@ def measure(model, docs, lengths, depths, trials: int, policy: str, dtype: str |
     from unmask.evaluation_needle import report
 
     t0 = time.perf_counter()
-    entry = report(LLM(model, dtype=dtype), docs, lengths, depths, trials, policy)
+    entry = report(LLM(model, dtype=dtype), docs, lengths, depths, trials, policy,
+                   log=lambda line: print(line, file=sys.stderr, flush=True))
     entry["seconds"] = round(time.perf_counter() - t0, 1)
     return entry
 

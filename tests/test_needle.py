@@ -1,6 +1,7 @@
 """Needle in a haystack (issue 34, item 2): the prompt is the asked length, the needle sits at the asked depth
 on a line of its own, answers are scored by exact match of the value, and `unmask eval --needle` runs end to end."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -65,8 +66,11 @@ def test_run_scores_each_cell(llm):
     """The model's own answers against a value planted in the prompt: a cell's accuracy is its share of exact
     values, and a copy the model wrote counts (the last depth puts the needle next to the question)."""
     tasks = build_tasks(llm, DOCS, [256], [0.0, 1.0], trials=2, seed=0)
-    results = run(llm, tasks, dict(policy="topk", tokens_per_step=1, block_size=1))
+    lines = []
+    results = run(llm, tasks, dict(policy="topk", tokens_per_step=1, block_size=1), log=lines.append)
     assert [(r.length, r.depth, r.n) for r in results] == [(256, 0.0, 2), (256, 1.0, 2)]
+    assert len(lines) == 2 and lines[0].startswith("needle 256: 4 prompts (0 refused), started ")
+    assert re.fullmatch(rf"needle 256: {sum(r.correct for r in results)} of 4 right in \d+ s", lines[1])
     for r in results:
         cell = [t for t in tasks if t.depth == r.depth]
         assert r.values == [t.value for t in cell]
@@ -85,6 +89,7 @@ def test_eval_needle_cli_end_to_end(tmp_path, family_dirs):
         r = CliRunner().invoke(app, args + (["--model", str(model)] if model else []))
         assert r.exit_code == 0, r.output
         assert "needle in a haystack" in r.stdout and "256" in r.stdout and "512" in r.stdout
+        assert "needle 512: 3 prompts (0 refused), started" in r.stderr
         data = json.loads(out.read_text())
         cells = {(c["length"], c["depth"]): c for c in data["results"]}
         assert set(cells) == {(n, d) for n in (256, 512) for d in (0.0, 0.5, 1.0)}

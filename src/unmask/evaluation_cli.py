@@ -161,7 +161,7 @@ def _needle(llm, docs, lengths: str, depths: str, trials: int, policy: str, json
         fail(f"--needle-lengths takes token counts and --needle-depths fractions, got {lengths!r} and {depths!r}")
     if not sizes or not fractions or min(sizes) < 32 or not all(0 <= d <= 1 for d in fractions):
         fail("--needle-lengths must be token counts of at least 32 and --needle-depths fractions in [0, 1]")
-    results = report(llm, docs, sizes, fractions, trials, policy)
+    results = report(llm, docs, sizes, fractions, trials, policy, log=lambda line: typer.echo(line, err=True))
     typer.echo(f"needle in a haystack ({policy}, {trials} per cell; * past the configured context of "
                f"{results['configured_context']}): accuracy by depth and length")
     typer.echo(results["table"])

@@ -21,6 +21,7 @@ import random
 import re
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from unmask.engine.llm import LLM
 from unmask.engine.params import GenerationParams
@@ -119,8 +120,10 @@ class NeedleResult:
         return self.correct / max(self.n, 1)
 
 
-def run(llm: LLM, tasks: list[NeedleTask], policy: dict | None = None, max_tokens: int = 8) -> list[NeedleResult]:
-    """Greedy answers to `tasks`, one batch per length; one result per (length, depth), in task order."""
+def run(llm: LLM, tasks: list[NeedleTask], policy: dict | None = None, max_tokens: int = 8,
+        log: Callable[[str], None] | None = None) -> list[NeedleResult]:
+    """Greedy answers to `tasks`, one batch per length; one result per (length, depth), in task order. `log`, if
+    given, gets a line as each length starts and ends (a 128K batch runs for many minutes on a CPU)."""
     knobs = policy or {}
     results: dict[tuple[int, float], NeedleResult] = {}
     for length in dict.fromkeys(t.length for t in tasks):
@@ -140,9 +143,15 @@ def run(llm: LLM, tasks: list[NeedleTask], policy: dict | None = None, max_token
                 fits.append(t)
             except MemoryLimitError:
                 r.refused += 1
+        if log:
+            log(f"needle {_k(length)}: {len(fits)} prompts ({len(group) - len(fits)} refused), started "
+                f"{time.strftime('%H:%M:%S')}")
         t0 = time.perf_counter()
         outs = llm.generate([t.prompt_ids for t in fits], params) if fits else []
         seconds = time.perf_counter() - t0
+        if log:
+            right = sum(is_correct(t, o.text) for t, o in zip(fits, outs))
+            log(f"needle {_k(length)}: {right} of {len(fits)} right in {seconds:.0f} s")
         for t, out in zip(fits, outs):
             r = results[(t.length, t.depth)]
             r.seconds += seconds / len(fits)
@@ -173,13 +182,14 @@ def _k(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def report(llm: LLM, docs, lengths, depths, trials: int = 2, policy: str = "threshold_0.9", seed: int = 0) -> dict:
+def report(llm: LLM, docs, lengths, depths, trials: int = 2, policy: str = "threshold_0.9", seed: int = 0,
+           log: Callable[[str], None] | None = None) -> dict:
     """Build, run and tabulate: the JSON `unmask eval --needle --json` writes and bench/needle.py plots."""
     from unmask.evaluation import POLICIES
 
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    results = run(llm, build_tasks(llm, docs, lengths, depths, trials, seed), POLICIES[policy])
+    results = run(llm, build_tasks(llm, docs, lengths, depths, trials, seed), POLICIES[policy], log=log)
     return {"model": str(llm.spec.path), "policy": policy, "trials": trials, "seed": seed,
             "configured_context": llm.spec.max_context, "needle": NEEDLE.format(key=KEY, value="NNNNN"),
             "results": [{**dataclasses.asdict(r), "accuracy": r.accuracy} for r in results],
