@@ -26,8 +26,8 @@ def instrument(steps: list[dict]) -> None:
     """Record each decoding step of every SpeculativeSequence into `steps` (this process only)."""
     apply, next_drafts = S.SpeculativeSequence.apply, S.SpeculativeSequence._next_drafts
 
-    def recording_next(self, logits, block):
-        next_drafts(self, logits, block)
+    def recording_next(self, logits, block, **kwargs):
+        next_drafts(self, logits, block, **kwargs)
         self._top = None if block is None or block[1] == 0 else logits[block[0]:block[0] + block[1]].float().topk(
             3, -1).indices.cpu()  # the draft rows' top 3: was a refused draft's replacement a close second?
 
