@@ -376,6 +376,9 @@ _register_optional_commands()
 
 
 def main() -> None:
+    from unmask.allocator import maybe_reexec
+
+    maybe_reexec(sys.argv)   # training commands run under jemalloc where it is installed (allocator.py)
     try:
         app()
     except KeyboardInterrupt:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import sys
 
+from unmask.allocator import active
+
 
 def _malloc_trim():
     """glibc's malloc_trim, or None (not Linux, or a libc without it: musl)."""
@@ -25,9 +27,11 @@ def _malloc_trim():
         return None
 
 
-_MALLOC_TRIM = _malloc_trim()   # resolved once: trim runs after every training step
+# resolved once: trim runs after every training step; under jemalloc (unmask/allocator.py) glibc's heap holds
+# next to nothing and jemalloc keeps its free pages on purpose
+_MALLOC_TRIM = None if active() == "jemalloc" else _malloc_trim()
 
 
 def trim() -> bool:
-    """Return the heap's free pages to the system; False where there is no glibc malloc_trim."""
+    """Return the heap's free pages to the system; False where there is no glibc malloc_trim (or jemalloc runs)."""
     return _MALLOC_TRIM is not None and _MALLOC_TRIM(0) >= 0

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from unmask import allocator
 from unmask.models.transformer import DiffusionTransformer
 from unmask.tokenizer import Tokenizer
 from unmask.train.checkpoint import (CHECKPOINT, CheckpointError, clear_leftovers, load_checkpoint, rng_state,
@@ -219,6 +220,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
             f"({_millions(count_params(model, trainable=True))} trained), {len(rows):,} rows x {cfg.seq_len}, "
             f"{obj.describe()}, "
             f"{W} process(es) on {ctx.device}, {'bf16 autocast' if bf16 else 'float32'}"
+            + (", jemalloc" if ctx.device.type == "cpu" and allocator.active() == "jemalloc" else "")
             + (f", resumed at step {step}" if saved else ""))
 
     def checkpoint() -> None:
