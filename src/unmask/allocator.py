@@ -4,8 +4,8 @@ glibc serves every allocation above 32 MB (its largest mmap threshold) with a ma
 free, so each long-row activation is fresh pages the kernel must fault in and zero, step after step; the heap's
 smaller blocks go back to the system through the trainer's per-step `malloc_trim` (train/heap.py) and fault in
 again the same way. jemalloc with purging off keeps freed pages and reuses them. Measured on the 2-core Xeon
-(docs/training.md, "The allocator"): one 8K-row step 18.1 -> 14.6 s, 30 steps of 16 x 256 rows 1,375-1,399 ->
-1,916-1,936 tokens/s, the same losses, lower peak RSS. This is what Intel's PyTorch launcher and vLLM's CPU images
+(docs/training.md, "The allocator", bench/allocator.py): one 8K-row step 18.3-20.1 -> 14.9-15.9 s, steps of
+16 x 256 rows 1,238-1,277 -> 1,843-1,870 tokens/s, the same losses, lower peak RSS. This is what Intel's PyTorch launcher and vLLM's CPU images
 do (LD_PRELOAD of jemalloc or tcmalloc); here `unmask train | finetune | distill` do it themselves where Debian's
 libjemalloc2 is installed (`make setup` installs it as root). `UNMASK_ALLOCATOR=glibc` keeps glibc.
 """
