@@ -7,7 +7,8 @@ come from the heap, whose free holes between longer-lived blocks stay resident: 
 the CPU grew by 25-80 MB a step, to ~12 GB (two such runs were OOM-killed on a 23 GB machine). `trim` after each
 step hands the free pages back (glibc's malloc_trim(3) releases free pages inside the heap too). Fixing the mmap
 threshold instead (mallopt M_MMAP_THRESHOLD) kept memory flatter but made steps ~1.5x slower here: every
-megabyte tensor became fresh pages to fault in (docs/training.md, "Memory").
+megabyte tensor became fresh pages to fault in (docs/training.md, "Memory"). Since then the training commands run
+under jemalloc where it is installed (unmask/allocator.py), which keeps its pages; there the trim does nothing.
 """
 from __future__ import annotations
 
