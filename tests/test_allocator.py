@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from unmask.allocator import KEEP_PAGES, active, find_jemalloc, reexec_env
+from unmask.allocator import KEEP_PAGES, find_jemalloc, reexec_env
 
 LIB = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 
@@ -57,6 +57,3 @@ def test_unmask_train_runs_under_jemalloc_with_the_same_losses(tmp_path):
     losses = [re.findall(r"step \d+/\d+ loss (\S+)", out) for out in (je, glibc)]
     assert losses[0] and losses[0] == losses[1]
 
-
-def test_this_process_reports_its_allocator():
-    assert active() == ("glibc" if "libjemalloc" not in os.environ.get("LD_PRELOAD", "") else "jemalloc")
