@@ -68,6 +68,9 @@ PASSKEY_HELP = ("Long-context training: share of rows that bury a PASSKEY = \"NN
                 "asking for it, the loss on the value only (the task of unmask eval --needle).")
 ROPE_SCALING_HELP = ("Long-context training: linear:F (position interpolation) or yarn:F, written to config.json as "
                      "rope_scaling; the context becomes F x the one trained without scaling.")
+POSITION_SPAN_HELP = ("Long-context training by PoSE (arXiv 2309.10400): each row's positions are cut at a random "
+                      "point and the rest shifted by a random skip, so rows of --seq-len tokens train distances up "
+                      "to N positions (within the model's context, after --rope-scaling). 0: off.")
 CHECKPOINT_HELP = ("Activation checkpointing: each transformer block's forward runs again in the backward instead of "
                    "keeping its activations, for long rows that would not fit in memory (one 8K row of the built-in "
                    "model: peak memory 1.6 GB instead of 4.4 GB, the step ~1.05x as long; docs/training.md).")
@@ -104,6 +107,7 @@ def train(
     long_documents: bool = typer.Option(False, "--long-documents", help=LONG_DOCUMENTS_HELP),
     passkey_fraction: float = typer.Option(0.0, min=0.0, max=0.99, help=PASSKEY_HELP),
     rope_scaling: Optional[str] = typer.Option(None, help=ROPE_SCALING_HELP),
+    position_span: int = typer.Option(0, min=0, help=POSITION_SPAN_HELP),
 ):
     """Pre-train a masked block-diffusion model from scratch (multi-process: launch with torchrun)."""
     from unmask.errors import UnmaskError
@@ -124,6 +128,7 @@ def train(
         cfg.suffix_fraction, cfg.full_block_fraction = suffix_fraction, full_block_fraction
         cfg.corrupt_fraction = corrupt_fraction
         cfg.long_documents, cfg.passkey_fraction, cfg.rope_scaling = long_documents, passkey_fraction, rope_scaling
+        cfg.position_span = position_span
         if tokenizer is None:
             tokenizer = init_from if init_from is not None and (init_from / "tokenizer.json").is_file() \
                 else Path("data/tokenizer")

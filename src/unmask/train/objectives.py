@@ -76,8 +76,13 @@ class Objective:
     # speculative's output is read from; a drafter trained on its own answers otherwise sharpens them and loses
     # held-out score (docs/training.md). Medusa-2 holds its backbone the same way (arXiv 2401.10774, self-distillation).
     anchor_weight: float = 0.0
+    # PoSE (positional skip-wise training, arXiv 2309.10400): each row's positions are cut at a random point and the
+    # part after it shifted by a random skip, so rows of L tokens train relative distances up to this span; 0: off
+    position_span: int = 0
 
     def __post_init__(self):
+        if self.position_span < 0:
+            raise ValueError(f"position_span must be >= 0, got {self.position_span}")
         if self.causal_context and (self.block_sizes is None or not self.shift or self.causal):
             raise ValueError("causal_context is a form of shifted block diffusion (block_sizes and shift=True)")
         if not 0.0 <= self.suffix_fraction <= 1.0:
@@ -122,6 +127,8 @@ class Objective:
             kind += f", certainty forcing x{self.confidence_weight:g}"
         if self.anchor_weight:
             kind += f", next-token rows held to the starting model (KL x{self.anchor_weight:g})"
+        if self.position_span:
+            kind += f", positions skipped over a span of {self.position_span:,} (PoSE)"
         if (self.next_token_weight or self.suffix_fraction or self.confidence_weight or self.full_block_fraction
                 or self.corrupt_fraction or self.anchor_weight):
             kind += " (eval: diffusion loss, independent masks)"
@@ -139,9 +146,10 @@ class Noise:
     corrupt: Tensor | None = None  # [B, L] bool, within `masked`
     tokens: Tensor | None = None   # [B, L] long: the random token where `corrupt`
     keep: Tensor | None = None     # [B, L] bool: filled positions of the noisy stream, scored with weight 1
+    positions: Tensor | None = None  # [B, L] long: each token's RoPE position with `Objective.position_span`
 
     def rows(self, sl: slice) -> "Noise":
-        part = [None if t is None else t[sl] for t in (self.corrupt, self.tokens, self.keep)]
+        part = [None if t is None else t[sl] for t in (self.corrupt, self.tokens, self.keep, self.positions)]
         return Noise(self.block_size, self.masked[sl], self.p[sl], *part)
 
 
@@ -191,6 +199,30 @@ def loss_eligible(loss_mask: Tensor, shift: bool) -> Tensor:
 
 
 def draw_noise(obj: Objective, loss_mask: Tensor, gen: torch.Generator, x0: Tensor | None = None) -> Noise:
+    """`_draw_masks`, then with `obj.position_span` the rows' skipped positions, drawn last so that runs without
+    them keep their noise."""
+    noise = _draw_masks(obj, loss_mask, gen, x0)
+    if obj.position_span:
+        noise.positions = skipped_positions(*loss_mask.shape, obj.position_span, gen)
+    return noise
+
+
+def skipped_positions(rows: int, length: int, span: int, gen: torch.Generator) -> Tensor:
+    """[rows, length] positions as PoSE trains them with two chunks (arXiv 2309.10400): per row a cut c in
+    [1, length) and a skip s in [0, span - length]; tokens before c keep positions 0..c-1, the rest move to
+    c+s..length-1+s. The text stays contiguous, only its distances grow, so a row of `length` tokens teaches
+    distances up to `span` - 1 at the cost of `length`."""
+    if span < length:
+        raise ValueError(f"position_span {span} is shorter than the rows ({length} tokens)")
+    pos = torch.arange(length).expand(rows, length).clone()
+    if length < 2:
+        return pos
+    cut = torch.randint(1, length, (rows, 1), generator=gen)
+    skip = torch.randint(0, span - length + 1, (rows, 1), generator=gen)
+    return pos + torch.where(pos >= cut, skip, torch.zeros_like(skip))
+
+
+def _draw_masks(obj: Objective, loss_mask: Tensor, gen: torch.Generator, x0: Tensor | None = None) -> Noise:
     """Sample a block size, t and the mask for a [B, L] batch; positions with loss_mask False
     (SFT prompts) are never noised. All randomness comes from `gen`, on the CPU, so every
     data-parallel rank draws the same global noise and takes its own rows. `x0` (the batch) is needed with
@@ -254,7 +286,10 @@ def masked_rows(model: DiffusionTransformer, x0: Tensor, masked: Tensor, obj: Ob
     filled = x0 if noise is None or noise.corrupt is None else noise.tokens.to(dev)
     hide = masked if noise is None or noise.corrupt is None else masked & ~noise.corrupt.to(dev)
     xt = torch.where(hide, torch.full_like(x0, obj.mask_id), filled)
-    pos = torch.arange(L, device=dev).expand(B, L)
+    if noise is not None and noise.positions is not None:
+        pos = noise.positions.to(dev)
+    else:
+        pos = torch.arange(L, device=dev).expand(B, L)
     if obj.causal:
         hidden = model.forward_dense(x0, pos, CAUSAL)  # [B, L, D]; `masked` marks the scored tokens
     elif block_size is None:

@@ -14,7 +14,8 @@ from unmask.train.model_init import TrainableModel, trainable_state
 # is compared by its architecture (check_resume), since `cfg.model` only describes a fresh model
 RESUME_KEYS = ("seq_len", "batch_size", "seed", "block_sizes", "lora_rank", "draft_adapter_rank", "sft_pack", "mix_fraction", "objective",
                "causal_context", "next_token_weight", "suffix_fraction", "confidence_weight", "full_block_fraction",
-               "corrupt_fraction", "anchor_weight", "long_documents", "passkey_fraction", "rope_scaling")
+               "corrupt_fraction", "anchor_weight", "long_documents", "passkey_fraction", "rope_scaling",
+               "position_span")
 
 
 def check_resume(saved: dict, cfg: TrainConfig, tm: TrainableModel, model: nn.Module,

@@ -235,7 +235,7 @@ def run(cfg: TrainConfig, tm: TrainableModel, obj: Objective, rows: TokenRows, e
 
     # the diffusion loss alone, under independent masks: comparable across recipes
     eval_obj = replace(obj, next_token_weight=0.0, suffix_fraction=0.0, confidence_weight=0.0, full_block_fraction=0.0,
-                       corrupt_fraction=0.0, anchor_weight=0.0)
+                       corrupt_fraction=0.0, anchor_weight=0.0, position_span=0)
 
     def evaluate() -> float:
         model.eval()
@@ -366,6 +366,8 @@ def train(cfg: TrainConfig, data: str | Path, tokenizer_dir: str | Path, *, init
             obj = Objective(mask_id=tm.mask_id, shift=True, causal=True)
         else:
             obj = _objective(tm, sizes, cfg)
+        if cfg.position_span:
+            obj = dataclasses.replace(obj, position_span=_position_span(tm, cfg.position_span, cfg.seq_len))
         res = run(cfg, _maybe_lora(tm, cfg), obj, rows, eval_rows, Path(tokenizer_dir), ctx, on_step)
     except BaseException:
         finish_run(ctx, failed=True)
@@ -449,6 +451,18 @@ def _objective(tm: TrainableModel, sizes: tuple[int, ...], cfg: TrainConfig) -> 
                      suffix_fraction=cfg.suffix_fraction, confidence_weight=cfg.confidence_weight,
                      full_block_fraction=cfg.full_block_fraction, corrupt_fraction=cfg.corrupt_fraction,
                      vocab_size=tm.arch.vocab_size, anchor_weight=cfg.anchor_weight)
+
+
+def _position_span(tm: TrainableModel, span: int, seq_len: int) -> int:
+    """`--position-span` checked against the rows (it must be longer) and the context the model declares (after
+    --rope-scaling): positions past it would train what serving never reaches."""
+    if span <= seq_len:
+        raise TrainConfigError(f"position_span must be 0 (off) or longer than seq_len {seq_len}, got {span}")
+    declared = tm.config.get("max_position_embeddings")
+    if declared is not None and span > int(declared):
+        raise TrainConfigError(f"position_span {span:,} is past the model's context (max_position_embeddings "
+                               f"{int(declared):,}); raise it with --rope-scaling")
+    return span
 
 
 def _maybe_lora(tm: TrainableModel, cfg: TrainConfig) -> TrainableModel:
