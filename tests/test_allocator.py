@@ -31,6 +31,16 @@ def test_reexec_env_leaves_the_process_alone(environ, lib):
     assert reexec_env(environ, lib) is None
 
 
+def test_an_unknown_allocator_is_a_one_line_error_before_training(tmp_path):
+    """A typo in UNMASK_ALLOCATOR stops the command at once (it used to run on glibc without a word)."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
+    r = subprocess.run([sys.executable, "-m", "unmask.cli", "train", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, env={**environ, "UNMASK_ALLOCATOR": "jemaloc"}, timeout=120)
+    assert r.returncode == 2 and not (tmp_path / "run").exists()
+    assert r.stderr.strip() == "Error: UNMASK_ALLOCATOR must be one of jemalloc, glibc, got 'jemaloc'"
+    assert reexec_env({"UNMASK_ALLOCATOR": " GLIBC "}, LIB) is None   # case and spaces are forgiven
+
+
 def _train(tmp_path: Path, name: str, **env) -> str:
     from test_train import TEXT, TINY_FLAGS, write_char_tokenizer, write_corpus
 

@@ -22,6 +22,21 @@ COMMANDS = ("train", "finetune", "distill")
 KEEP_PAGES = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 _LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 _TRIED = "UNMASK_ALLOCATOR_REEXEC"   # set in the re-executed process: never a second exec
+CHOICES = ("jemalloc", "glibc")      # UNMASK_ALLOCATOR's values
+
+
+class AllocatorChoiceError(ValueError):
+    pass
+
+
+def choice(environ: dict) -> str:
+    """UNMASK_ALLOCATOR (default jemalloc); another value is refused rather than read as glibc, so a typo does not
+    silently run a long training at the slower allocator."""
+    value = environ.get("UNMASK_ALLOCATOR", "jemalloc").strip().lower() or "jemalloc"
+    if value not in CHOICES:
+        raise AllocatorChoiceError(f"UNMASK_ALLOCATOR must be one of {', '.join(CHOICES)}, got "
+                                   f"{environ['UNMASK_ALLOCATOR']!r}")
+    return value
 
 
 def find_jemalloc() -> str | None:
@@ -46,7 +61,7 @@ def active() -> str:
 def reexec_env(environ: dict, lib: str | None) -> dict | None:
     """The environment to re-execute a training command under jemalloc, or None to run as it is: no library,
     UNMASK_ALLOCATOR=glibc, an allocator the user preloaded already, or this process is the re-executed one."""
-    if lib is None or environ.get(_TRIED) or environ.get("UNMASK_ALLOCATOR", "jemalloc") != "jemalloc":
+    if choice(environ) != "jemalloc" or lib is None or environ.get(_TRIED):
         return None
     preload = environ.get("LD_PRELOAD", "")
     if "malloc" in preload:   # jemalloc or tcmalloc by the user's choice
@@ -64,7 +79,11 @@ def maybe_reexec(argv: list[str]) -> None:
     command = next((a for a in argv[1:] if not a.startswith("-")), None)
     if command not in COMMANDS or not sys.platform.startswith("linux"):
         return
-    env = reexec_env(dict(os.environ), find_jemalloc())
+    try:
+        env = reexec_env(dict(os.environ), find_jemalloc())
+    except AllocatorChoiceError as e:   # the CLI's one-line error, before anything runs
+        print(f"Error: {e}", file=sys.stderr)
+        sys.exit(2)
     if env is None:
         return
     try:
