@@ -40,14 +40,18 @@ def _setup(model_dir, block: int):
 def _step(model, spec, obj, length: int, block: int, split: bool, seed: int) -> float:
     import unmask.train.objectives as objectives
 
-    objectives.use_two_stream = (lambda *a: True) if split else (lambda *a: False)
     gen = torch.Generator().manual_seed(seed)
     x0 = torch.randint(16, spec.arch.vocab_size, (1, length), generator=gen)
     loss_mask = torch.ones_like(x0, dtype=torch.bool)
     noise = objectives.draw_noise(obj, loss_mask, gen)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = objectives.diffusion_loss_sum(model, x0, noise, obj) / loss_mask.sum()
-    loss.backward()
+    chosen = objectives.use_two_stream
+    objectives.use_two_stream = (lambda *a: True) if split else (lambda *a: False)  # this step's path only
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = objectives.diffusion_loss_sum(model, x0, noise, obj) / loss_mask.sum()
+        loss.backward()
+    finally:
+        objectives.use_two_stream = chosen
     model.zero_grad(set_to_none=True)
     return float(loss.detach())
 
