@@ -48,6 +48,45 @@ def test_split_equals_single_masked_call(start, length, block, monkeypatch):
     assert not torch.equal(out2[-1], out[-1])
 
 
+@pytest.mark.parametrize("start,committed", [(0, 200), (900, 300), (40, 64)])
+def test_a_speculative_steps_causal_prefix_equals_the_one_masked_call(start, committed, monkeypatch):
+    """A self-speculative step carrying a prompt's last chunk: its committed tokens and drafts (token-causal) go
+    through the causal kernels apart from its draft blocks (explicit mask), with the same result as the one masked
+    call over every key; the blocks' rows still see only what the layout lets them."""
+    from unmask.engine.speculative import draft_layout
+
+    g = torch.Generator().manual_seed(start + committed)
+    drafts, blocks, outcomes = 3, [4, 4], [0, 3]
+    attend = draft_layout(committed, drafts, blocks, outcomes)
+    length, h, hk, d = attend.shape[0], 8, 4, 32
+    q = torch.randn(length, h, d, generator=g)
+    k = torch.randn(start + length, hk, d, generator=g) * 2
+    v = torch.randn(start + length, hk, d, generator=g)
+
+    def attend_with(prefix, k=k):
+        cache = KVCache([(hk, d)], torch.float32, "cpu", capacity=start + length)
+        cache.k[0][:, :start] = k[:start].transpose(0, 1)
+        cache.v[0][:, :start] = v[:start].transpose(0, 1)
+        cache.length = start
+        seg = Segment(start=start, length=length, write=committed + drafts, cache=cache, attend=attend,
+                      causal_prefix=prefix)
+        return ragged_attention(q, k[start:], v[start:], AttentionBatch([seg]).prepare(), 0)
+
+    split = []
+    real = attention._attend_causal_prefix
+    monkeypatch.setattr(attention, "_attend_causal_prefix", lambda *a: split.append(real(*a)) or split[-1])
+    ref, out = attend_with(0), attend_with(committed + drafts)
+    assert len(split) == 1 and split[0] is not None   # the prefix-less call never asks; the other took the split
+    assert out.shape == (length, h, d)
+    assert (out - ref).abs().max().item() < 1e-5
+    # the second block shares positions with the first: no row before it sees its keys, its own rows do
+    k2 = k.clone()
+    k2[start + committed + drafts + 4:] += 5.0
+    out2 = attend_with(committed + drafts, k2)
+    assert torch.equal(out2[:committed + drafts + 4], out[:committed + drafts + 4])   # nobody before it sees it
+    assert not torch.equal(out2[-1], out[-1])
+
+
 def test_split_in_bfloat16_is_as_close_as_sdpa(monkeypatch):
     g = torch.Generator().manual_seed(0)
     start, length, block = 700, 520, 8

@@ -116,6 +116,35 @@ def test_prefill_chunks_are_counted_apart_from_decoding_forwards(llm, prompts, p
     assert chunked.forwards == whole.forwards + chunked.prefill_forwards
     assert chunked.decoding_forwards == whole.decoding_forwards == whole.forwards
 
+def test_a_long_prompt_takes_the_causal_kernels(llm, prompts, monkeypatch):
+    """The prompt's write-only chunks are token-causal by block ids (no [n, n] mask, so attention takes the
+    kernels' causal path), and the first drafting step marks its committed tokens and drafts as the causal prefix
+    of its explicit layout (attention runs those rows apart from the draft blocks); the output is unchanged."""
+    import unmask.models.transformer as transformer
+
+    long_prompt = (sum(prompts, []) * 6)[:700]
+    ref = llm.generate([long_prompt], GenerationParams(max_tokens=24, **AR))[0].token_ids
+    segments = []
+    real = transformer.ragged_attention
+
+    def recording(q, k, v, batch, layer, *rest):
+        if layer == 0:
+            segments.extend((s.length, s.attend is not None, s.causal_rows, s.causal_prefix, s.write)
+                            for s in batch.segments)
+        return real(q, k, v, batch, layer, *rest)
+
+    monkeypatch.setattr(transformer, "ragged_attention", recording)
+    eng = Engine(llm.model, llm.spec, llm.tokenizer, max_num_seqs=1, max_batch_tokens=256, prefix_cache_bytes=0)
+    seq = eng.add_request(long_prompt, GenerationParams(max_tokens=24, policy="speculative"))
+    eng.run_to_completion()
+    assert seq.output_ids == ref
+    # 700 tokens at 256 a step: two chunks of 256, all rows causal, no explicit mask
+    assert segments[:2] == [(256, False, 256, 0, 256)] * 2
+    length, masked, _, prefix, write = segments[2]
+    assert masked and prefix == write == 700 - 512 and length > prefix   # the rest of the prompt, then a block
+    assert all(s[3] == s[4] for s in segments[2:])   # every step: committed tokens and drafts, then blocks
+
+
 def test_stops_min_tokens_and_max_tokens_as_next_token_decoding(llm, prompts):
     knobs = dict(stop=["\n"], min_tokens=1, max_tokens=30)
     for p in prompts:

@@ -179,9 +179,8 @@ class SpeculativeSequence(Sequence):
         pending = f - c
         if pending > token_budget:  # chunked prefill: whole blocks, write only, never the last committed token
             n = min(max(self.B, token_budget // self.B * self.B), (f - 1 - c) // self.B * self.B)
-            if n > 0:
-                attend = torch.ones(n, n, dtype=torch.bool).tril()
-                seg = Segment(start=c, length=n, write=n, cache=self.cache, attend=attend)
+            if n > 0:  # token-causal by block ids, one a token: the kernels' causal path, no [n, n] mask
+                seg = Segment(start=c, length=n, write=n, cache=self.cache, block_ids=torch.arange(c, c + n))
                 empty = torch.empty(0, dtype=torch.long)
                 return StepPlan(self, self.seq[c:c + n], torch.arange(c, c + n), seg, empty, empty)
         self._step_drafts = self._drafts_for_step(f)
@@ -215,7 +214,7 @@ class SpeculativeSequence(Sequence):
             branch = (kb, n)
             s += kb + n
         attend = step_layout(pending, k, tuple(lengths), tuple(outcomes), branch)
-        seg = Segment(start=c, length=s, write=n_clean, cache=self.cache, attend=attend)
+        seg = Segment(start=c, length=s, write=n_clean, cache=self.cache, attend=attend, causal_prefix=n_clean)
         self._k = k
         return StepPlan(self, torch.cat(ids), torch.cat(pos), seg, torch.cat(rows), torch.cat(targets))
 

@@ -107,6 +107,9 @@ class Segment:
     # [length, length] bool: which of the segment's own tokens each one sees, when block ids cannot say it (draft
     # blocks of a self-speculative step share positions and must not see each other); overrides block_ids
     attend: Tensor | None = None
+    # with `attend`: rows [0, causal_prefix) are token-causal over the own keys and see none after them (a
+    # speculative step's committed tokens and drafts), so attention may run them through the causal kernels
+    causal_prefix: int = 0
     masked: bool = False             # filled by prepare(): some own key is hidden from some query (own_mask says which)
     # filled by prepare(): rows [0, causal_rows) are token-causal (block ids one per token) and the rest, if any,
     # one final group seeing every own key (a causal-context prompt chunk ending in the active block); 0 = other
@@ -319,10 +322,35 @@ def _attend_causal(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float |
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+# rows a causal prefix of an explicitly masked segment must have before they take the causal kernels apart from
+# the rest: a few rows (a decoding step's) cost less in the one masked call than in two calls
+CAUSAL_PREFIX_MIN_ROWS = 64
+
+
+def _attend_causal_prefix(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor | None:
+    """A segment with an explicit mask whose first rows are token-causal (seg.causal_prefix: a speculative step
+    carrying a prompt's last chunk): those rows through the causal path, which reads no [rows, keys] mask, the
+    rest (draft blocks, a few rows) masked over every key. None where the split does not run."""
+    c, n, start = seg.causal_prefix, q.shape[1], seg.start
+    if c < CAUSAL_PREFIX_MIN_ROWS or seg.suffix or (start and not can_split_on(q)):
+        return None
+    if start:
+        head = attend_prefix_causal(q[:, :c], k[:, :start + c], v[:, :start + c], start, scale)
+    else:
+        head = _sdpa_causal(q[:, :c], k[:, :c], v[:, :c], scale)
+    if c == n:
+        return head
+    return torch.cat([head, sdpa(q[:, c:], k, v, seg.mask_rows(c, n), scale)], dim=1)
+
+
 def _attend_chunked(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor:
     lq, lk = q.shape[1], k.shape[1]
     if seg.causal_rows and seg.attend is None and not seg.suffix:
         out = _attend_causal(q, k, v, seg, scale)
+        if out is not None:
+            return out
+    if seg.causal_prefix and seg.attend is not None:
+        out = _attend_causal_prefix(q, k, v, seg, scale)
         if out is not None:
             return out
     if (seg.masked and seg.attend is None and can_split_on(q) and not seg.suffix and seg.start > 0
