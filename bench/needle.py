@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,4096,16384,65536,131072")
     ap.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     ap.add_argument("--trials", type=int, default=4)
-    ap.add_argument("--policy", default="threshold_0.9")
+    ap.add_argument("--policy", default="threshold_0.9", help="an eval policy, or default (the model's own)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--smoke", action="store_true", help="The public families' tiny checkpoints at --smoke-lengths.")

@@ -20,13 +20,14 @@ computed on the fly: the cost is the real one, the text is not meaningful):
            before ("plain") and with torch's F.rms_norm (the CUDA branch), interleaved.
   ttft     time to first token against prompt length, unmask and the AR twin in the same process, interleaved per
            round: unmask = add_request until the first answer token is committed (prefill chunks + the first
-           decode step; topk policy, one token per forward, as bench/benchlib/cost.py); the twin = transformers
-           `generate(max_new_tokens=1)` (greedy) from the same token ids. Same dtype, same threads.
+           decode step; topk policy, one token per forward, as bench/benchlib/cost.py; `--policy default`: the
+           model's own); the twin = transformers `generate(max_new_tokens=1)` (greedy) from the same token ids.
+           Same dtype, same threads.
 
     python bench/prefill_cost.py profile --lengths 8192,32768
     python bench/prefill_cost.py tune --lengths 8192 --chunks 2048,8192 --threads-list 1 --dtypes bfloat16 \
         --split-off --causal-off --rounds 2
-    python bench/prefill_cost.py ttft --lengths 1024,2048,4096,8192,16384,32768 --rounds 2
+    python bench/prefill_cost.py ttft --lengths 1024,2048,4096,8192,16384,32768 --rounds 2 [--policy default]
     python bench/prefill_cost.py layers --chunk 4096 --threads 1 --rounds 15 [--dtype bfloat16]
     git show 02f6105:src/unmask/models/attention.py > /tmp/attention-02f6105.py
     python bench/prefill_cost.py prepare --lengths 4096,32768 --attention /tmp/attention-02f6105.py --rounds 3
@@ -65,11 +66,13 @@ def load(model_dir: str, dtype: str, max_len: int):
     return model, dataclasses.replace(spec, arch=dataclasses.replace(spec.arch, max_position=limit))
 
 
-def first_token(model, spec, ids: list[int], chunk: int) -> dict:
+def first_token(model, spec, ids: list[int], chunk: int, policy: str = "topk") -> dict:
     """Engine prefill of `ids` and its first answer token: prefill seconds (the steps that feed prompt chunks) and
-    the time to the first committed token."""
+    the time to the first committed token. policy "topk": one token per forward; "default": the model's own
+    (generation_config.json `default_policy`: the built-in family's is `speculative`)."""
     eng = Engine(model, spec, None, max_num_seqs=1, max_batch_tokens=chunk, prefix_cache_bytes=0)
-    params = GenerationParams(max_tokens=spec.block_size, ignore_eos=True, policy="topk", tokens_per_step=1)
+    knobs = dict(policy="topk", tokens_per_step=1) if policy == "topk" else {}
+    params = GenerationParams(max_tokens=spec.block_size, ignore_eos=True, **knobs)
     with torch.no_grad():
         t0 = time.perf_counter()
         seq = eng.add_request(ids, params)
@@ -305,7 +308,7 @@ def ttft(args) -> dict:
     twin = AutoModelForCausalLM.from_pretrained(args.twin, dtype=getattr(torch, args.dtype),
                                                 attn_implementation="sdpa").eval()
     ids = corpus_ids(Tokenizer(args.model), args.corpus, max(lengths))  # the twin shares the tokenizer
-    runners = {"unmask": lambda L: first_token(model, spec, ids[:L], args.chunk),
+    runners = {"unmask": lambda L: first_token(model, spec, ids[:L], args.chunk, args.policy),
                "ar-twin": lambda L: twin_first_token(twin, ids[:L])}
     for run in runners.values():
         run(1024)  # warm-up
@@ -346,6 +349,8 @@ def main() -> None:
                     help="tune: also RMSNorm and RoPE as written before the fused kernel (the A/B of that change); "
                          "profile: run with them")
     ap.add_argument("--attention", default=None, help="prepare: another models/attention.py to compare")
+    ap.add_argument("--policy", default="topk", choices=("topk", "default"),
+                    help="ttft: unmask's decoding policy (topk: one token per forward; default: the model's own)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -102,6 +102,8 @@ def test_eval_needle_refuses_bad_grids(tmp_path):
     write_documents(DOCS[:2], corpus / "heldout.jsonl")
     r = CliRunner().invoke(app, ["eval", "--needle", "--corpus", str(corpus), "--needle-depths", "0,1.5"])
     assert r.exit_code != 0 and "--needle-depths" in r.output
+    r = CliRunner().invoke(app, ["eval", "--needle", "--corpus", str(corpus), "--needle-policy", "fastest"])
+    assert r.exit_code != 0 and "unknown --needle-policy 'fastest'; choose from default, " in r.output
 
 
 def test_a_length_that_cannot_fit_in_memory_is_refused_not_run(llm, monkeypatch):
@@ -113,3 +115,20 @@ def test_a_length_that_cannot_fit_in_memory_is_refused_not_run(llm, monkeypatch)
     assert (r.n, r.refused, r.correct, r.answers) == (2, 2, 0, [])
     assert "refused" in table([r])
     assert not llm.engine.has_unfinished()
+
+
+def test_the_default_policy_is_the_models_own(llm):
+    """`--needle-policy default` decodes as a request that names no policy: the built-in model's own default
+    (generation_config.json: speculative, draft blocks of 4, prompt lookup 8), the eval policy of that name."""
+    from unmask.evaluation_needle import report
+
+    from unmask.engine.params import GenerationParams
+
+    resolved = llm.engine.resolve_policy(GenerationParams())
+    assert (resolved.policy, resolved.block_size, resolved.draft_lookup) == ("speculative", 4, 8)
+    own = report(llm, DOCS, [256, 512], [0.0, 1.0], trials=1, policy="default")
+    named = report(llm, DOCS, [256, 512], [0.0, 1.0], trials=1, policy="speculative_b4_lookup")
+    assert own["policy"] == "default"
+    assert [c["answers"] for c in own["results"]] == [c["answers"] for c in named["results"]]
+    with pytest.raises(ValueError, match="unknown policy 'fastest'; choose from default, "):
+        report(llm, DOCS, [256], [0.0], policy="fastest")

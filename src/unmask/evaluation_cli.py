@@ -41,7 +41,8 @@ def evaluate_cmd(
     needle_lengths: str = typer.Option("1024,4096,16384,65536,131072", help="--needle prompt lengths in tokens."),
     needle_depths: str = typer.Option("0,0.25,0.5,0.75,1", help="--needle depths, 0 (start) to 1 (end)."),
     needle_trials: int = typer.Option(2, min=1, help="--needle prompts per length and depth."),
-    needle_policy: str = typer.Option("threshold_0.9", help="--needle decoding policy (one of the eval policies)."),
+    needle_policy: str = typer.Option(
+        "threshold_0.9", help="--needle decoding policy: one of the eval policies, or default (the model's own)."),
 ):
     """Held-out masked-token loss, next-line completion, single-line infill exact match and function-body
     continuation (valid Python so far, repetition), per policy; the share of held-out chat answers that
@@ -152,8 +153,8 @@ def _needle(llm, docs, lengths: str, depths: str, trials: int, policy: str, json
     from unmask.evaluation import POLICIES
     from unmask.evaluation_needle import report
 
-    if policy not in POLICIES:
-        fail(f"unknown --needle-policy {policy!r}; choose from {', '.join(POLICIES)}")
+    if policy != "default" and policy not in POLICIES:
+        fail(f"unknown --needle-policy {policy!r}; choose from default, {', '.join(POLICIES)}")
     try:
         sizes = [int(n) for n in lengths.split(",") if n.strip()]
         fractions = [float(d) for d in depths.split(",") if d.strip()]

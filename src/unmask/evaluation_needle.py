@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from unmask.engine.llm import LLM
-from unmask.engine.params import GenerationParams
+from unmask.engine.params import DEFAULT_POLICY, GenerationParams
 from unmask.errors import MemoryLimitError
 
 KEY = "PASSKEY"
@@ -187,9 +187,10 @@ def report(llm: LLM, docs, lengths, depths, trials: int = 2, policy: str = "thre
     """Build, run and tabulate: the JSON `unmask eval --needle --json` writes and bench/needle.py plots."""
     from unmask.evaluation import POLICIES
 
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    results = run(llm, build_tasks(llm, docs, lengths, depths, trials, seed), POLICIES[policy], log=log)
+    if policy != DEFAULT_POLICY and policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {DEFAULT_POLICY}, {', '.join(POLICIES)}")
+    knobs = {} if policy == DEFAULT_POLICY else POLICIES[policy]   # "default": the model's own
+    results = run(llm, build_tasks(llm, docs, lengths, depths, trials, seed), knobs, log=log)
     return {"model": str(llm.spec.path), "policy": policy, "trials": trials, "seed": seed,
             "configured_context": llm.spec.max_context, "needle": NEEDLE.format(key=KEY, value="NNNNN"),
             "results": [{**dataclasses.asdict(r), "accuracy": r.accuracy} for r in results],
