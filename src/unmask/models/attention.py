@@ -303,12 +303,13 @@ def _sdpa_causal(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor
     return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale, **kwargs)[0]
 
 
-def _attend_causal(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor | None:
-    """A causal-context prompt chunk (seg.causal_rows) without a mask: its token-causal rows through the kernels'
-    own causal rule (which skips the upper triangle instead of reading a materialised [Lq, Lk] mask), the final
-    group's rows, which see every key, in one unmasked call. None where no such calls fit (a cached prefix off
-    the CPU flash kernel): the masked paths run instead."""
-    c, n, start = seg.causal_rows, q.shape[1], seg.start
+def _attend_causal(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None, c: int,
+                   rest: Tensor | None = None) -> Tensor | None:
+    """Rows [0, c) token-causal over their own keys (and the cached prefix) through the kernels' own causal rule,
+    which skips the upper triangle instead of reading a materialised [Lq, Lk] mask; the rows after them in one call
+    over every key, masked by `rest` (their mask rows; None: they see every key, a causal-context prompt chunk's
+    final group). None where no such calls fit (a cached prefix off the CPU flash kernel): the masked paths run."""
+    n, start = q.shape[1], seg.start
     if start and not can_split_on(q):
         return None
     parts = []
@@ -318,7 +319,7 @@ def _attend_causal(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float |
         else:
             parts.append(_sdpa_causal(q[:, :c], k[:, :c], v[:, :c], scale))
     if c < n:
-        parts.append(sdpa(q[:, c:], k, v, None, scale))
+        parts.append(sdpa(q[:, c:], k, v, rest, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
@@ -329,24 +330,18 @@ CAUSAL_PREFIX_MIN_ROWS = 64
 
 def _attend_causal_prefix(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor | None:
     """A segment with an explicit mask whose first rows are token-causal (seg.causal_prefix: a speculative step
-    carrying a prompt's last chunk): those rows through the causal path, which reads no [rows, keys] mask, the
-    rest (draft blocks, a few rows) masked over every key. None where the split does not run."""
-    c, n, start = seg.causal_prefix, q.shape[1], seg.start
-    if c < CAUSAL_PREFIX_MIN_ROWS or seg.suffix or (start and not can_split_on(q)):
+    carrying a prompt's last chunk): those rows through the causal path, the rest (draft blocks, a few rows) masked
+    over every key. None where the split does not run."""
+    c, n = seg.causal_prefix, q.shape[1]
+    if c < CAUSAL_PREFIX_MIN_ROWS or seg.suffix:
         return None
-    if start:
-        head = attend_prefix_causal(q[:, :c], k[:, :start + c], v[:, :start + c], start, scale)
-    else:
-        head = _sdpa_causal(q[:, :c], k[:, :c], v[:, :c], scale)
-    if c == n:
-        return head
-    return torch.cat([head, sdpa(q[:, c:], k, v, seg.mask_rows(c, n), scale)], dim=1)
+    return _attend_causal(q, k, v, seg, scale, c, seg.mask_rows(c, n) if c < n else None)
 
 
 def _attend_chunked(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float | None) -> Tensor:
     lq, lk = q.shape[1], k.shape[1]
     if seg.causal_rows and seg.attend is None and not seg.suffix:
-        out = _attend_causal(q, k, v, seg, scale)
+        out = _attend_causal(q, k, v, seg, scale, seg.causal_rows)
         if out is not None:
             return out
     if seg.causal_prefix and seg.attend is not None:
