@@ -9,8 +9,9 @@ from typer.testing import CliRunner
 
 from unmask.cli import app
 from unmask.engine.llm import LLM
+from unmask.engine.params import GenerationParams
 from unmask.evaluation_needle import (KEY, NEEDLE, QUESTION, SNAP_TOKENS, NeedleTask, answer_value, build_task,
-                                      build_tasks, is_correct, line_starts, run)
+                                      build_tasks, is_correct, line_starts, report, run)
 from unmask.train.corpus import CorpusFile, write_documents
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "unmask"
@@ -120,10 +121,6 @@ def test_a_length_that_cannot_fit_in_memory_is_refused_not_run(llm, monkeypatch)
 def test_the_default_policy_is_the_models_own(llm):
     """`--needle-policy default` decodes as a request that names no policy: the built-in model's own default
     (generation_config.json: speculative, draft blocks of 4, prompt lookup 8), the eval policy of that name."""
-    from unmask.evaluation_needle import report
-
-    from unmask.engine.params import GenerationParams
-
     resolved = llm.engine.resolve_policy(GenerationParams())
     assert (resolved.policy, resolved.block_size, resolved.draft_lookup) == ("speculative", 4, 8)
     own = report(llm, DOCS, [256, 512], [0.0, 1.0], trials=1, policy="default")

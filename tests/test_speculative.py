@@ -116,6 +116,7 @@ def test_prefill_chunks_are_counted_apart_from_decoding_forwards(llm, prompts, p
     assert chunked.forwards == whole.forwards + chunked.prefill_forwards
     assert chunked.decoding_forwards == whole.decoding_forwards == whole.forwards
 
+
 def test_a_long_prompt_takes_the_causal_kernels(llm, prompts, monkeypatch):
     """The prompt's write-only chunks are token-causal by block ids (no [n, n] mask, so attention takes the
     kernels' causal path), and the first drafting step marks its committed tokens and drafts as the causal prefix

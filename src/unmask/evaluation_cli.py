@@ -150,11 +150,12 @@ def evaluate_cmd(
 def _needle(llm, docs, lengths: str, depths: str, trials: int, policy: str, json_out: Optional[Path]) -> None:
     import json
 
+    from unmask.engine.params import DEFAULT_POLICY
     from unmask.evaluation import POLICIES
     from unmask.evaluation_needle import report
 
-    if policy != "default" and policy not in POLICIES:
-        fail(f"unknown --needle-policy {policy!r}; choose from default, {', '.join(POLICIES)}")
+    if policy != DEFAULT_POLICY and policy not in POLICIES:   # the CLI's own words: the option's name
+        fail(f"unknown --needle-policy {policy!r}; choose from {DEFAULT_POLICY}, {', '.join(POLICIES)}")
     try:
         sizes = [int(n) for n in lengths.split(",") if n.strip()]
         fractions = [float(d) for d in depths.split(",") if d.strip()]
