@@ -1,6 +1,6 @@
 """The body pipe between an engine replica and the gateway (src/unmask/cluster/pipe.py), and the gateway's side of a
 piped response (ingress.Gateway._piped), over real loopback sockets without a cluster: the frames arrive in order
-and end on the end frame, a token is good once, a connection that ends early is a broken pipe that the gateway
+and end on the end frame (frames that arrived together as one piece), a token is good once, a connection that ends early is a broken pipe that the gateway
 turns into the replica's error, and a client that leaves closes the pipe and cancels the call."""
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def test_pieces_arrive_in_order_and_end_on_the_end_frame():
     async def main():
         server = await _served()
         p = server.open()
-        for piece in (b"data: 1\n\n", b"x" * 70_000, b"data: [DONE]\n\n"):
-            p.pieces.put_nowait(piece)
-        p.pieces.put_nowait(None)
+        for piece in (b"data: 1\n\n", b"x" * 70_000, b"data: [DONE]\n\n"):   # before the reader connects
+            p.put(piece)
+        p.end()
         got = await _read_all(server.address, p.token)
         await asyncio.wait_for(p.closed.wait(), 2)
         assert p.connected.is_set() and p.token not in server.pipes
@@ -47,7 +47,35 @@ def test_pieces_arrive_in_order_and_end_on_the_end_frame():
         await server.stop()
         return got
 
-    assert asyncio.run(main()) == [b"data: 1\n\n", b"x" * 70_000, b"data: [DONE]\n\n"]
+    got = asyncio.run(main())
+    assert b"".join(got) == b"data: 1\n\n" + b"x" * 70_000 + b"data: [DONE]\n\n"
+
+
+def test_pieces_written_apart_arrive_apart_and_together_as_one():
+    async def main():
+        server = await _served()
+        p = server.open()
+        reader, writer = await pipe.connect(server.address, p.token)
+        await asyncio.wait_for(p.connected.wait(), 2)
+        body = pipe.read_body(reader)
+        got = []
+        p.put(b"data: 1\n\n")
+        got.append(await body.__anext__())
+        p.put(b"data: 2\n\n")
+        p.put(b"data: 3\n\n")   # in the same turn of the loop: one read on the other side
+        p.put(b"")   # nothing: not the end frame
+        got.append(await body.__anext__())
+        p.put(b"y" * 200_000)   # more than one read
+        await p.drain()
+        got.append(await body.__anext__())
+        p.end()
+        got += [piece async for piece in body]
+        await asyncio.wait_for(p.closed.wait(), 2)
+        writer.close()
+        await server.stop()
+        return got
+
+    assert asyncio.run(main()) == [b"data: 1\n\n", b"data: 2\n\ndata: 3\n\n", b"y" * 200_000]
 
 
 def test_an_unknown_token_or_a_connection_cut_short_is_a_broken_pipe():
@@ -59,7 +87,7 @@ def test_an_unknown_token_or_a_connection_cut_short_is_a_broken_pipe():
                 pass
         writer.close()
         p = server.open()
-        p.pieces.put_nowait(b"data: 1\n\n")
+        p.put(b"data: 1\n\n")
         reader, writer = await pipe.connect(server.address, p.token)
         got = []
         with pytest.raises(pipe.PipeBroken):
@@ -76,11 +104,14 @@ def test_a_reader_that_leaves_closes_the_pipe():
     async def main():
         server = await _served()
         p = server.open()
-        p.pieces.put_nowait(b"data: 1\n\n")
+        p.put(b"data: 1\n\n")
         reader, writer = await pipe.connect(server.address, p.token)
         assert await reader.readexactly(4 + 9)
         writer.close()   # the gateway's client went away
         await asyncio.wait_for(p.closed.wait(), 2)
+        p.put(b"data: 2\n\n")   # the producer has not noticed yet: nothing is written, nothing raises
+        await p.drain()
+        assert p._waiting == []
         await server.stop()
 
     asyncio.run(main())
@@ -113,13 +144,16 @@ def test_the_gateway_streams_a_piped_body_and_lets_the_call_end_by_itself():
     async def main(take=None, cut=False, error=None):
         server = await _served()
         p = server.open()
-        for piece in (b"data: 1\n\n", b"data: 2\n\n") + (() if cut else (b"data: [DONE]\n\n", None)):
-            p.pieces.put_nowait(piece)
         reader, writer = await pipe.connect(server.address, p.token)
         call = _Call(error)
         gen = _gateway()._piped("/v1/chat/completions", b"head", call, reader, writer)
         out = []
-        async for chunk in gen:
+        pieces = [b"data: 1\n\n", b"data: 2\n\n"] + ([] if cut else [b"data: [DONE]\n\n"])
+        async for chunk in gen:   # the replica writes its next piece once the gateway has passed the last one on
+            if pieces:
+                p.put(pieces.pop(0))
+                if not pieces and not cut:
+                    p.end()
             out.append(chunk)
             if cut and len(out) == 3:   # the replica dies after its second frame
                 await server.stop()

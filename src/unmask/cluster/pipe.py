@@ -25,6 +25,7 @@ logger = logging.getLogger("unmask.cluster")
 
 CONNECT_TIMEOUT_S = 10.0    # the gateway connects at once after the head; past this the replica gives the body up
 END = b"\0\0\0\0"
+READ_SIZE = 1 << 16        # bytes a read of the gateway takes at most
 ENV = "UNMASK_RAY_PIPE"     # "0": every streamed piece as a Ray object, as before the pipes
 
 
@@ -35,9 +36,44 @@ def wanted() -> bool:
 @dataclass
 class Pipe:
     token: str
-    pieces: asyncio.Queue = field(default_factory=asyncio.Queue)   # bytes, then None at the end
     connected: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)     # the end frame was written
     closed: asyncio.Event = field(default_factory=asyncio.Event)    # the body was written, or the reader left
+    _writer: asyncio.StreamWriter | None = None
+    _waiting: list[bytes] = field(default_factory=list)   # frames put before the reader connected
+
+    def put(self, piece: bytes) -> None:
+        """Frame one piece of the body and write it to the socket now (before the reader connects: when it does).
+        Written in the caller's turn of the event loop, not handed to another task: per piece, a queue and a
+        wait for either it or the reader leaving cost the replica's event loop more than the write itself. An
+        empty piece writes nothing (a zero length is the end frame)."""
+        if piece:
+            self._frame(len(piece).to_bytes(4, "big") + piece)
+
+    def end(self) -> None:
+        self._frame(END)
+        self.ended.set()
+
+    async def drain(self) -> None:
+        """Wait while the socket's buffer is over its high-water mark (a reader slower than the engine)."""
+        if self._writer is not None and not self.closed.is_set():
+            with contextlib.suppress(ConnectionError, OSError):
+                await self._writer.drain()
+
+    def _frame(self, data: bytes) -> None:
+        if self.closed.is_set():   # the reader left: nothing more to write
+            return
+        if self._writer is None:
+            self._waiting.append(data)
+        else:
+            self._writer.write(data)
+
+    def _attach(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        if self._waiting:
+            writer.write(b"".join(self._waiting))
+            self._waiting.clear()
+        self.connected.set()
 
 
 class PipeServer:
@@ -70,33 +106,25 @@ class PipeServer:
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        pipe = left = None
+        pipe = waits = None
         self._writers.add(writer)
         try:
             token = (await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT_S)).strip().decode("ascii", "replace")
             pipe = self.pipes.pop(token, None)
             if pipe is None:   # a stale or unknown token: nothing to read here
                 return
-            pipe.connected.set()
-            left = asyncio.ensure_future(reader.read(1))   # the reader closing its end: it wants no more
-            while True:
-                getting = asyncio.ensure_future(pipe.pieces.get())
-                await asyncio.wait({getting, left}, return_when=asyncio.FIRST_COMPLETED)
-                if not getting.done():
-                    getting.cancel()
-                    break
-                piece = getting.result()
-                if piece is None:
-                    writer.write(END)
-                    await writer.drain()
-                    break
-                writer.write(len(piece).to_bytes(4, "big") + piece)
+            pipe._attach(writer)
+            # the body is written by its producer (Pipe.put); this waits for its end, or for the reader to close
+            # its side (it wants no more)
+            waits = {asyncio.ensure_future(reader.read(1)), asyncio.ensure_future(pipe.ended.wait())}
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if pipe.ended.is_set():
                 await writer.drain()
         except (asyncio.TimeoutError, ConnectionError, OSError) as e:
             logger.debug("body pipe: %s", e)
         finally:
-            if left is not None:
-                left.cancel()
+            for w in waits or ():
+                w.cancel()
             if pipe is not None:
                 pipe.closed.set()
             self._writers.discard(writer)
@@ -117,12 +145,29 @@ async def connect(address, token: str, timeout: float = CONNECT_TIMEOUT_S):
 
 
 async def read_body(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-    """The pieces of one body, in order, until its end; PipeBroken if the connection ends first."""
+    """The body, in order, until its end; PipeBroken if the connection ends first. Frames that arrived together
+    come as one piece (their bytes joined): one read and one write onward for them, not one each."""
+    buf = bytearray()
     try:
         while True:
-            size = int.from_bytes(await reader.readexactly(4), "big")
-            if size == 0:
+            data = await reader.read(READ_SIZE)
+            if not data:
+                raise PipeBroken("the connection closed before the end of the body")
+            buf += data
+            pieces, at, end = [], 0, False
+            while len(buf) - at >= 4:
+                size = int.from_bytes(buf[at:at + 4], "big")
+                if size == 0:
+                    end = True
+                    break
+                if len(buf) - at - 4 < size:
+                    break
+                pieces.append(bytes(buf[at + 4:at + 4 + size]))
+                at += 4 + size
+            del buf[:at]
+            if pieces:
+                yield b"".join(pieces)
+            if end:
                 return
-            yield await reader.readexactly(size)
-    except (asyncio.IncompleteReadError, ConnectionError) as e:
+    except ConnectionError as e:
         raise PipeBroken(str(e) or type(e).__name__) from None

@@ -208,10 +208,11 @@ class EngineReplica:
                 return
             async for body, more in pieces:
                 if body:
-                    pipe.pieces.put_nowait(body)
+                    pipe.put(body)
+                    await pipe.drain()
                 if not more:
                     break
-            pipe.pieces.put_nowait(None)
+            pipe.end()
             await pipe.closed.wait()   # written, or the gateway left: the call (Serve's count of it) ends after
         finally:
             if pipe is not None:
