@@ -59,12 +59,12 @@ def heatmap(entry: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def measure(model, docs, lengths, depths, trials: int, policy: str, dtype: str | None) -> dict:
+def measure(model, docs, lengths, depths, trials: int, policy: str, dtype: str | None, seed: int = 0) -> dict:
     from unmask.engine.llm import LLM
     from unmask.evaluation_needle import report
 
     t0 = time.perf_counter()
-    entry = report(LLM(model, dtype=dtype), docs, lengths, depths, trials, policy,
+    entry = report(LLM(model, dtype=dtype), docs, lengths, depths, trials, policy, seed,
                    log=lambda line: print(line, file=sys.stderr, flush=True))
     entry["seconds"] = round(time.perf_counter() - t0, 1)
     return entry
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,4096,16384,65536,131072")
     ap.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="draws the values and haystack offsets: another seed asks new prompts of the same cells")
     ap.add_argument("--policy", default="threshold_0.9", help="an eval policy, or default (the model's own)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -107,7 +109,7 @@ def main() -> None:
     else:
         lengths = [int(n) for n in args.lengths.split(",")]
         name = Path(args.model).name if args.model else "unmask-tiny"
-        entries[name] = measure(args.model, docs, lengths, depths, args.trials, args.policy, args.dtype)
+        entries[name] = measure(args.model, docs, lengths, depths, args.trials, args.policy, args.dtype, args.seed)
     for name, entry in entries.items():
         print(f"{name} ({entry['policy']}, {entry['trials']} per cell, {entry['seconds']} s):\n{entry['table']}\n")
         heatmap(entry, out / (f"needle-{name}.png" if args.smoke else "needle.png"))
