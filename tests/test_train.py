@@ -24,7 +24,8 @@ from unmask.models.transformer import DiffusionTransformer
 from unmask.train.checkpoint import CheckpointError
 from unmask.train.data import BatchIterator, DataError, pack_documents
 from unmask.train.model_init import ModelShape, init_weights
-from unmask.train.objectives import Noise, Objective, block_diffusion_mask, diffusion_loss_sum, draw_noise
+from unmask.train.objectives import (Noise, Objective, block_diffusion_mask, bucket_rows, diffusion_loss_sum, draw_noise,
+                                     head_logits)
 from unmask.train.sft import SFTEncoder, load_sft, read_jsonl
 from unmask.train.trainer import TrainConfig, TrainConfigError, TrainDivergedError, finetune, train
 
@@ -94,6 +95,28 @@ def logits_all(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ objective
+
+def test_the_heads_row_count_repeats_from_step_to_step_and_the_logits_and_gradients_do_not_change():
+    assert [bucket_rows(n) for n in (1, 64, 65, 100, 1000, 1024, 1025, 3000)] == [1, 64, 72, 104, 1024, 1024, 1152,
+                                                                                   3072]
+    sizes = {bucket_rows(n) for n in range(65, 4097)}
+    assert len(sizes) <= 6 * 8 + 1 and all(n <= bucket_rows(n) <= n * 1.125 for n in range(65, 4097))
+    model = tiny_model()
+    seen = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
+    rows = torch.randn(100, 32, requires_grad=True)
+    got = head_logits(model, rows)
+    (got * torch.arange(64.0)).sum().backward()
+    grad_rows, grad_head = rows.grad.clone(), model.lm_head.weight.grad.clone()
+    rows.grad = None
+    model.zero_grad()
+    want = model.logits(rows)
+    (want * torch.arange(64.0)).sum().backward()
+    assert seen == [104, 100] and got.shape == (100, 64)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad_rows, rows.grad)
+    torch.testing.assert_close(grad_head, model.lm_head.weight.grad)
+
 
 @pytest.mark.parametrize("L,bs", [(8, 4), (12, 5), (32, 8), (6, 1), (7, 16)])
 def test_block_mask_matches_brute_force(L, bs):

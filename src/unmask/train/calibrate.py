@@ -22,7 +22,7 @@ from torch import Tensor
 
 from unmask.decoding.commit_filter import CONFIG_KEY, CommitFilter, feature_matrix, fit
 from unmask.models.transformer import DiffusionTransformer
-from unmask.train.objectives import Objective, masked_rows
+from unmask.train.objectives import Objective, head_logits, masked_rows
 from unmask.train.trajectories import Trajectory
 
 
@@ -78,7 +78,7 @@ def replay(model: DiffusionTransformer, obj: Objective, trajs: list[Trajectory],
             open_blocks.scatter_reduce_(1, blk, target, reduce="amax")
             masked = target | (tail & open_blocks.gather(1, blk))
             hidden, b, j, src = masked_rows(model, ids, masked, obj, block)
-            logits = model.logits(hidden[b, src]).float()
+            logits = head_logits(model, hidden[b, src])
             logits[:, obj.mask_id] = float("-inf")
             logp = F.log_softmax(logits, -1)
             top2 = logp.topk(2, dim=-1)

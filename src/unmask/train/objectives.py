@@ -316,6 +316,27 @@ def source_rows(j: Tensor, obj: Objective, block_size: int | None, length: int) 
     return src
 
 
+def bucket_rows(n: int) -> int:
+    """n rounded up to one of 8 sizes per doubling (at most 1/8 more): the row counts a training step sends
+    through the LM head."""
+    if n <= 64:
+        return n
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+def head_logits(model: DiffusionTransformer, rows: Tensor) -> Tensor:
+    """model.logits over `rows` [N, D], computed over a count of rows that repeats from step to step (zero rows
+    added, their logits dropped). Why: the masked rows a step scores vary in number, and on the CPU each new count
+    is a new oneDNN matmul (bf16) for the head and its two gradients, which oneDNN caches (up to 1,024 of them);
+    the distillation's memory grew with them by megabytes a step (docs/training.md, "Memory")."""
+    n = rows.shape[0]
+    if rows.device.type != "cpu" or n == bucket_rows(n):
+        return model.logits(rows)
+    padded = torch.cat([rows, rows.new_zeros(bucket_rows(n) - n, rows.shape[1])])
+    return model.logits(padded)[:n]
+
+
 def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, obj: Objective,
                        eligible: Tensor | None = None, anchor: DiffusionTransformer | None = None) -> Tensor:
     """Sum over masked positions of CE(x0) / p (causal: over scored positions, p = 1), plus with corruption the
@@ -328,7 +349,7 @@ def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, ob
     hidden, b, j, src = masked_rows(model, x0, masked, obj, noise.block_size, noise)
     total = model.logits(hidden[:1, 0]).sum() * 0.0  # keeps every parameter in the graph (DDP) with no rows
     if b.numel():
-        logits = model.logits(hidden[b, src])  # [N, V] float32
+        logits = head_logits(model, hidden[b, src])  # [N, V] float32
         total = total + (F.cross_entropy(logits, x0[b, j], reduction="none") / p[b, j]).sum()
         if obj.confidence_weight:
             total = total + obj.confidence_weight * certainty_sum(logits, x0[b, j])
@@ -336,12 +357,12 @@ def diffusion_loss_sum(model: DiffusionTransformer, x0: Tensor, noise: Noise, ob
         kb, kj = noise.keep.to(dev).nonzero(as_tuple=True)
         if kb.numel():
             ksrc = source_rows(kj, obj, noise.block_size, L)
-            total = total + F.cross_entropy(model.logits(hidden[kb, ksrc]), x0[kb, kj], reduction="sum")
+            total = total + F.cross_entropy(head_logits(model, hidden[kb, ksrc]), x0[kb, kj], reduction="sum")
     anchored = bool(obj.anchor_weight) and anchor is not None
     if (obj.next_token_weight or anchored) and eligible is not None:
         eb, ej = eligible.to(dev).nonzero(as_tuple=True)
         if eb.numel():
-            logits = model.logits(hidden[eb, L + ej - 1])
+            logits = head_logits(model, hidden[eb, L + ej - 1])
             if obj.next_token_weight:
                 total = total + obj.next_token_weight * F.cross_entropy(logits, x0[eb, ej], reduction="sum")
             if anchored:
@@ -355,5 +376,5 @@ def anchor_kl_sum(anchor: DiffusionTransformer, x0: Tensor, b: Tensor, row: Tens
     over x0 alone (half the positions of the two-stream pass), without gradients."""
     with torch.no_grad():
         pos = torch.arange(x0.shape[1], device=x0.device).expand_as(x0)
-        target = F.log_softmax(anchor.logits(anchor.forward_dense(x0, pos, CAUSAL)[b, row]).float(), dim=-1)
+        target = F.log_softmax(head_logits(anchor, anchor.forward_dense(x0, pos, CAUSAL)[b, row]).float(), dim=-1)
     return F.kl_div(F.log_softmax(logits.float(), dim=-1), target, log_target=True, reduction="sum")
