@@ -117,7 +117,7 @@ class PipeServer:
             # the body is written by its producer (Pipe.put); this waits for its end, or for the reader to close
             # its side (it wants no more)
             waits = {asyncio.ensure_future(reader.read(1)), asyncio.ensure_future(pipe.ended.wait())}
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if pipe.ended.is_set():
                 await writer.drain()
         except (asyncio.TimeoutError, ConnectionError, OSError) as e:
