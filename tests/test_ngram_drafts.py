@@ -139,6 +139,52 @@ def test_the_command_says_in_one_line_what_is_wrong(tmp_path, with_table):
                         str(bad), "--out", str(tmp_path / "t.safetensors")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and "bad.jsonl:1: no string 'text'" in r.stderr and "Traceback" not in r.stderr
+    flat = tmp_path / "flat.jsonl"
+    flat.write_text(json.dumps({"text": "x = 1"}) + "\n")
+    r = subprocess.run([sys.executable, "-m", "unmask.cli", "ngram-drafts", "-m", str(with_table), "--text",
+                        str(flat), "--own-prompts", "4", "--out", str(tmp_path / "t.safetensors")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no line to cut a prompt before" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_prompts_for_the_models_own_text_end_before_a_line_and_come_from_the_text_only():
+    from unmask.train.data import DataError
+    from unmask.train.ngram_table import line_prompts
+
+    texts = ["\n\nfirst\nsecond line\nthird", "no newline here", "\n  \n", "a\nb\n"]
+    prompts = line_prompts(texts, 40, seed=3, context_chars=8)
+    assert prompts == line_prompts(texts, 40, seed=3, context_chars=8) != line_prompts(texts, 40, seed=4,
+                                                                                         context_chars=8)
+    allowed = {"\n\nfirst", "first\nsecond line"[-8:], "a", "a\nb"}
+    assert set(prompts) <= allowed and len(set(prompts)) >= 3   # ends just before a newline, with some text
+    with pytest.raises(DataError, match="no line to cut a prompt before"):
+        line_prompts(["one line", "\n"], 1)
+
+
+def test_the_models_own_continuations_are_counted_with_the_text(tmp_path):
+    """--own-prompts: the table is the text's and the model's greedy continuations' counted together (each
+    continuation after its prompt's last 4 tokens), exactly the brute-force count of those documents."""
+    from unmask.engine.llm import LLM
+    from unmask.tokenizer import Tokenizer
+    from unmask.train.ngram_table import build_table, line_prompts, text_documents
+
+    text = tmp_path / "text.jsonl"
+    import textwrap
+
+    text.write_text(json.dumps({"text": Path(textwrap.__file__).read_text()[:6000]}) + "\n")
+    path, table, _ = build_table(MODEL, text, 4, 1, tmp_path / "own.safetensors", own_prompts=6, own_tokens=10,
+                                 seed=1, dtype="float32")
+    texts = list(text_documents(text))
+    tok = Tokenizer(MODEL)
+    llm = LLM(MODEL, dtype="float32", device="cpu")
+    outs = llm.generate(line_prompts(texts, 6, seed=1), GenerationParams(max_tokens=10, temperature=0.0))
+    own = [o.prompt_ids[-4:] + o.token_ids for o in outs]
+    assert table.own_tokens == sum(len(o.token_ids) for o in outs) > 0
+    docs = [tok.encode(t) for t in texts]
+    assert table_dict(table) == reference_table(docs + own, 4, 1)
+    assert table_dict(table) != reference_table(docs, 4, 1)   # the continuations added contexts of their own
+    loaded = nd.load(path, table.vocab_size, table.tokenizer)
+    assert (loaded.own_tokens, loaded.source_tokens) == (table.own_tokens, sum(map(len, docs + own)))
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +239,13 @@ def test_a_table_from_another_tokenizer_stops_the_load_in_one_line(tmp_path, wit
     with pytest.raises(ModelLoadError, match=r"ngram_drafts.safetensors was counted with another tokenizer "
                                              r"\(sha256 000000000000"):
         LLM(model, dtype="float32", device="cpu")
+    # rebuilding it with the model's own continuations runs the model without the stale table
+    from unmask.train.ngram_table import build_table
+
+    assert LLM(model, dtype="float32", device="cpu", ngram_drafts=False).engine.traits.ngram_drafts is None
+    build_table(model, stdlib_text(tmp_path / "text.jsonl"), own_prompts=2, own_tokens=4, dtype="float32")
+    rebuilt = LLM(model, dtype="float32", device="cpu").engine.traits.ngram_drafts
+    assert 0 < rebuilt.own_tokens <= 8 and rebuilt.tokenizer == table.tokenizer
 
 
 def test_a_trained_export_keeps_the_table_only_with_the_tokenizer_it_was_counted_with(tmp_path, with_table):

@@ -47,7 +47,9 @@ class NgramTable:
     nexts: tuple[np.ndarray, ...]   # the token that most often followed each
     tokenizer: str                  # sha256 of the tokenizer.json the text was counted with
     min_count: int
-    source_tokens: int              # tokens of text counted
+    source_tokens: int              # tokens counted (the text's, and the model's own continuations with the
+                                    # last tokens of each prompt)
+    own_tokens: int = 0             # tokens the model wrote for it (unmask ngram-drafts --own-prompts)
 
     @property
     def max_n(self) -> int:
@@ -159,7 +161,7 @@ def save(table: NgramTable, path: Path) -> Path:
         tensors[f"next.{n}"] = torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32))
     meta = {"format": FORMAT, "vocab_size": str(table.vocab_size), "max_n": str(table.max_n),
             "min_count": str(table.min_count), "tokenizer_sha256": table.tokenizer,
-            "source_tokens": str(table.source_tokens)}
+            "source_tokens": str(table.source_tokens), "own_tokens": str(table.own_tokens)}
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
@@ -212,4 +214,4 @@ def load(path: Path, vocab_size: int, tokenizer: str | None) -> NgramTable:
                             f"{str(meta.get('tokenizer_sha256'))[:12]}, the model's {tokenizer[:12]}): rebuild it "
                             "with `unmask ngram-drafts`")
     return NgramTable(vocab_size, keys, nexts, meta.get("tokenizer_sha256", ""), int(meta["min_count"]),
-                      int(meta["source_tokens"]))
+                      int(meta["source_tokens"]), int(meta.get("own_tokens", 0)))

@@ -48,14 +48,16 @@ class Engine:
                  max_num_seqs: int = 64, max_batch_tokens: int = 4096, prefix_cache_bytes: int = 256 << 20,
                  kv_cache_dtype: torch.dtype | None = None, static_step: bool | None = None,
                  kv_pool_tokens: int | None = None, memory_utilization: float = 0.9,
-                 cuda_graphs: bool | None = None, compile_step: bool | str | None = None):
+                 cuda_graphs: bool | None = None, compile_step: bool | str | None = None,
+                 ngram_drafts: bool = True):
         """static_step: run decode steps on static buffers over a preallocated KV pool, replayed as CUDA graphs on
         a GPU (engine/static_step.py; None: UNMASK_STATIC_STEP); the pool holds `kv_pool_tokens` (None: what
         `memory_utilization` of the memory free now allows, at most what max_num_seqs full contexts need).
         cuda_graphs: capture and replay steps as CUDA graphs on a GPU (None: UNMASK_CUDA_GRAPHS, on by default).
         compile_step: on the CPU, run decode steps through forwards compiled per count of requests, the
         one-request forward compiled here; "auto": that one only, where the model qualifies (engine/compiled_step.py;
-        None: UNMASK_COMPILE_STEP, off by default)."""
+        None: UNMASK_COMPILE_STEP, off by default). ngram_drafts: False leaves the checkpoint's n-gram draft table
+        unread (`unmask ngram-drafts` rebuilding it runs the model without the table it replaces)."""
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.kv_cache_dtype = kv_cache_dtype  # None: the weights' dtype
         probe = model.new_cache(capacity=0, dtype=kv_cache_dtype)
@@ -93,7 +95,7 @@ class Engine:
             attention=spec.family.attention, shift=spec.shift, mask_id=spec.mask_id,
             block_size=spec.block_size, stop_ids=spec.stop_ids, ar_first_token=spec.ar_first_token,
             max_context=spec.max_context, config=spec.config, generation_config=spec.generation_config,
-            causal_context=spec.causal_context, family=spec.family.name, ngram_drafts=load_ngram_drafts(spec),
+            causal_context=spec.causal_context, family=spec.family.name, ngram_drafts=load_ngram_drafts(spec) if ngram_drafts else None,
         )
         self.streams: dict[str, TextStream] = {}
         # prompt K/V are reusable only where they do not depend on the answer canvas

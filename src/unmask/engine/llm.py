@@ -22,10 +22,10 @@ class LLM:
                  max_num_seqs: int = 64, max_batch_tokens: int = 4096, chat_template: str | None = None,
                  kv_cache_dtype: str | None = None, static_step: bool | None = None,
                  kv_pool_tokens: int | None = None, memory_utilization: float = 0.9,
-                 cuda_graphs: bool | None = None, compile_step: bool | str | None = None):
+                 cuda_graphs: bool | None = None, compile_step: bool | str | None = None, ngram_drafts: bool = True):
         """static_step, kv_pool_tokens, memory_utilization, cuda_graphs: the block-causal static-buffer step, its KV
         pool and graph capture (Engine; engine/static_step.py); compile_step: CPU decode steps compiled per count of requests
-        (engine/compiled_step.py)."""
+        (engine/compiled_step.py); ngram_drafts: False leaves the model's n-gram draft table unread."""
         if model is None and not default_model_path().is_dir():
             raise ModelLoadError(f"the built-in model is not installed at {default_model_path()}; pass --model DIR")
         path = Path(model) if model is not None else default_model_path()
@@ -36,7 +36,7 @@ class LLM:
         self.engine = Engine(self.model, self.spec, self.tokenizer, max_num_seqs, max_batch_tokens,
                              kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype), static_step=static_step,
                              kv_pool_tokens=kv_pool_tokens, memory_utilization=memory_utilization,
-                             cuda_graphs=cuda_graphs, compile_step=compile_step)
+                             cuda_graphs=cuda_graphs, compile_step=compile_step, ngram_drafts=ngram_drafts)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, (list, tuple)):

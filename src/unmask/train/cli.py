@@ -324,6 +324,13 @@ def ngram_drafts(
     min_count: int = typer.Option(4, min=1, help="Keep a context only where its most frequent next token followed "
                                   "it at least this often."),
     out: Optional[Path] = typer.Option(None, help="Write here instead of beside the weights."),
+    own_prompts: int = typer.Option(0, min=0, help="Also count the model's own greedy continuations (its default "
+                                    "policy) of this many prompts cut from the text at line ends, so the drafts "
+                                    "follow what the model writes (8192: minutes on a CPU; 0: the text alone)."),
+    own_tokens: int = typer.Option(64, min=1, max=4096, help="Tokens of each own continuation."),
+    seed: int = typer.Option(0, help="Seed of the prompts' choice."),
+    dtype: Optional[str] = typer.Option(None, help="dtype the model runs in for its continuations (default: "
+                                        "what it serves in)."),
 ):
     """Count a model's training text into the n-gram table that policy `speculative` drafts from (REST-style)."""
     from unmask.errors import UnmaskError
@@ -331,8 +338,11 @@ def ngram_drafts(
 
     check_output_file(out, "--out")
     try:
-        path, table, seconds = build_table(model, text, max_n, min_count, out)
+        path, table, seconds = build_table(model, text, max_n, min_count, out, own_prompts, own_tokens, seed, dtype,
+                                           progress=own_prompts > 0)
     except (UnmaskError, OSError) as e:
         fail(str(e))
-    typer.echo(f"counted {table.source_tokens:,} tokens in {seconds:.1f} s: {len(table):,} contexts of 1-"
+    own = (f" ({table.own_tokens:,} of them written by the model, continuing {own_prompts:,} prompts)"
+           if own_prompts else "")
+    typer.echo(f"counted {table.source_tokens:,} tokens{own} in {seconds:.1f} s: {len(table):,} contexts of 1-"
                f"{table.max_n} tokens (min count {min_count}); wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
