@@ -22,6 +22,28 @@ def test_reexec_env_preloads_jemalloc_once_and_keeps_its_pages():
     assert kept["LD_PRELOAD"] == f"{LIB} /opt/libfoo.so" and kept["MALLOC_CONF"] == "narenas:2"
 
 
+def test_serving_commands_take_jemallocs_own_decay_and_ray_runs_are_left_alone(monkeypatch):
+    """serve / batch re-execute with jemalloc's default MALLOC_CONF (freed pages go back after its decay), training
+    keeps its pages; with --ray (Ray starts the processes) and for other commands nothing happens."""
+    from unmask import allocator
+
+    assert "MALLOC_CONF" not in reexec_env({"PATH": "/bin"}, LIB, None)
+    calls = []
+    monkeypatch.setattr(allocator, "find_jemalloc", lambda: LIB)
+    monkeypatch.setattr(allocator.sys, "platform", "linux")
+    monkeypatch.setattr(allocator.os, "execve", lambda exe, args, env: calls.append(env))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    monkeypatch.delenv("UNMASK_ALLOCATOR_REEXEC", raising=False)
+    monkeypatch.delenv("UNMASK_ALLOCATOR", raising=False)
+    for argv in (["unmask", "serve", "--port", "0"], ["unmask", "batch", "in.jsonl"], ["unmask", "ngram-drafts"],
+                 ["unmask", "distill"],
+                 ["unmask", "serve", "--ray"], ["unmask", "batch", "--ray", "x"], ["unmask", "generate", "hi"]):
+        allocator.maybe_reexec(argv)
+    assert [c["LD_PRELOAD"] for c in calls] == [LIB] * 4
+    assert ["MALLOC_CONF" in c for c in calls] == [False, False, False, True]
+
+
 @pytest.mark.parametrize("environ, lib", [
     ({}, None),                                                 # not installed
     ({"UNMASK_ALLOCATOR": "glibc"}, LIB),                       # the user's choice

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tiny_checkpoints import FAMILIES
+from unmask.allocator import find_jemalloc
 
 KEYS = ("key-a", "key-b")
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
@@ -127,7 +128,7 @@ def servers(model_dir, tmp_path_factory):
                         "--cors-origin", "http://allowed.example", "--served-model-name", "restricted",
                         "--chat-template", str(root / "template.jinja"),
                         env={"UNMASK_API_KEY": " ".join(KEYS), "UNMASK_MAX_QUEUE": "1",
-                             "UNMASK_MAX_PROMPT_TOKENS": "64"})
+                             "UNMASK_MAX_PROMPT_TOKENS": "64", "UNMASK_ALLOCATOR": "glibc"})
     yield {"main": main, "restricted": restricted}
     main.stop()
     restricted.stop()
@@ -182,6 +183,18 @@ def assert_envelope(r: httpx.Response, status: int, param: str | None = None) ->
 def test_health_is_503_while_loading_then_200(server):
     seen = [s for s in server.health_seen if s is not None]
     assert seen[-1] == 200 and 503 in seen, server.health_seen
+
+
+@pytest.mark.skipif(find_jemalloc() is None or not sys.platform.startswith("linux"),
+                    reason="libjemalloc2 is not installed (make setup installs it as root)")
+def test_the_server_runs_under_jemalloc_unless_told_glibc(server, restricted):
+    """`unmask serve` re-executes itself with jemalloc preloaded (allocator.py): under glibc a server's heap
+    fragments and its RSS keeps growing; UNMASK_ALLOCATOR=glibc keeps glibc."""
+    def maps(proc):
+        return Path(f"/proc/{proc.pid}/maps").read_text()
+
+    assert "libjemalloc" in maps(server.proc)           # the same pid: the re-execution is an execve
+    assert "libjemalloc" not in maps(restricted.proc)
 
 
 def test_models(client):

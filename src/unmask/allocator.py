@@ -1,4 +1,4 @@
-"""jemalloc for the CPU training commands: the process re-executes itself with it preloaded.
+"""jemalloc for the CPU training, serving and batch commands: the process re-executes itself with it preloaded.
 
 glibc serves every allocation above 32 MB (its largest mmap threshold) with a mapping of its own and unmaps it on
 free, so each long-row activation is fresh pages the kernel must fault in and zero, step after step; the heap's
@@ -8,6 +8,12 @@ again the same way. jemalloc with purging off keeps freed pages and reuses them.
 16 x 256 rows 1,238-1,277 -> 1,843-1,870 tokens/s, the same losses, lower peak RSS. This is what Intel's PyTorch launcher and vLLM's CPU images
 do (LD_PRELOAD of jemalloc or tcmalloc); here `unmask train | finetune | distill` do it themselves where Debian's
 libjemalloc2 is installed (`make setup` installs it as root). `UNMASK_ALLOCATOR=glibc` keeps glibc.
+
+`unmask serve`, `unmask batch` and `unmask ngram-drafts` (whose --own-prompts generates) re-execute the same way,
+with jemalloc's own decay (freed pages go back to the system after ~10 s idle): requests vary in length and batch,
+and under glibc the heap fragments, so RSS kept growing after the prefix cache had filled (the 5.25M model,
+float32, batches of 64 requests: 1.25 -> 2.04 GB over 1,536 requests under glibc, flat at 1.21-1.22 GB under
+jemalloc; docs/server.md, "Memory"). Not with `--ray`, whose processes Ray starts itself.
 """
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ import os
 import sys
 from pathlib import Path
 
-COMMANDS = ("train", "finetune", "distill")
+TRAINING = ("train", "finetune", "distill")
+SERVING = ("serve", "batch", "ngram-drafts")   # long inference runs; under jemalloc's default decay
 # freed pages stay with the process: a training step's working set is the same every step, so keeping it is the
 # point (jemalloc's default purges after 10 s, which long steps outlast: more page faults than glibc, measured)
 KEEP_PAGES = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
@@ -58,9 +65,10 @@ def active() -> str:
     return "jemalloc" if "libjemalloc" in maps else "glibc"
 
 
-def reexec_env(environ: dict, lib: str | None) -> dict | None:
-    """The environment to re-execute a training command under jemalloc, or None to run as it is: no library,
-    UNMASK_ALLOCATOR=glibc, an allocator the user preloaded already, or this process is the re-executed one."""
+def reexec_env(environ: dict, lib: str | None, malloc_conf: str | None = KEEP_PAGES) -> dict | None:
+    """The environment to re-execute a command under jemalloc (MALLOC_CONF `malloc_conf` unless the user set one;
+    None: jemalloc's defaults), or None to run as it is: no library, UNMASK_ALLOCATOR=glibc, an allocator the user
+    preloaded already, or this process is the re-executed one."""
     if choice(environ) != "jemalloc" or lib is None or environ.get(_TRIED):
         return None
     preload = environ.get("LD_PRELOAD", "")
@@ -68,19 +76,27 @@ def reexec_env(environ: dict, lib: str | None) -> dict | None:
         return None
     env = dict(environ)
     env["LD_PRELOAD"] = f"{lib} {preload}".strip()
-    env.setdefault("MALLOC_CONF", KEEP_PAGES)
+    if malloc_conf:
+        env.setdefault("MALLOC_CONF", malloc_conf)
     env[_TRIED] = "1"
     return env
 
 
 def maybe_reexec(argv: list[str]) -> None:
-    """Called by the console entry point before anything else (argv: sys.argv): re-run a training command under
-    jemalloc, with the interpreter's own command line (sys.orig_argv: the console script, or -m unmask.cli)."""
+    """Called by the console entry point before anything else (argv: sys.argv): re-run a training, serving or batch
+    command under jemalloc, with the interpreter's own command line (sys.orig_argv: the console script, or -m
+    unmask.cli)."""
     command = next((a for a in argv[1:] if not a.startswith("-")), None)
-    if command not in COMMANDS or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
+        return
+    if command in TRAINING:
+        conf = KEEP_PAGES
+    elif command in SERVING and "--ray" not in argv:
+        conf = None
+    else:
         return
     try:
-        env = reexec_env(dict(os.environ), find_jemalloc())
+        env = reexec_env(dict(os.environ), find_jemalloc(), conf)
     except AllocatorChoiceError as e:   # the CLI's one-line error, before anything runs
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(2)
