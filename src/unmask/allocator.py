@@ -11,9 +11,10 @@ libjemalloc2 is installed (`make setup` installs it as root). `UNMASK_ALLOCATOR=
 
 `unmask serve`, `unmask batch` and `unmask ngram-drafts` (whose --own-prompts generates) re-execute the same way,
 with jemalloc's own decay (freed pages go back to the system after ~10 s idle): requests vary in length and batch,
-and under glibc the heap fragments, so RSS kept growing after the prefix cache had filled (the 5.25M model,
-float32, batches of 64 requests: 1.25 -> 2.04 GB over 1,536 requests under glibc, flat at 1.21-1.22 GB under
-jemalloc; docs/server.md, "Memory"). Not with `--ray`, whose processes Ray starts itself.
+and under glibc the heap fragments, so RSS kept growing after the prefix cache had filled (bench/engine_rss.py:
+the 5.25M model, float32, batches of 64 requests, 1.25 -> 2.03 GB from the 6th batch to the 24th under glibc,
+1.22-1.23 GB from the 12th on under jemalloc; docs/server.md, "Memory"). Not with `--ray`, whose processes Ray
+starts itself.
 """
 from __future__ import annotations
 

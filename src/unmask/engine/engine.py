@@ -95,7 +95,8 @@ class Engine:
             attention=spec.family.attention, shift=spec.shift, mask_id=spec.mask_id,
             block_size=spec.block_size, stop_ids=spec.stop_ids, ar_first_token=spec.ar_first_token,
             max_context=spec.max_context, config=spec.config, generation_config=spec.generation_config,
-            causal_context=spec.causal_context, family=spec.family.name, ngram_drafts=load_ngram_drafts(spec) if ngram_drafts else None,
+            causal_context=spec.causal_context, family=spec.family.name,
+            ngram_drafts=load_ngram_drafts(spec) if ngram_drafts else None,
         )
         self.streams: dict[str, TextStream] = {}
         # prompt K/V are reusable only where they do not depend on the answer canvas

@@ -10,6 +10,7 @@ prompts come from the training text only, never held-out text. Figures: docs/ben
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import re
 import time
@@ -113,14 +114,13 @@ def build_table(model: Path, text: Path, max_n: int = 4, min_count: int = 4,
         raise ModelLoadError(f"{spec.path} has no tokenizer.json: the table records which tokenizer counted it")
     tokenizer = Tokenizer(spec.path)
     t0 = time.perf_counter()
-    texts = list(text_documents(text))
-    docs = [tokenizer.encode(t) for t in texts]
     own, written = [], 0
-    if own_prompts:
+    if own_prompts:   # the model writes first: the text's token lists are then counted as they are encoded
         keep = ngram_drafts.longest_context(spec.arch.vocab_size, max_n)
-        own, written = own_continuations(spec.path, line_prompts(texts, own_prompts, seed), own_tokens, keep, dtype,
-                                         progress)
-    table = ngram_drafts.count(docs + own, spec.arch.vocab_size, ngram_drafts.tokenizer_digest(tok_file), max_n,
+        prompts = line_prompts(list(text_documents(text)), own_prompts, seed)
+        own, written = own_continuations(spec.path, prompts, own_tokens, keep, dtype, progress)
+    docs = itertools.chain((tokenizer.encode(t) for t in text_documents(text)), own)
+    table = ngram_drafts.count(docs, spec.arch.vocab_size, ngram_drafts.tokenizer_digest(tok_file), max_n,
                                min_count)
     table = dataclasses.replace(table, own_tokens=written)
     path = ngram_drafts.save(table, out or spec.path / ngram_drafts.FILE)
