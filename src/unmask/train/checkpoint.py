@@ -175,7 +175,8 @@ def export_model(tm: TrainableModel, out_dir: Path, tokenizer_dir: Path | None, 
 def _keep_ngram_table(source: Path | None, out: Path) -> None:
     """The source checkpoint's n-gram draft table (decoding.ngram_drafts) goes with the export when the export's
     tokenizer is the one it was counted with (else the model would refuse it at load): drafts from it never change
-    an answer, so a trained student keeps its base's."""
+    an answer, so a trained student keeps its base's. A table counted with the base's own continuations
+    (`--own-prompts`) drafts what the base wrote; recounting it for the student drafts what the student writes."""
     from unmask.decoding.ngram_drafts import FILE, counted_with, tokenizer_digest
 
     table = Path(source) / FILE if source is not None else None
